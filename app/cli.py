@@ -1,0 +1,120 @@
+"""`voice-agent`: the command line of the service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.server import run_server
+    from app.settings import get_settings
+
+    settings = get_settings()
+    if args.host:
+        settings.host = args.host
+    if args.port:
+        settings.port = args.port
+    return run_server(settings, with_worker=not args.no_worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from app.worker import run_worker
+    from app.settings import get_settings
+
+    return asyncio.run(run_worker(get_settings(), concurrency=args.concurrency))
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from app.db import resolve_database_url, upgrade
+    from app.settings import get_settings
+
+    settings = get_settings()
+    upgrade(resolve_database_url(settings.database_url, settings.data_dir), args.revision)
+    print("database is at", args.revision)
+    return 0
+
+
+def _simulator(args: argparse.Namespace) -> int:
+    from telephony.simulator import run_simulator
+
+    return run_simulator(host=args.host, port=args.port, scenario=args.scenario)
+
+
+def _call(args: argparse.Namespace) -> int:
+    from telephony.fake_caller import main as caller_main
+
+    return caller_main(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return run_demo(args)
+
+
+def _sor(args: argparse.Namespace) -> int:
+    from tools.sor import run_sor
+
+    return run_sor(host=args.host, port=args.port, database_url=args.database_url)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voice-agent", description=__doc__)
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING…")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="HTTP + WebSocket server (with an in-process worker)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--no-worker", action="store_true", help="do not run a worker in-process")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("worker", help="run operation workers only")
+    p.add_argument("--concurrency", type=int, default=None)
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser("db", help="database commands")
+    dbsub = p.add_subparsers(dest="db_command", required=True)
+    up = dbsub.add_parser("upgrade", help="apply migrations")
+    up.add_argument("revision", nargs="?", default="head")
+    up.set_defaults(func=_db_upgrade)
+
+    p = sub.add_parser("simulator", help="local stand-in for the OpenAI Realtime API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--scenario", default=None, help="scenario JSON file (default: built-in)")
+    p.set_defaults(func=_simulator)
+
+    p = sub.add_parser("call", help="a simulated Twilio caller: streams a WAV, records the reply")
+    from telephony.fake_caller import add_arguments as add_call_arguments
+
+    add_call_arguments(p)
+    p.set_defaults(func=_call)
+
+    p = sub.add_parser("demo", help="one scripted call end to end, offline, then its timeline")
+    p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8766)
+    p.add_argument("--database-url", default=None)
+    p.set_defaults(func=_sor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from app.logging import configure_logging
+    from app.settings import get_settings
+
+    configure_logging(args.log_level or get_settings().log_level)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Call events: what the bridge reports for the timeline, without knowing where it goes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+
+class CallEventKind(StrEnum):
+    """Every kind of call event the timeline can draw."""
+
+    CALL_STARTED = "call_started"
+    CALL_REJECTED = "call_rejected"
+    STREAM_STARTED = "stream_started"
+    STREAM_STOPPED = "stream_stopped"
+    CALL_ENDED = "call_ended"
+    REALTIME_CONNECTED = "realtime_connected"
+    REALTIME_DROPPED = "realtime_dropped"
+    REALTIME_RECONNECTED = "realtime_reconnected"
+    REALTIME_FAILED = "realtime_failed"
+    REALTIME_ERROR = "realtime_error"
+    SPEECH_STARTED = "speech_started"
+    SPEECH_STOPPED = "speech_stopped"
+    BARGE_IN = "barge_in"
+    RESPONSE_CREATED = "response_created"
+    RESPONSE_DONE = "response_done"
+    CALLER_TRANSCRIPT = "caller_transcript"
+    AGENT_TRANSCRIPT = "agent_transcript"
+    FUNCTION_CALL = "function_call"
+    FUNCTION_OUTPUT = "function_output"
+    RESULT_ANNOUNCED = "result_announced"
+    DTMF = "dtmf"
+    MALFORMED_FRAME = "malformed_frame"
+    APOLOGY_PLAYED = "apology_played"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class CallEvent:
+    """One event of one call, stamped with a monotonic and a wall-clock time."""
+
+    call_id: str
+    kind: CallEventKind
+    data: dict[str, Any] = field(default_factory=dict)
+    mono_ns: int = field(default_factory=time.monotonic_ns)
+    at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+class CallEventSink(Protocol):
+    """Where call events go. `emit` must never block the audio path."""
+
+    def emit(self, event: CallEvent) -> None: ...
+
+
+class MemorySink:
+    """Keeps events in a list: for the simulator-only runs, benchmarks and tests."""
+
+    def __init__(self) -> None:
+        self.events: list[CallEvent] = []
+
+    def emit(self, event: CallEvent) -> None:
+        self.events.append(event)
+
+    def kinds(self) -> list[CallEventKind]:
+        return [e.kind for e in self.events]

@@ -1,0 +1,107 @@
+"""Playback tracking: how much of each agent item the caller has actually heard."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Item:
+    queued_ms: float = 0.0  # audio handed to the leg for playout
+    played_ms: float = 0.0  # audio the leg confirmed as played (mark echo, RTP sent)
+    confirmed_at: float = 0.0  # clock() when played_ms was last confirmed
+
+
+class PlaybackTracker:
+    """Accounts agent audio per item: queued to the leg, and confirmed played.
+
+    Every chunk queued is stamped with the current epoch; `cleared()` starts a new epoch, so
+    confirmations for audio that was cleared (Twilio echoes those marks too) never count.
+    Between confirmations, playout runs in real time, so `heard_ms` interpolates from the
+    last confirmation, capped at what was queued.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._items: dict[str, _Item] = {}
+        self._order: list[str] = []
+        self.epoch = 0
+        self._playing_since: float | None = None  # clock() when unconfirmed audio was queued
+
+    def queued(self, item_id: str, ms: float) -> tuple[int, float]:
+        """Record `ms` of audio of `item_id` handed to the leg; returns (epoch, end offset)."""
+        item = self._items.get(item_id)
+        if item is None:
+            item = self._items[item_id] = _Item(confirmed_at=self._clock())
+            self._order.append(item_id)
+        if not self.is_playing():
+            # Playout of this chunk starts now; interpolation counts from here.
+            item.confirmed_at = self._clock()
+        item.queued_ms += ms
+        return self.epoch, item.queued_ms
+
+    def played(self, epoch: int, item_id: str, upto_ms: float) -> bool:
+        """The leg confirms `item_id` played up to `upto_ms`; False if it was cleared audio."""
+        if epoch != self.epoch:
+            return False
+        item = self._items.get(item_id)
+        if item is None:
+            return False
+        if upto_ms > item.played_ms:
+            item.played_ms = min(upto_ms, item.queued_ms)
+            item.confirmed_at = self._clock()
+        # Earlier items are finished once a later item plays.
+        for other_id in self._order:
+            if other_id == item_id:
+                break
+            other = self._items[other_id]
+            other.played_ms = other.queued_ms
+        return True
+
+    def cleared(self) -> None:
+        """All unconfirmed audio was dropped; freeze each item at what was heard."""
+        for item in self._items.values():
+            heard = self._estimate(item)
+            item.played_ms = heard
+            item.queued_ms = heard
+        self.epoch += 1
+
+    def _estimate(self, item: _Item) -> float:
+        if item.played_ms >= item.queued_ms:
+            return item.played_ms
+        elapsed_ms = (self._clock() - item.confirmed_at) * 1000.0
+        return min(item.queued_ms, item.played_ms + max(0.0, elapsed_ms))
+
+    def heard_ms(self, item_id: str) -> int:
+        """Milliseconds of `item_id` the caller has heard so far."""
+        item = self._items.get(item_id)
+        if item is None:
+            return 0
+        # Only the item at the head of playout advances with the clock.
+        if self.current_item() != item_id:
+            return int(item.played_ms)
+        return int(self._estimate(item))
+
+    def confirmed_ms(self, item_id: str) -> int:
+        """Milliseconds of `item_id` confirmed played by the leg (no interpolation)."""
+        item = self._items.get(item_id)
+        return int(item.played_ms) if item else 0
+
+    def queued_ms(self, item_id: str) -> int:
+        """Milliseconds of `item_id` handed to the leg (after a clear: what was kept)."""
+        item = self._items.get(item_id)
+        return int(item.queued_ms) if item else 0
+
+    def current_item(self) -> str | None:
+        """The first item with audio still waiting to be confirmed played."""
+        for item_id in self._order:
+            item = self._items[item_id]
+            if item.played_ms < item.queued_ms:
+                return item_id
+        return None
+
+    def is_playing(self) -> bool:
+        """Whether any queued audio has not yet been confirmed played."""
+        return self.current_item() is not None
