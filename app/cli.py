@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -22,8 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from app.worker import run_worker
     from app.settings import get_settings
+    from app.worker import run_worker
 
     return asyncio.run(run_worker(get_settings(), concurrency=args.concurrency))
 
