@@ -1,0 +1,705 @@
+"""The operations ledger: async functions over a SQLAlchemy `AsyncConnection`.
+
+Every function runs inside a transaction the caller owns (`async with engine.begin() as
+conn`), so admission + enqueue, or a transition + its event + its notification, commit or
+roll back together. `transition` is the only code that changes an operation's status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tools.errors import IdempotencyConflict, OperationNotFound
+from tools.ledger_models import operation_events_table as events_t
+from tools.ledger_models import operations_table as ops_t
+from tools.ledger_models import tool_calls_table as calls_t
+from tools.states import IN_FLIGHT, TERMINAL, OperationStatus, check_transition
+
+S = OperationStatus
+
+NOTIFY_CHANNEL = "operation_status"
+
+# Enqueue the execution of an operation on the admitting transaction's connection. The
+# Procrastinate implementation defers on `(await conn.get_raw_connection()).driver_connection`.
+Enqueue = Callable[[AsyncConnection, uuid.UUID], Awaitable[None]]
+
+# Columns a transition may set besides the status (timestamps are set by `transition`).
+SETTABLE_FIELDS = frozenset(
+    {
+        "result",
+        "error",
+        "provider_ref",
+        "attempts",
+        "deadline",
+        "expires_at",
+        "next_attempt_at",
+        "cancel_requested",
+        "overflow",
+    }
+)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class OperationRecord:
+    """One row of `operations`."""
+
+    operation_id: uuid.UUID
+    tenant_id: str
+    idempotency_key: str
+    key_source: str
+    call_id: str | None
+    caller: str | None
+    turn_id: int | None
+    tool: str
+    args: dict[str, Any]
+    args_hash: str
+    resource: str | None
+    status: OperationStatus
+    cancel_requested: bool
+    attempts: int
+    deadline: datetime | None
+    expires_at: datetime | None
+    next_attempt_at: datetime | None
+    result: dict[str, Any] | None
+    error: str | None
+    provider_ref: str | None
+    compensates_operation_id: uuid.UUID | None
+    readback: str | None
+    confirm_by: datetime | None
+    overflow: str | None
+    created_at: datetime
+    updated_at: datetime
+    committed_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> OperationRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        values["status"] = OperationStatus(values["status"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """One row of `operation_events`."""
+
+    id: int
+    operation_id: uuid.UUID
+    at: datetime
+    from_status: OperationStatus | None
+    to_status: OperationStatus | None
+    kind: str
+    actor: str
+    reason: str | None
+    data: dict[str, Any]
+
+    @classmethod
+    def from_row(cls, row: Any) -> EventRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        for k in ("from_status", "to_status"):
+            if values[k] is not None:
+                values[k] = OperationStatus(values[k])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    """One row of `tool_calls`."""
+
+    id: int
+    call_id: str
+    provider_call_id: str
+    tenant_id: str
+    turn_id: int | None
+    response_id: str | None
+    item_id: str | None
+    tool: str
+    raw_arguments: str
+    arguments: dict[str, Any] | None
+    decision: str
+    decision_reason: str | None
+    operation_id: uuid.UUID | None
+    output: dict[str, Any] | None
+    created_at: datetime
+    completed_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> ToolCallRecord:
+        m = row._mapping
+        return cls(**{f.name: m[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The operation an admission maps to, and whether this admission created it."""
+
+    operation: OperationRecord
+    created: bool
+
+
+# --- idempotency -------------------------------------------------------------------------
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def args_hash(args: Mapping[str, Any]) -> str:
+    """Stable hash of normalized arguments."""
+    return hashlib.sha256(canonical_json(dict(args)).encode()).hexdigest()
+
+
+def derive_idempotency_key(
+    tenant_id: str, scope: str, tool: str, args: Mapping[str, Any], generation: int = 1
+) -> str:
+    """Key for one human intent: same tenant, same call (or caller), same tool and args.
+
+    `generation` > 1 starts a fresh intent after an earlier one with the same arguments was
+    declined, expired or failed for good (a re-ask must not map onto a dead operation).
+    """
+    digest = hashlib.sha256(
+        canonical_json([tenant_id, scope, tool, dict(args), generation]).encode()
+    ).hexdigest()
+    return f"d:{tool}:{digest[:40]}"
+
+
+# --- operations --------------------------------------------------------------------------
+
+
+async def _insert_event(
+    conn: AsyncConnection,
+    operation_id: uuid.UUID,
+    *,
+    kind: str,
+    actor: str,
+    reason: str | None,
+    from_status: OperationStatus | None = None,
+    to_status: OperationStatus | None = None,
+    data: Mapping[str, Any] | None = None,
+) -> None:
+    await conn.execute(
+        events_t.insert().values(
+            operation_id=operation_id,
+            from_status=from_status.value if from_status else None,
+            to_status=to_status.value if to_status else None,
+            kind=kind,
+            actor=actor,
+            reason=reason,
+            data=dict(data or {}),
+        )
+    )
+
+
+async def _notify(conn: AsyncConnection, op: OperationRecord) -> None:
+    payload = canonical_json(
+        {
+            "operation_id": str(op.operation_id),
+            "status": op.status.value,
+            "call_id": op.call_id,
+            "tenant_id": op.tenant_id,
+        }
+    )
+    await conn.execute(
+        sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, sa.bindparam("p", payload, sa.Text)))
+    )
+
+
+async def admit_operation(
+    conn: AsyncConnection,
+    *,
+    tenant_id: str,
+    tool: str,
+    args: Mapping[str, Any],
+    idempotency_key: str,
+    key_source: str = "derived",
+    call_id: str | None = None,
+    caller: str | None = None,
+    turn_id: int | None = None,
+    resource: str | None = None,
+    status: OperationStatus = S.ADMITTED,
+    readback: str | None = None,
+    confirm_by: datetime | None = None,
+    expires_at: datetime | None = None,
+    compensates_operation_id: uuid.UUID | None = None,
+    overflow: str | None = None,
+    actor: str = "policy",
+    reason: str = "admitted by policy",
+    data: Mapping[str, Any] | None = None,
+    enqueue: Enqueue | None = None,
+) -> Admission:
+    """Create the operation for an intent (or find the existing one for the same key).
+
+    A new `admitted` operation is enqueued through `enqueue` on this same connection, so the
+    row and the job commit together. An existing key with different arguments raises
+    `IdempotencyConflict`; with the same arguments it returns that operation unchanged.
+    """
+    if status not in (S.ADMITTED, S.AWAITING_CONFIRMATION):
+        raise ValueError(f"an operation starts as admitted or awaiting_confirmation, not {status}")
+    if status is S.ADMITTED and enqueue is None:
+        raise ValueError("an admitted operation needs an enqueue hook, or nobody runs it")
+    norm = dict(args)
+    h = args_hash(norm)
+    stmt = (
+        pg_insert(ops_t)
+        .values(
+            operation_id=uuid.uuid4(),
+            tenant_id=tenant_id,
+            idempotency_key=idempotency_key,
+            key_source=key_source,
+            call_id=call_id,
+            caller=caller,
+            turn_id=turn_id,
+            tool=tool,
+            args=norm,
+            args_hash=h,
+            resource=resource,
+            status=status.value,
+            readback=readback,
+            confirm_by=confirm_by,
+            expires_at=expires_at,
+            compensates_operation_id=compensates_operation_id,
+            overflow=overflow,
+        )
+        .on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"])
+        .returning(*ops_t.c)
+    )
+    row = (await conn.execute(stmt)).first()
+    if row is None:
+        # A concurrent insert of the same key waited for the other transaction; the row
+        # is committed now and visible to this statement.
+        existing = await find_by_idempotency_key(conn, tenant_id, idempotency_key)
+        if existing is None:  # pragma: no cover - deleted in between
+            raise OperationNotFound(f"operation for key {idempotency_key} vanished")
+        if existing.args_hash != h or existing.tool != tool:
+            raise IdempotencyConflict(
+                f"idempotency key {idempotency_key!r} was used for different arguments"
+            )
+        return Admission(existing, created=False)
+    op = OperationRecord.from_row(row)
+    await _insert_event(
+        conn,
+        op.operation_id,
+        kind="transition",
+        actor=actor,
+        reason=reason,
+        to_status=status,
+        data=data,
+    )
+    await _notify(conn, op)
+    if status is S.ADMITTED:
+        assert enqueue is not None
+        await enqueue(conn, op.operation_id)
+    return Admission(op, created=True)
+
+
+async def transition(
+    conn: AsyncConnection,
+    operation_id: uuid.UUID,
+    from_status: OperationStatus | Iterable[OperationStatus],
+    to_status: OperationStatus,
+    *,
+    actor: str,
+    reason: str,
+    data: Mapping[str, Any] | None = None,
+    **values: Any,
+) -> OperationRecord | None:
+    """Move an operation `from_status -> to_status` if it is still in `from_status`.
+
+    Illegal edges raise `IllegalTransition` (before touching the database). A lost race
+    (the status is no longer one of `from_status`) returns None and changes nothing. On
+    success the row, an `operation_events` row and a `pg_notify` go out in this
+    transaction, and the updated record is returned. `values` may set `SETTABLE_FIELDS`.
+    """
+    froms = check_transition(from_status, to_status)
+    to = OperationStatus(to_status)
+    unknown = set(values) - SETTABLE_FIELDS
+    if unknown:
+        raise TypeError(f"transition cannot set {sorted(unknown)}")
+    current = (
+        await conn.execute(
+            sa.select(ops_t.c.status).where(ops_t.c.operation_id == operation_id).with_for_update()
+        )
+    ).first()
+    if current is None:
+        raise OperationNotFound(f"no operation {operation_id}")
+    prev = OperationStatus(current.status)
+    if prev not in froms:
+        return None
+    now = sa.func.now()
+    setv: dict[str, Any] = {"status": to.value, "updated_at": now, **values}
+    if to is S.COMMITTED:
+        setv["committed_at"] = now
+    if to in TERMINAL:
+        setv["finished_at"] = now
+    row = (
+        await conn.execute(
+            ops_t.update()
+            .where(ops_t.c.operation_id == operation_id, ops_t.c.status == prev.value)
+            .values(**setv)
+            .returning(*ops_t.c)
+        )
+    ).first()
+    if row is None:  # pragma: no cover - the row lock makes this unreachable
+        return None
+    op = OperationRecord.from_row(row)
+    await _insert_event(
+        conn,
+        operation_id,
+        kind="transition",
+        actor=actor,
+        reason=reason,
+        from_status=prev,
+        to_status=to,
+        data=data,
+    )
+    await _notify(conn, op)
+    return op
+
+
+async def claim_for_execution(
+    conn: AsyncConnection,
+    operation_id: uuid.UUID,
+    *,
+    worker_id: str,
+    attempt_deadline_s: float,
+    now: datetime | None = None,
+) -> OperationRecord | None:
+    """A worker takes an operation: admitted|failed_retryable -> running, attempts + 1.
+
+    Returns the running record, or None when another worker won, the operation is no
+    longer runnable, a cancel was requested (-> cancelled), or its total deadline passed
+    before this attempt could start (-> failed_final).
+    """
+    now = now or _now()
+    op = await get_operation(conn, operation_id, for_update=True)
+    if op is None:
+        raise OperationNotFound(f"no operation {operation_id}")
+    runnable = (S.ADMITTED, S.FAILED_RETRYABLE)
+    if op.status not in runnable:
+        return None
+    actor = f"worker:{worker_id}"
+    if op.cancel_requested:
+        await transition(
+            conn, operation_id, op.status, S.CANCELLED, actor=actor, reason="cancel requested"
+        )
+        return None
+    if op.expires_at is not None and now >= op.expires_at:
+        await transition(
+            conn,
+            operation_id,
+            op.status,
+            S.FAILED_FINAL,
+            actor=actor,
+            reason="deadline passed before the attempt started",
+            error=op.error or "deadline passed",
+        )
+        return None
+    return await transition(
+        conn,
+        operation_id,
+        op.status,
+        S.RUNNING,
+        actor=actor,
+        reason=f"attempt {op.attempts + 1}",
+        attempts=op.attempts + 1,
+        deadline=now + timedelta(seconds=attempt_deadline_s),
+        next_attempt_at=None,
+    )
+
+
+async def request_cancel(
+    conn: AsyncConnection, operation_id: uuid.UUID, *, actor: str, reason: str
+) -> OperationRecord:
+    """Mark a cancel request. Nothing sent yet -> cancelled now; else the provider decides."""
+    row = (
+        await conn.execute(
+            ops_t.update()
+            .where(ops_t.c.operation_id == operation_id)
+            .values(cancel_requested=True, updated_at=sa.func.now())
+            .returning(*ops_t.c)
+        )
+    ).first()
+    if row is None:
+        raise OperationNotFound(f"no operation {operation_id}")
+    op = OperationRecord.from_row(row)
+    await _insert_event(
+        conn,
+        operation_id,
+        kind="decision",
+        actor=actor,
+        reason=reason,
+        data={"cancel_requested": True},
+    )
+    if op.status in (S.AWAITING_CONFIRMATION, S.ADMITTED, S.FAILED_RETRYABLE):
+        done = await transition(
+            conn, operation_id, op.status, S.CANCELLED, actor=actor, reason=reason
+        )
+        if done is not None:
+            return done
+    again = await get_operation(conn, operation_id)
+    assert again is not None
+    return again
+
+
+async def record_event(
+    conn: AsyncConnection,
+    operation_id: uuid.UUID,
+    *,
+    kind: str,
+    actor: str,
+    reason: str,
+    data: Mapping[str, Any] | None = None,
+) -> None:
+    """Append a decision or note (no status change) to an operation's trail."""
+    if kind == "transition":
+        raise ValueError("transitions are recorded by transition() only")
+    await _insert_event(conn, operation_id, kind=kind, actor=actor, reason=reason, data=data)
+
+
+async def get_operation(
+    conn: AsyncConnection, operation_id: uuid.UUID, *, for_update: bool = False
+) -> OperationRecord | None:
+    stmt = sa.select(ops_t).where(ops_t.c.operation_id == operation_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    row = (await conn.execute(stmt)).first()
+    return OperationRecord.from_row(row) if row is not None else None
+
+
+async def get_events(conn: AsyncConnection, operation_id: uuid.UUID) -> list[EventRecord]:
+    rows = await conn.execute(
+        sa.select(events_t).where(events_t.c.operation_id == operation_id).order_by(events_t.c.id)
+    )
+    return [EventRecord.from_row(r) for r in rows]
+
+
+async def find_by_idempotency_key(
+    conn: AsyncConnection, tenant_id: str, idempotency_key: str
+) -> OperationRecord | None:
+    row = (
+        await conn.execute(
+            sa.select(ops_t).where(
+                ops_t.c.tenant_id == tenant_id, ops_t.c.idempotency_key == idempotency_key
+            )
+        )
+    ).first()
+    return OperationRecord.from_row(row) if row is not None else None
+
+
+async def operations_for_call(
+    conn: AsyncConnection,
+    call_id: str,
+    statuses: Iterable[OperationStatus] | None = None,
+) -> list[OperationRecord]:
+    stmt = sa.select(ops_t).where(ops_t.c.call_id == call_id).order_by(ops_t.c.created_at)
+    if statuses is not None:
+        stmt = stmt.where(ops_t.c.status.in_([s.value for s in statuses]))
+    return [OperationRecord.from_row(r) for r in await conn.execute(stmt)]
+
+
+async def find_by_provider_ref(
+    conn: AsyncConnection, tenant_id: str, tool: str, provider_ref: str
+) -> OperationRecord | None:
+    """The committed operation of `tool` that produced `provider_ref` (e.g. a booking id)."""
+    row = (
+        await conn.execute(
+            sa.select(ops_t)
+            .where(
+                ops_t.c.tenant_id == tenant_id,
+                ops_t.c.tool == tool,
+                ops_t.c.provider_ref == provider_ref,
+                ops_t.c.status == S.COMMITTED.value,
+            )
+            .order_by(ops_t.c.created_at.desc())
+            .limit(1)
+        )
+    ).first()
+    return OperationRecord.from_row(row) if row is not None else None
+
+
+async def count_recent_mutations(
+    conn: AsyncConnection, tenant_id: str, *, since: datetime, caller: str | None = None
+) -> int:
+    """Operations admitted since `since` (for a caller, or the whole tenant)."""
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(ops_t)
+        .where(
+            ops_t.c.tenant_id == tenant_id,
+            ops_t.c.created_at >= since,
+            # Requests never confirmed are not actions taken.
+            ops_t.c.status != S.AWAITING_CONFIRMATION.value,
+            sa.not_(sa.and_(ops_t.c.status == S.CANCELLED.value, ops_t.c.attempts == 0)),
+        )
+    )
+    if caller is not None:
+        stmt = stmt.where(ops_t.c.caller == caller)
+    return int((await conn.execute(stmt)).scalar_one())
+
+
+async def count_in_flight(conn: AsyncConnection, tenant_id: str, resource: str) -> int:
+    """Operations on `resource` that are admitted, running, retrying or unresolved."""
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(ops_t)
+        .where(
+            ops_t.c.tenant_id == tenant_id,
+            ops_t.c.resource == resource,
+            ops_t.c.status.in_([s.value for s in IN_FLIGHT]),
+        )
+    )
+    return int((await conn.execute(stmt)).scalar_one())
+
+
+async def lock_scope(conn: AsyncConnection, *parts: str) -> None:
+    """Serialize admissions that count against the same limits (transaction-scoped)."""
+    await conn.execute(
+        sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtextextended("|".join(parts), 0)))
+    )
+
+
+async def list_running_past_deadline(
+    conn: AsyncConnection, now: datetime, limit: int = 100
+) -> list[OperationRecord]:
+    """For the sweeper: running operations whose attempt deadline has passed."""
+    rows = await conn.execute(
+        sa.select(ops_t)
+        .where(ops_t.c.status == S.RUNNING.value, ops_t.c.deadline < now)
+        .order_by(ops_t.c.deadline)
+        .limit(limit)
+    )
+    return [OperationRecord.from_row(r) for r in rows]
+
+
+async def list_expired_confirmations(
+    conn: AsyncConnection, now: datetime, limit: int = 100
+) -> list[OperationRecord]:
+    rows = await conn.execute(
+        sa.select(ops_t)
+        .where(ops_t.c.status == S.AWAITING_CONFIRMATION.value, ops_t.c.confirm_by < now)
+        .order_by(ops_t.c.confirm_by)
+        .limit(limit)
+    )
+    return [OperationRecord.from_row(r) for r in rows]
+
+
+async def expire_confirmations(
+    conn: AsyncConnection, now: datetime, *, actor: str = "sweeper", limit: int = 100
+) -> list[uuid.UUID]:
+    """Cancel confirmations whose window has passed; returns the ids cancelled."""
+    done = []
+    for op in await list_expired_confirmations(conn, now, limit):
+        moved = await transition(
+            conn,
+            op.operation_id,
+            S.AWAITING_CONFIRMATION,
+            S.CANCELLED,
+            actor=actor,
+            reason="confirmation expired",
+        )
+        if moved is not None:
+            done.append(op.operation_id)
+    return done
+
+
+# --- tool calls --------------------------------------------------------------------------
+
+
+async def record_tool_call(
+    conn: AsyncConnection,
+    *,
+    call_id: str,
+    provider_call_id: str,
+    tenant_id: str,
+    tool: str,
+    raw_arguments: str,
+    turn_id: int | None = None,
+    response_id: str | None = None,
+    item_id: str | None = None,
+) -> tuple[ToolCallRecord, bool]:
+    """Record a provider function call; returns (row, created). A duplicate delivery of the
+    same provider `call_id` in the same call returns the first row and False."""
+    stmt = (
+        pg_insert(calls_t)
+        .values(
+            call_id=call_id,
+            provider_call_id=provider_call_id,
+            tenant_id=tenant_id,
+            turn_id=turn_id,
+            response_id=response_id,
+            item_id=item_id,
+            tool=tool,
+            raw_arguments=raw_arguments,
+        )
+        .on_conflict_do_nothing(index_elements=["call_id", "provider_call_id"])
+        .returning(*calls_t.c)
+    )
+    row = (await conn.execute(stmt)).first()
+    if row is not None:
+        return ToolCallRecord.from_row(row), True
+    existing = await get_tool_call(conn, call_id, provider_call_id)
+    assert existing is not None
+    return existing, False
+
+
+async def complete_tool_call(
+    conn: AsyncConnection,
+    tool_call_id: int,
+    *,
+    decision: str,
+    reason: str | None = None,
+    arguments: Mapping[str, Any] | None = None,
+    operation_id: uuid.UUID | None = None,
+    output: Mapping[str, Any] | None = None,
+) -> None:
+    """Store what became of a function call: the decision, its operation, what we answered."""
+    await conn.execute(
+        calls_t.update()
+        .where(calls_t.c.id == tool_call_id)
+        .values(
+            decision=decision,
+            decision_reason=reason,
+            arguments=dict(arguments) if arguments is not None else None,
+            operation_id=operation_id,
+            output=dict(output) if output is not None else None,
+            completed_at=sa.func.now(),
+        )
+    )
+
+
+async def get_tool_call(
+    conn: AsyncConnection, call_id: str, provider_call_id: str
+) -> ToolCallRecord | None:
+    row = (
+        await conn.execute(
+            sa.select(calls_t).where(
+                calls_t.c.call_id == call_id, calls_t.c.provider_call_id == provider_call_id
+            )
+        )
+    ).first()
+    return ToolCallRecord.from_row(row) if row is not None else None
+
+
+async def tool_calls_for_operation(
+    conn: AsyncConnection, operation_id: uuid.UUID
+) -> list[ToolCallRecord]:
+    rows = await conn.execute(
+        sa.select(calls_t).where(calls_t.c.operation_id == operation_id).order_by(calls_t.c.id)
+    )
+    return [ToolCallRecord.from_row(r) for r in rows]
