@@ -1,0 +1,70 @@
+"""FastAPI dependencies as Annotated aliases."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, status
+from fastapi.security import HTTPBasic, HTTPBasicCredentials
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.requests import HTTPConnection
+
+from app.calls import CallRegistry
+from app.event_writer import EventWriter
+from app.runtime import Runtime
+from app.settings import Settings
+
+
+def get_runtime(conn: HTTPConnection) -> Runtime:
+    runtime: Runtime = conn.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def get_settings_dep(runtime: RuntimeDep) -> Settings:
+    return runtime.settings
+
+
+def get_engine(runtime: RuntimeDep) -> AsyncEngine:
+    return runtime.engine
+
+
+def get_registry(runtime: RuntimeDep) -> CallRegistry:
+    return runtime.registry
+
+
+def get_events(runtime: RuntimeDep) -> EventWriter:
+    return runtime.events
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
+RegistryDep = Annotated[CallRegistry, Depends(get_registry)]
+EventsDep = Annotated[EventWriter, Depends(get_events)]
+
+_basic = HTTPBasic(realm="voice-agent console")
+
+
+def require_staff(
+    runtime: RuntimeDep, credentials: Annotated[HTTPBasicCredentials, Depends(_basic)]
+) -> str:
+    """HTTP Basic against the console user/password; returns the user name."""
+    user_ok = secrets.compare_digest(
+        credentials.username.encode(), runtime.settings.console_user.encode()
+    )
+    password_ok = secrets.compare_digest(
+        credentials.password.encode(), runtime.console_password.encode()
+    )
+    if not (user_ok and password_ok):
+        raise HTTPException(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            detail="bad credentials",
+            headers={"WWW-Authenticate": 'Basic realm="voice-agent console"'},
+        )
+    return credentials.username
+
+
+StaffDep = Annotated[str, Depends(require_staff)]

@@ -1,0 +1,102 @@
+"""Domain errors of the service, and the one place they become HTTP statuses / WS close codes."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from telephony.errors import MalformedFrame, StreamRejected, TelephonyError
+
+log = logging.getLogger(__name__)
+
+# RFC 6455 close codes.
+WS_NORMAL = 1000
+WS_GOING_AWAY = 1001
+WS_POLICY_VIOLATION = 1008
+WS_TOO_BIG = 1009
+WS_INTERNAL_ERROR = 1011
+WS_TRY_AGAIN_LATER = 1013
+
+
+class AppError(Exception):
+    """Root of every error of the service layer."""
+
+    retryable: bool = False
+
+
+class BadSignature(AppError):
+    """A Twilio webhook whose X-Twilio-Signature does not verify."""
+
+
+class PayloadTooLarge(AppError):
+    """A request body over the limit."""
+
+
+class BadRequest(AppError):
+    """A request missing what we need (e.g. no CallSid)."""
+
+
+class NotFound(AppError):
+    """The thing asked for does not exist."""
+
+
+class DatabaseUnavailable(AppError):
+    """The database could not be reached in time."""
+
+    retryable = True
+
+
+class TokenRejected(AppError):
+    """A media stream token that is missing, forged, expired, for another call, or reused."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_HTTP: list[tuple[type[Exception], int]] = [
+    (BadSignature, 403),
+    (PayloadTooLarge, 413),
+    (BadRequest, 400),
+    (NotFound, 404),
+    (DatabaseUnavailable, 503),
+    (TokenRejected, 403),
+]
+
+_WS: list[tuple[type[Exception], int]] = [
+    (TokenRejected, WS_POLICY_VIOLATION),
+    (StreamRejected, WS_POLICY_VIOLATION),
+    (MalformedFrame, WS_POLICY_VIOLATION),
+    (DatabaseUnavailable, WS_TRY_AGAIN_LATER),
+    (TelephonyError, WS_INTERNAL_ERROR),
+]
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status for a domain error (500 for anything unexpected)."""
+    for cls, status in _HTTP:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def ws_close_code(exc: BaseException) -> int:
+    """The WebSocket close code for a domain error (1011 for anything unexpected)."""
+    for cls, code in _WS:
+        if isinstance(exc, cls):
+            return code
+    return WS_INTERNAL_ERROR
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map AppError to its status with a short plain-text body (no internals leak)."""
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        status = http_status(exc)
+        log.info("%s %s -> %d (%s)", request.method, request.url.path, status, type(exc).__name__)
+        headers = {"Retry-After": "1"} if getattr(exc, "retryable", False) else None
+        return PlainTextResponse(type(exc).__name__, status_code=status, headers=headers)
+
+    app.add_exception_handler(AppError, handle)

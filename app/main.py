@@ -1,0 +1,134 @@
+"""The FastAPI application: routes plus the services one process runs (see `create_app`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from openai import AsyncOpenAI
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app import routes_api, routes_health, routes_twilio
+from app.calls import CallRegistry
+from app.db import make_engine, resolve_database_url
+from app.errors import install_error_handlers
+from app.event_writer import EventWriter
+from app.runtime import Runtime
+from app.settings import Settings
+from app.stream_token import StreamTokens
+from app.tool_wiring import build_gateway
+from telephony.session_config import BridgeConfig
+from telephony.tool_gateway import ToolGateway
+
+log = logging.getLogger(__name__)
+
+# How long shutdown waits for live calls to wind down before giving up on them.
+SHUTDOWN_CALLS_WAIT_S = 15.0
+
+
+def bridge_config_from(settings: Settings) -> BridgeConfig:
+    """The bridge's per-deployment knobs, from the settings."""
+    return BridgeConfig(
+        model=settings.openai_realtime_model,
+        voice=settings.realtime_voice,
+        vad_eagerness=settings.vad_eagerness,
+        reconnect_budget_s=settings.realtime_reconnect_budget_s,
+    )
+
+
+def make_openai_client(settings: Settings) -> AsyncOpenAI:
+    """The Realtime client: OPENAI_BASE_URL (the simulator, offline) or the real API."""
+    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else "simulator"
+    return AsyncOpenAI(api_key=key, base_url=settings.openai_base_url, max_retries=0)
+
+
+def _make_twilio_client(settings: Settings) -> Any:
+    try:
+        from app.twilio_rest import make_twilio_client
+    except ImportError:  # pragma: no cover - until the helper lands
+        log.warning("app.twilio_rest is missing: REST hang-ups are disabled")
+        return None
+
+    return make_twilio_client(
+        settings.twilio_account_sid,
+        settings.twilio_auth_token.get_secret_value(),
+        settings.twilio_api_base_url,
+    )
+
+
+def _console_password(settings: Settings) -> str:
+    if settings.console_password is not None:
+        return settings.console_password.get_secret_value()
+    password = secrets.token_urlsafe(12)
+    # Local development convenience: shown once on the terminal, never logged.
+    print(
+        f"console login (generated; set CONSOLE_PASSWORD to choose one): "
+        f"{settings.console_user} / {password}",
+        file=sys.stderr,
+    )
+    return password
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine: AsyncEngine | None = None,
+    openai_client: AsyncOpenAI | None = None,
+    gateway: ToolGateway | None = None,
+    bridge_config: BridgeConfig | None = None,
+) -> FastAPI:
+    """The service. Anything not passed in is built from `settings` and owned by the app.
+
+    The database must already be migrated (`app.server.run_server` does it on start).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_engine = engine is None
+        if engine is None:
+            url = await asyncio.to_thread(
+                resolve_database_url, settings.database_url, settings.data_dir
+            )
+            db = make_engine(url)
+        else:
+            db = engine
+        own_client = openai_client is None
+        client = openai_client or make_openai_client(settings)
+        events = EventWriter(db)
+        events.start()
+        runtime = Runtime(
+            settings=settings,
+            engine=db,
+            events=events,
+            registry=CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s),
+            tokens=StreamTokens(settings.stream_secret(), settings.stream_token_ttl_s),
+            gateway=gateway or build_gateway(settings, db),
+            openai=client,
+            bridge_config=bridge_config or bridge_config_from(settings),
+            twilio=_make_twilio_client(settings),
+            console_password=_console_password(settings),
+        )
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await runtime.drain_tasks(5.0)
+            await events.close()
+            if own_client:
+                await client.close()
+            if own_engine:
+                await db.dispose()
+
+    app = FastAPI(title="voice-agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(routes_twilio.router)
+    app.include_router(routes_api.router)
+    app.include_router(routes_health.router)
+    return app

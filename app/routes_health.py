@@ -1,0 +1,59 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import sqlalchemy as sa
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse, Response
+from sqlalchemy.exc import DBAPIError
+
+from app.deps import RuntimeDep
+from telephony.call_events import CallEventKind
+
+router = APIRouter()
+
+READY_TIMEOUT_S = 2.0
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(runtime: RuntimeDep) -> Response:
+    """The process can serve calls: the database answers."""
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S), runtime.engine.connect() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+    except (TimeoutError, DBAPIError, OSError):
+        return PlainTextResponse("database unreachable", status_code=503)
+    return PlainTextResponse("ready")
+
+
+@router.get("/metrics")
+async def metrics(runtime: RuntimeDep) -> Response:
+    """Prometheus text exposition of this process's call counters."""
+    registry, events = runtime.registry, runtime.events
+    samples = [
+        ("voice_agent_live_calls", "gauge", "Calls whose media stream runs here.",
+         registry.live_count()),
+        ("voice_agent_calls_total", "counter", "Calls answered by this process.",
+         registry.answered_total),
+        ("voice_agent_calls_rejected_busy_total", "counter", "Calls refused at capacity.",
+         registry.rejected_busy_total),
+        ("voice_agent_barge_ins_total", "counter", "Barge-ins (caller interrupted the agent).",
+         events.kind_counts[str(CallEventKind.BARGE_IN)]),
+        ("voice_agent_event_queue_depth", "gauge", "Call events waiting to be written.",
+         events.queue_depth),
+        ("voice_agent_events_written_total", "counter", "Call events written.", events.written),
+        ("voice_agent_events_dropped_total", "counter", "Call events that could not be written.",
+         events.dropped),
+    ]  # fmt: skip
+    lines: list[str] = []
+    for name, kind, help_text, value in samples:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -1,0 +1,281 @@
+"""Twilio ingress: the voice webhook, the media stream socket and the status callback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+from urllib.parse import parse_qsl
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import Response
+from sqlalchemy.exc import DBAPIError
+from starlette.websockets import WebSocketDisconnect
+from twilio.request_validator import RequestValidator
+
+from app import call_store, twiml
+from app.call_store import CallStatus
+from app.deps import RuntimeDep
+from app.errors import (
+    WS_POLICY_VIOLATION,
+    BadRequest,
+    BadSignature,
+    DatabaseUnavailable,
+    PayloadTooLarge,
+    TokenRejected,
+    ws_close_code,
+)
+from app.media_session import run_media_session
+from app.runtime import Runtime
+from app.settings import Settings
+from telephony.call_events import CallEvent, CallEventKind
+from telephony.errors import MalformedFrame
+from telephony.twilio_events import Connected, Start, StartInfo, parse_inbound
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+# A Twilio webhook is a few hundred bytes of form fields.
+MAX_WEBHOOK_BYTES = 64 * 1024
+# Twilio sends `connected` and `start` right after the socket opens.
+START_TIMEOUT_S = 10.0
+# Frames tolerated before `start` that are neither `connected` nor `start`.
+MAX_FRAMES_BEFORE_START = 5
+
+
+async def signed_form(request: Request, settings: Settings) -> dict[str, str]:
+    """The webhook's form fields, if the body is small and X-Twilio-Signature verifies."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_WEBHOOK_BYTES):
+        raise PayloadTooLarge(length)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_WEBHOOK_BYTES:
+            raise PayloadTooLarge(len(body))
+    params = dict(parse_qsl(body.decode("utf-8", errors="replace"), keep_blank_values=True))
+    # Signatures cover the URL Twilio called, which is the public one (TLS ends at a proxy).
+    url = settings.public_base_url.rstrip("/") + request.url.path
+    if request.url.query:
+        url += "?" + request.url.query
+    signature = request.headers.get("x-twilio-signature", "")
+    validator = RequestValidator(settings.twilio_auth_token.get_secret_value())
+    if not signature or not validator.validate(url, params, signature):
+        raise BadSignature(request.url.path)
+    return params
+
+
+def _xml(body: str) -> Response:
+    return Response(content=body, media_type="application/xml")
+
+
+@router.post("/twilio/voice")
+async def voice(request: Request, runtime: RuntimeDep) -> Response:
+    """Answer an incoming call: connect its audio to our media socket, or say we are busy."""
+    settings = runtime.settings
+    params = await signed_form(request, settings)
+    call_sid = params.get("CallSid", "")
+    if not call_sid:
+        raise BadRequest("no CallSid")
+    fields: dict[str, Any] = {
+        "call_sid": call_sid,
+        "tenant_id": settings.tenant_id,
+        "from_number": params.get("From") or None,
+        "to_number": params.get("To") or None,
+    }
+    if not runtime.registry.try_reserve(call_sid):
+        try:
+            row, created = await call_store.create_call(
+                runtime.engine, status=CallStatus.BUSY, **fields
+            )
+        except DBAPIError:
+            log.exception("could not record a busy call")
+        else:
+            if created:
+                runtime.events.emit(
+                    CallEvent(
+                        row.id,
+                        CallEventKind.CALL_REJECTED,
+                        {"reason": "capacity", "max_live_calls": settings.max_live_calls},
+                    )
+                )
+        log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
+        return _xml(twiml.busy())
+    try:
+        row, created = await call_store.create_call(runtime.engine, **fields)
+    except DBAPIError as exc:
+        runtime.registry.release_reservation(call_sid)
+        raise DatabaseUnavailable("calls insert failed") from exc
+    if created:
+        runtime.events.emit(
+            CallEvent(
+                row.id,
+                CallEventKind.CALL_STARTED,
+                {
+                    "call_sid": call_sid,
+                    "from": fields["from_number"],
+                    "to": fields["to_number"],
+                    "direction": params.get("Direction", "inbound"),
+                },
+            )
+        )
+    token = runtime.tokens.issue(call_sid, row.id)
+    stream_url = settings.public_ws_base() + "/twilio/media"
+    return _xml(twiml.connect_stream(stream_url, {"token": token, "call_id": row.id}))
+
+
+@router.post("/twilio/status")
+async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
+    """Twilio's call-status callback; a final status ends the call everywhere. Idempotent."""
+    params = await signed_form(request, runtime.settings)
+    call_sid = params.get("CallSid", "")
+    call_status = params.get("CallStatus", "")
+    if not call_sid:
+        raise BadRequest("no CallSid")
+    target = call_store.TWILIO_TERMINAL.get(call_status)
+    if target is None:
+        return Response(status_code=204)
+    reason = f"twilio status {call_status}"
+    entry = await runtime.registry.end(call_sid, reason)
+    if entry is not None:
+        # The media session of this call runs here; it persists the end once it has wound down.
+        return Response(status_code=204)
+    try:
+        row = await call_store.find_by_sid(runtime.engine, call_sid)
+        if row is not None:
+            ended = await call_store.transition(runtime.engine, row.id, target, end_reason=reason)
+            if ended is not None:
+                runtime.events.emit(
+                    CallEvent(
+                        row.id, CallEventKind.CALL_ENDED, {"reason": reason, "source": "status"}
+                    )
+                )
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("status update failed") from exc
+    return Response(status_code=204)
+
+
+@router.websocket("/twilio/media")
+async def media(ws: WebSocket, runtime: RuntimeDep) -> None:
+    """One Twilio Media Stream: verify its token, then bridge it until the call ends."""
+    await ws.accept()
+    guard = FrameGuard(ws, runtime)
+    try:
+        start = await _read_start(guard)
+    except (TimeoutError, MalformedFrame) as exc:
+        log.info("media stream closed before start: %s", exc)
+        await _close(ws, WS_POLICY_VIOLATION, "no valid start")
+        return
+    except WebSocketDisconnect:
+        return
+    try:
+        call = await _admit(runtime, start)
+    except TokenRejected as exc:
+        await _record_rejection(runtime, start, exc.reason)
+        await _close(ws, ws_close_code(exc), f"stream token {exc.reason}")
+        return
+    except DBAPIError:
+        log.exception("media stream admission failed")
+        await _close(ws, ws_close_code(DatabaseUnavailable()), "try again")
+        return
+    guard.call_id = call.id
+    await run_media_session(runtime, guard, start, call)
+
+
+async def _close(ws: WebSocket, code: int, reason: str) -> None:
+    try:
+        async with asyncio.timeout(5.0):
+            await ws.close(code, reason)
+    except (TimeoutError, RuntimeError):
+        pass
+
+
+async def _read_start(guard: FrameGuard) -> StartInfo:
+    """Skip `connected`, return the `start` info; anything else before it is a bad stream."""
+    async with asyncio.timeout(START_TIMEOUT_S):
+        for _ in range(MAX_FRAMES_BEFORE_START):
+            message = parse_inbound(await guard.receive_text())
+            if isinstance(message, Connected):
+                continue
+            if isinstance(message, Start):
+                return message.start
+            raise MalformedFrame(f"{message.event!r} before start")
+    raise MalformedFrame("no start frame")
+
+
+async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
+    """Verify and spend the stream token; move the call to in_progress exactly once."""
+    claims = runtime.tokens.verify(start.custom_parameters.get("token"), start.call_sid)
+    runtime.tokens.consume(claims)
+    # Across processes: only a ringing call can start its stream, so a replayed token fails here.
+    row = await call_store.transition(
+        runtime.engine, claims.call_id, CallStatus.IN_PROGRESS, stream_sid=start.stream_sid
+    )
+    if row is None:
+        raise TokenRejected("reused")
+    return row
+
+
+async def _record_rejection(runtime: Runtime, start: StartInfo, reason: str) -> None:
+    log.warning("media stream for call %s rejected: %s", start.call_sid, reason)
+    try:
+        row = await call_store.find_by_sid(runtime.engine, start.call_sid)
+    except DBAPIError:
+        return
+    if row is not None:
+        runtime.events.emit(
+            CallEvent(
+                row.id,
+                CallEventKind.CALL_REJECTED,
+                {"reason": f"stream token {reason}", "stream_sid": start.stream_sid},
+            )
+        )
+
+
+class FrameGuard:
+    """The media socket as the Twilio leg sees it, minus frames no media stream sends.
+
+    Oversized and binary frames are dropped here and recorded on the call; they never reach
+    the parser and never end the call.
+    """
+
+    def __init__(self, ws: WebSocket, runtime: Runtime) -> None:
+        self._ws = ws
+        self._events = runtime.events
+        self._max = runtime.settings.max_ws_frame_bytes
+        self.call_id: str | None = None
+        self.dropped = 0
+
+    async def receive_text(self) -> str:
+        while True:
+            message = await self._ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+            text = message.get("text")
+            if text is None:
+                self._drop("binary frame", len(message.get("bytes") or b""))
+                continue
+            if len(text) > self._max or (
+                len(text) * 4 > self._max and len(text.encode()) > self._max
+            ):
+                self._drop("oversized frame", len(text))
+                continue
+            return str(text)
+
+    def _drop(self, reason: str, length: int) -> None:
+        self.dropped += 1
+        log.info("dropped %s (%d) on media stream of call %s", reason, length, self.call_id)
+        if self.call_id is not None:
+            self._events.emit(
+                CallEvent(
+                    self.call_id,
+                    CallEventKind.MALFORMED_FRAME,
+                    {"reason": reason, "length": length, "limit": self._max},
+                )
+            )
+
+    async def send_text(self, data: str) -> None:
+        await self._ws.send_text(data)
+
+    async def close(self, code: int, reason: str) -> None:
+        await _close(self._ws, code, reason)

@@ -1,0 +1,76 @@
+"""`voice-agent serve`: database, migrations, the offline Realtime simulator if needed, uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+
+from app.db import resolve_database_url, upgrade
+from app.main import create_app
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# uvicorn closes a socket on frames over its limit; ours drops them and keeps the call, so
+# uvicorn's limit sits well above settings.max_ws_frame_bytes.
+MIN_WS_MAX_SIZE = 1024 * 1024
+
+
+async def prepare_database(settings: Settings) -> str:
+    """The database URL (embedded PostgreSQL when none is configured), migrated to head."""
+    url = await asyncio.to_thread(resolve_database_url, settings.database_url, settings.data_dir)
+    await asyncio.to_thread(upgrade, url)
+    return url
+
+
+def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn settings for the service (also used by the demo and the tests)."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
+        "log_config": None,  # keep our redacting handlers
+        "lifespan": "on",
+        "timeout_graceful_shutdown": 20,
+        **overrides,
+    }
+    return uvicorn.Config(app, **options)
+
+
+async def serve(settings: Settings, with_worker: bool) -> int:
+    """Run the service until interrupted."""
+    url = await prepare_database(settings)
+    settings = settings.model_copy(update={"database_url": url})
+    simulator: Any = None
+    if settings.openai_api_key is None:
+        from telephony.scenario import load_scenario
+        from telephony.simulator import RealtimeSimulator
+
+        simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
+        await simulator.start()
+        settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
+        log.warning(
+            "no OPENAI_API_KEY: calls talk to the local Realtime simulator at %s",
+            simulator.base_url,
+        )
+    if with_worker:
+        # The durable tool pipeline's worker is wired here once it lands (tools/).
+        log.info("no in-process operation worker yet")
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    try:
+        await server.serve()
+    finally:
+        if simulator is not None:
+            await simulator.stop()
+    return 0
+
+
+def run_server(settings: Settings, with_worker: bool) -> int:
+    """Entry point of `voice-agent serve`."""
+    try:
+        return asyncio.run(serve(settings, with_worker))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,166 @@
+"""The Twilio webhooks over HTTP: signatures, the call row, TwiML, capacity, status callbacks."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.stream_token import StreamTokens
+from tests.e2e_support import (
+    AUTH_TOKEN,
+    call_row,
+    event_kinds,
+    post_signed,
+    running_service,
+    wait_until,
+)
+
+
+def _voice_params(call_sid: str) -> dict[str, str]:
+    return {
+        "CallSid": call_sid,
+        "AccountSid": "AC" + "0" * 32,
+        "From": "+15551230000",
+        "To": "+15550000000",
+        "CallStatus": "ringing",
+        "Direction": "inbound",
+    }
+
+
+def _stream(twiml: str) -> tuple[str, dict[str, str]]:
+    root = ET.fromstring(twiml)
+    stream = root.find("./Connect/Stream")
+    assert stream is not None, twiml
+    params = {p.get("name", ""): p.get("value", "") for p in stream.iter("Parameter")}
+    return stream.get("url", ""), params
+
+
+async def test_voice_webhook_with_bad_signature_is_forbidden(engine: AsyncEngine) -> None:
+    async with running_service(engine) as service:
+        response = await post_signed(
+            service, "/twilio/voice", _voice_params("CAbad"), signature="not-a-signature"
+        )
+        missing = await post_signed(service, "/twilio/voice", _voice_params("CAbad"), signature="")
+    assert response.status_code == 403
+    assert missing.status_code == 403
+    assert await call_row(engine, "CAbad") is None
+
+
+async def test_voice_webhook_signed_for_another_url_is_forbidden(engine: AsyncEngine) -> None:
+    from twilio.request_validator import RequestValidator
+
+    params = _voice_params("CAother")
+    elsewhere = RequestValidator(AUTH_TOKEN).compute_signature("https://evil.example/x", params)
+    async with running_service(engine) as service:
+        response = await post_signed(service, "/twilio/voice", params, signature=elsewhere)
+    assert response.status_code == 403
+
+
+async def test_voice_webhook_creates_the_call_and_connects_a_stream_with_a_token(
+    engine: AsyncEngine,
+) -> None:
+    async with running_service(engine) as service:
+        response = await post_signed(service, "/twilio/voice", _voice_params("CA1"))
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("application/xml")
+        url, params = _stream(response.text)
+        row = await call_row(engine, "CA1")
+        assert row is not None
+        await service.runtime.events.flush()
+        kinds = await event_kinds(engine, row["id"])
+        tokens = StreamTokens(service.settings.stream_secret(), 60)
+        claims = tokens.verify(params["token"], "CA1")
+    assert url == service.settings.public_ws_base() + "/twilio/media"
+    assert params["call_id"] == str(row["id"])
+    assert claims.call_id == str(row["id"])
+    assert row["status"] == "ringing"
+    assert (row["from_number"], row["to_number"]) == ("+15551230000", "+15550000000")
+    assert kinds == ["call_started"]
+
+
+async def test_retried_voice_webhook_does_not_create_a_second_call(engine: AsyncEngine) -> None:
+    async with running_service(engine, max_live_calls=1) as service:
+        first = await post_signed(service, "/twilio/voice", _voice_params("CAdup"))
+        second = await post_signed(service, "/twilio/voice", _voice_params("CAdup"))
+        await service.runtime.events.flush()
+        row = await call_row(engine, "CAdup")
+        assert row is not None
+        kinds = await event_kinds(engine, row["id"])
+    # Same call, same slot: the retry is answered with a stream again, not with "busy".
+    assert _stream(first.text)[1]["call_id"] == _stream(second.text)[1]["call_id"]
+    assert kinds == ["call_started"]
+
+
+async def test_oversized_webhook_body_is_rejected(engine: AsyncEngine) -> None:
+    async with running_service(engine) as service:
+        body = b"CallSid=CAbig&Junk=" + b"x" * (70 * 1024)
+        response = await post_signed(service, "/twilio/voice", {}, content=body, signature="x")
+    assert response.status_code == 413
+    assert await call_row(engine, "CAbig") is None
+
+
+async def test_call_beyond_capacity_hears_busy_and_is_recorded(engine: AsyncEngine) -> None:
+    async with running_service(engine, max_live_calls=1) as service:
+        await post_signed(service, "/twilio/voice", _voice_params("CAfirst"))
+        busy = await post_signed(service, "/twilio/voice", _voice_params("CAsecond"))
+        await service.runtime.events.flush()
+        row = await call_row(engine, "CAsecond")
+        assert row is not None
+        kinds = await event_kinds(engine, row["id"])
+    root = ET.fromstring(busy.text)
+    assert [child.tag for child in root] == ["Say", "Hangup"]
+    assert root.find("Connect") is None
+    assert row["status"] == "busy"
+    assert kinds == ["call_rejected"]
+
+
+async def test_status_callback_with_bad_signature_is_forbidden(engine: AsyncEngine) -> None:
+    async with running_service(engine) as service:
+        await post_signed(service, "/twilio/voice", _voice_params("CAst"))
+        response = await post_signed(
+            service,
+            "/twilio/status",
+            {"CallSid": "CAst", "CallStatus": "completed"},
+            signature="forged",
+        )
+        row = await call_row(engine, "CAst")
+    assert response.status_code == 403
+    assert row is not None and row["status"] == "ringing"
+
+
+@pytest.mark.parametrize(
+    ("twilio_status", "recorded"), [("completed", "completed"), ("no-answer", "no_answer")]
+)
+async def test_status_callback_ends_a_call_once(
+    engine: AsyncEngine, twilio_status: str, recorded: str
+) -> None:
+    async with running_service(engine) as service:
+        await post_signed(service, "/twilio/voice", _voice_params("CAend"))
+        params = {"CallSid": "CAend", "CallStatus": twilio_status}
+        first = await post_signed(service, "/twilio/status", params)
+        again = await post_signed(service, "/twilio/status", params)
+        await service.runtime.events.flush()
+        row = await call_row(engine, "CAend")
+        assert row is not None
+        kinds = await event_kinds(engine, row["id"])
+        # The slot held for the stream is free again.
+        await wait_until(lambda: service.runtime.registry.load() == 0, 2, "slot released")
+    assert (first.status_code, again.status_code) == (204, 204)
+    assert row["status"] == recorded
+    assert row["ended_at"] is not None
+    assert kinds == ["call_started", "call_ended"]
+
+
+async def test_status_callback_for_an_unfinished_status_changes_nothing(
+    engine: AsyncEngine,
+) -> None:
+    async with running_service(engine) as service:
+        await post_signed(service, "/twilio/voice", _voice_params("CAring"))
+        response = await post_signed(
+            service, "/twilio/status", {"CallSid": "CAring", "CallStatus": "in-progress"}
+        )
+        row = await call_row(engine, "CAring")
+    assert response.status_code == 204
+    assert row is not None and row["status"] == "ringing"
