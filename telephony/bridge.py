@@ -1,0 +1,922 @@
+"""The per-call bridge between a phone leg and an OpenAI Realtime session.
+
+Caller audio goes upstream as it arrives; agent audio goes to the leg as it arrives. On top of
+the two audio paths sit barge-in (clear, truncate at what was heard, cancel), response
+bookkeeping (never a response.create while one is active), function calls handed to the tool
+gateway off the audio path, transcripts cut to what was heard, and reconnection within a budget
+with an apology when it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from openai import AsyncOpenAI
+from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from openai.types.realtime import (
+    ConversationItemInputAudioTranscriptionCompletedEvent,
+    InputAudioBufferCommittedEvent,
+    InputAudioBufferSpeechStartedEvent,
+    InputAudioBufferSpeechStoppedEvent,
+    RealtimeConversationItemFunctionCall,
+    RealtimeErrorEvent,
+    RealtimeServerEvent,
+    ResponseAudioDeltaEvent,
+    ResponseAudioTranscriptDoneEvent,
+    ResponseCreatedEvent,
+    ResponseDoneEvent,
+    ResponseOutputItemDoneEvent,
+)
+from websockets.exceptions import ConnectionClosed
+
+from telephony import audio
+from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.errors import TelephonyError
+from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
+from telephony.session_config import BridgeConfig, instructions_text, session_update
+from telephony.tool_gateway import (
+    CallContext,
+    FunctionCallRequest,
+    LateResult,
+    ToolGateway,
+    ToolReply,
+)
+
+__all__ = ["Bridge", "BridgeConfig", "BridgeState", "IllegalTransition", "apology_clip"]
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_MS = 8  # G.711 at 8 kHz, both directions (audio/pcmu and audio/pcma)
+# Errors that races between the caller, the server's VAD and us make unavoidable.
+EXPECTED_ERROR_CODES = frozenset(
+    {"response_cancel_not_active", "conversation_already_has_active_response"}
+)
+# Errors after which the session cannot continue; treated like a dropped socket.
+FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
+HISTORY_LINES = 20
+TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
+TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
+RECHECK_S = 0.25  # how often queued response work looks for a safe moment
+AUTO_RESPONSE_WAIT_S = 2.0  # after speech stopped, how long the server's own response may take
+
+
+class IllegalTransition(TelephonyError):
+    """A bridge state change that the state machine does not allow."""
+
+
+class BridgeState(StrEnum):
+    """Where the bridge is in a call's life."""
+
+    CONNECTING = "connecting"
+    LIVE = "live"
+    RECONNECTING = "reconnecting"
+    FAILING = "failing"  # Realtime is gone for good: apologise, then end
+    ENDED = "ended"
+
+
+_TRANSITIONS: dict[BridgeState, frozenset[BridgeState]] = {
+    BridgeState.CONNECTING: frozenset({BridgeState.LIVE, BridgeState.FAILING, BridgeState.ENDED}),
+    BridgeState.LIVE: frozenset({BridgeState.RECONNECTING, BridgeState.ENDED}),
+    BridgeState.RECONNECTING: frozenset({BridgeState.LIVE, BridgeState.FAILING, BridgeState.ENDED}),
+    BridgeState.FAILING: frozenset({BridgeState.ENDED}),
+    BridgeState.ENDED: frozenset(),
+}
+
+
+class ResponseState(StrEnum):
+    """The model's response slot: at most one response may be active."""
+
+    IDLE = "idle"
+    REQUESTED = "requested"  # we sent response.create, response.created not yet seen
+    ACTIVE = "active"
+
+
+@dataclass(slots=True)
+class _CreateRequest:
+    """A response.create waiting for a safe moment."""
+
+    reason: str
+    turn_id: int | None = None  # None: valid whatever the caller said since
+    operation_ids: tuple[str, ...] = ()
+    instructions: str | None = None
+
+
+@dataclass(slots=True)
+class _AgentItem:
+    """Audio and transcript of one assistant item, as received from the model."""
+
+    response_id: str
+    received_ms: float = 0.0
+    transcript: str | None = None
+    cut_at_ms: int | None = None  # heard ms when a barge-in cut it
+    recorded: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class _Session:
+    """Per-connection state; lost when the Realtime socket drops."""
+
+    conn: AsyncRealtimeConnection
+    generation: int
+    items: set[str] = field(default_factory=set)
+    response: ResponseState = ResponseState.IDLE
+    active_response_id: str | None = None
+    requested: _CreateRequest | None = None
+    requested_event_id: str | None = None
+
+
+def apology_clip(audio_format: AudioFormat, duration_ms: int = 1200) -> bytes:
+    """A short, gentle two-note chime in the leg's codec, played before giving up a call."""
+    half = duration_ms / 2
+    pcm = audio.tone_pcm16(660.0, half, amplitude=0.25) + audio.tone_pcm16(
+        440.0, half, amplitude=0.25
+    )
+    return audio.encode(pcm, "pcma" if audio_format == "audio/pcma" else "pcmu")
+
+
+class Bridge:
+    """One live call: a CallLeg bridged to a Realtime session. Implements LiveCall."""
+
+    def __init__(
+        self,
+        leg: CallLeg,
+        ctx: CallContext,
+        gateway: ToolGateway,
+        sink: CallEventSink,
+        config: BridgeConfig,
+        client: AsyncOpenAI,
+        on_fatal: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.leg = leg
+        self.ctx = ctx
+        self._gateway = gateway
+        self._sink = sink
+        self.config = config
+        self._client = client
+        self._on_fatal = on_fatal
+        self._state = BridgeState.CONNECTING
+        self._session: _Session | None = None
+        self._generation = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tool_tasks: set[asyncio.Task[Any]] = set()
+        self._ended = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._end_reason = ""
+        self._running = False
+        # Conversation state that survives reconnects.
+        self.turn_id = 0
+        self._turn_item_id: str | None = None
+        self._caller_speaking = False
+        self._speech_stopped_at: float | None = None  # awaiting the server's own response
+        self._items: dict[str, _AgentItem] = {}
+        self._muted_responses: set[str] = set()
+        self._response_turn: dict[str, int] = {}
+        self._seen_calls: set[str] = set()
+        self._creates: deque[_CreateRequest] = deque()
+        self._late: deque[LateResult] = deque()
+        self._history: deque[str] = deque(maxlen=HISTORY_LINES)
+        self._recheck: asyncio.TimerHandle | None = None
+        self._event_seq = 0
+        # Counters for benchmarks and tests.
+        self.frames_up = 0
+        self.frames_dropped_up = 0
+        self.deltas_muted = 0
+
+    # Lifecycle.
+
+    @property
+    def state(self) -> BridgeState:
+        return self._state
+
+    def _transition(self, new: BridgeState) -> None:
+        if new not in _TRANSITIONS[self._state]:
+            raise IllegalTransition(f"bridge cannot go from {self._state} to {new}")
+        log.debug("call %s: bridge %s -> %s", self.ctx.call_id, self._state, new)
+        self._state = new
+
+    async def run(self) -> None:
+        """Bridge the call until it ends from any side; everything is closed on return."""
+        self._running = True
+        try:
+            self._spawn(self._leg_loop(), "leg")
+            self._spawn(self._realtime_loop(), "realtime")
+            await self._ended.wait()
+        finally:
+            await self._shutdown()
+
+    async def end(self, reason: str) -> None:
+        """End the call from outside (status callback, shutdown); returns once closed."""
+        self._finish(reason)
+        if self._running:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(TIMEOUT_S):
+                    await self._closed.wait()
+
+    def _finish(self, reason: str) -> None:
+        if not self._ended.is_set():
+            self._end_reason = reason
+            self._ended.set()
+
+    async def _shutdown(self) -> None:
+        if self._state is not BridgeState.ENDED:
+            self._transition(BridgeState.ENDED)
+        if not self._end_reason:
+            self._end_reason = "bridge stopped"
+        self._ended.set()
+        if self._recheck is not None:
+            self._recheck.cancel()
+        for item in self._items.values():
+            if item.timer is not None:
+                item.timer.cancel()
+        await self._cancel(self._tasks)
+        if self._tool_tasks:
+            # A tool call is not undone by hanging up: let it answer briefly, then stop waiting.
+            await asyncio.wait(self._tool_tasks, timeout=TOOL_GRACE_S)
+        await self._cancel(self._tool_tasks)
+        await self._close_session()
+        with contextlib.suppress(Exception):
+            await self.leg.close(self._end_reason)
+        for item_id, item in self._items.items():
+            if not item.recorded and item.transcript is not None:
+                self._record_agent_transcript(item_id, item, final=True)
+        try:
+            async with asyncio.timeout(TIMEOUT_S):
+                await self._gateway.on_call_end(self.ctx)
+        except Exception:
+            log.exception("call %s: on_call_end failed", self.ctx.call_id)
+        self._emit(CallEventKind.CALL_ENDED, reason=self._end_reason)
+        self._closed.set()
+
+    @staticmethod
+    async def _cancel(tasks: set[asyncio.Task[Any]]) -> None:
+        current = asyncio.current_task()
+        pending = [t for t in tasks if t is not current]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        tasks.clear()
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, None], name: str, *, tool: bool = False
+    ) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=f"bridge-{self.ctx.call_id}-{name}")
+        owner = self._tool_tasks if tool else self._tasks
+        owner.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self._tool_tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("call %s: task %s failed", self.ctx.call_id, task.get_name(), exc_info=exc)
+            self._emit(CallEventKind.ERROR, where=task.get_name(), error=repr(exc)[:200])
+            self._finish(f"internal error in {task.get_name()}")
+
+    def _emit(self, kind: CallEventKind, **data: Any) -> None:
+        self._sink.emit(CallEvent(self.ctx.call_id, kind, data))
+
+    # Caller side.
+
+    async def _leg_loop(self) -> None:
+        async for event in self.leg.events():
+            match event:
+                case AudioIn():
+                    await self._send_audio(event.audio)
+                case DtmfIn():
+                    self._emit(CallEventKind.DTMF, digit=event.digit)
+                    self._spawn(self._dtmf(event.digit), "dtmf", tool=True)
+                case LegClosed():
+                    self._finish(f"leg closed: {event.reason}")
+                    return
+        self._finish("leg closed")
+
+    async def _send_audio(self, audio: bytes) -> None:
+        session = self._session
+        if session is None or self._state is not BridgeState.LIVE:
+            self.frames_dropped_up += 1  # nobody to hear it while reconnecting
+            return
+        # The hot path: plain JSON instead of the SDK's TypedDict transform (50x cheaper).
+        data = json.dumps(
+            {"type": "input_audio_buffer.append", "audio": base64.b64encode(audio).decode()}
+        )
+        if await self._guarded(session, session.conn.send_raw(data)):
+            self.frames_up += 1
+
+    async def _dtmf(self, digit: str) -> None:
+        async with asyncio.timeout(TIMEOUT_S):
+            await self._gateway.on_dtmf(self.ctx, digit)
+
+    async def _guarded(self, session: _Session, send: Awaitable[None]) -> bool:
+        """Run one send on `session`; a dead or stuck socket is closed so the reader reconnects."""
+        try:
+            async with asyncio.timeout(self.config.send_timeout_s):
+                await send
+        except (ConnectionClosed, TimeoutError, OSError) as exc:
+            log.info("call %s: send to Realtime failed: %r", self.ctx.call_id, exc)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await session.conn.close()
+            return False
+        except Exception as exc:  # the SDK wraps some socket errors in its own
+            log.info("call %s: send to Realtime failed: %r", self.ctx.call_id, exc)
+            return False
+        return True
+
+    # Realtime side: connection lifecycle.
+
+    async def _realtime_loop(self) -> None:
+        first = True
+        while True:
+            started = time.monotonic()
+            session, attempts, error = await self._connect(resumed=not first)
+            if session is None:
+                await self._fail(error or "could not connect")
+                return
+            self._session = session
+            self._transition(BridgeState.LIVE)
+            if first:
+                self._emit(CallEventKind.REALTIME_CONNECTED, attempts=attempts)
+                if self.config.greeting:
+                    self._creates.append(
+                        _CreateRequest(
+                            "greeting",
+                            instructions=instructions_text(self.config)
+                            + "\n\n"
+                            + self.config.greeting_instructions,
+                        )
+                    )
+            else:
+                self._emit(
+                    CallEventKind.REALTIME_RECONNECTED,
+                    attempts=attempts,
+                    down_ms=round((time.monotonic() - started) * 1000),
+                )
+            first = False
+            await self._drain()
+            reason = await self._read(session)
+            if self._ended.is_set():
+                return
+            self._emit(CallEventKind.REALTIME_DROPPED, reason=reason)
+            self._transition(BridgeState.RECONNECTING)
+            await self._drop_session()
+
+    async def _connect(self, *, resumed: bool) -> tuple[_Session | None, int, str | None]:
+        """Open a session and configure it, retrying with backoff within the budget."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.reconnect_budget_s
+        delay = 0.1
+        attempts = 0
+        error: str | None = None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None, attempts, error
+            attempts += 1
+            conn: AsyncRealtimeConnection | None = None
+            try:
+                async with asyncio.timeout(min(self.config.connect_timeout_s, remaining)):
+                    conn = await self._client.realtime.connect(model=self.config.model).enter()
+                    history = list(self._history) if resumed else []
+                    await conn.session.update(
+                        session=session_update(
+                            self.config,
+                            self.leg.audio_format,
+                            self._gateway.definitions(),
+                            history,
+                        )
+                    )
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:200]
+                log.info(
+                    "call %s: Realtime connect attempt %d failed: %s",
+                    self.ctx.call_id,
+                    attempts,
+                    error,
+                )
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(1.0):
+                            await conn.close()
+            else:
+                self._generation += 1
+                return _Session(conn, self._generation), attempts, None
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            delay = min(delay * 2, 2.0)
+
+    async def _read(self, session: _Session) -> str:
+        """Handle server events until the socket drops; returns why it dropped."""
+        while True:
+            try:
+                event = await session.conn.recv()
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else 1006
+                return f"socket closed ({code})"
+            except ValueError as exc:  # a frame that is not JSON; skip it
+                log.warning("call %s: unparsable Realtime frame: %s", self.ctx.call_id, exc)
+                continue
+            except Exception as exc:
+                return f"receive failed: {type(exc).__name__}"
+            fatal = await self._on_event(session, event)
+            if fatal is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await session.conn.close()
+                return fatal
+
+    async def _drop_session(self) -> None:
+        """Forget per-connection state; audio already with the leg keeps playing."""
+        await self._close_session()
+        self._caller_speaking = False
+        self._speech_stopped_at = None
+
+    async def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(TIMEOUT_S):
+                    await session.conn.close()
+
+    async def _fail(self, reason: str) -> None:
+        """Realtime is gone for good: apologise to the caller, hand the hang-up to the app."""
+        if self._ended.is_set():
+            return
+        self._transition(BridgeState.FAILING)
+        self._emit(CallEventKind.REALTIME_FAILED, reason=reason)
+        clip = apology_clip(self.leg.audio_format)
+        clip_ms = len(clip) // BYTES_PER_MS
+        with contextlib.suppress(Exception):
+            await self.leg.clear()
+            await self.leg.play("apology", clip)
+            async with asyncio.timeout(clip_ms / 1000 + 3.0):
+                # Wait for observable playout: the leg confirms what the caller heard.
+                # The tracker has no notification; playout is observed by polling it.
+                while self.leg.playback.is_playing() and not self._ended.is_set():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        self._emit(
+            CallEventKind.APOLOGY_PLAYED,
+            text=self.config.apology_text,
+            clip_ms=clip_ms,
+            heard_ms=self.leg.playback.heard_ms("apology"),
+        )
+        if self._on_fatal is not None:
+            try:
+                async with asyncio.timeout(TIMEOUT_S):
+                    await self._on_fatal(reason)
+            except Exception:
+                log.exception("call %s: on_fatal failed", self.ctx.call_id)
+        self._finish(f"realtime failed: {reason}")
+
+    # Realtime side: events.
+
+    async def _on_event(self, session: _Session, event: RealtimeServerEvent) -> str | None:
+        """Apply one server event; returns a reason when the session must be given up."""
+        match event.type:
+            case "response.output_audio.delta":
+                assert isinstance(event, ResponseAudioDeltaEvent)
+                await self._on_audio_delta(session, event)
+            case "input_audio_buffer.speech_started":
+                assert isinstance(event, InputAudioBufferSpeechStartedEvent)
+                await self._on_speech_started(session, event)
+            case "input_audio_buffer.speech_stopped":
+                assert isinstance(event, InputAudioBufferSpeechStoppedEvent)
+                self._caller_speaking = False
+                self._speech_stopped_at = time.monotonic()
+                self._emit(
+                    CallEventKind.SPEECH_STOPPED,
+                    turn_id=self.turn_id,
+                    audio_end_ms=event.audio_end_ms,
+                )
+            case "input_audio_buffer.committed":
+                assert isinstance(event, InputAudioBufferCommittedEvent)
+                if event.item_id != self._turn_item_id:
+                    # A turn that began without speech_started (e.g. a manual commit).
+                    self.turn_id += 1
+                    self._turn_item_id = event.item_id
+            case "response.created":
+                assert isinstance(event, ResponseCreatedEvent)
+                self._on_response_created(session, event)
+            case "response.done":
+                assert isinstance(event, ResponseDoneEvent)
+                await self._on_response_done(session, event)
+            case "response.output_item.done":
+                assert isinstance(event, ResponseOutputItemDoneEvent)
+                if isinstance(event.item, RealtimeConversationItemFunctionCall):
+                    self._on_function_call(session, event.item, event.response_id)
+            case "response.output_audio_transcript.done":
+                assert isinstance(event, ResponseAudioTranscriptDoneEvent)
+                self._on_agent_transcript(event.item_id, event.transcript)
+            case "conversation.item.input_audio_transcription.completed":
+                assert isinstance(event, ConversationItemInputAudioTranscriptionCompletedEvent)
+                self._emit(
+                    CallEventKind.CALLER_TRANSCRIPT,
+                    item_id=event.item_id,
+                    text=event.transcript,
+                    turn_id=self.turn_id,
+                )
+                self._history.append(f"Caller: {event.transcript}")
+            case "error":
+                assert isinstance(event, RealtimeErrorEvent)
+                return await self._on_error(session, event)
+        return None
+
+    async def _on_audio_delta(self, session: _Session, event: ResponseAudioDeltaEvent) -> None:
+        if event.response_id in self._muted_responses:
+            # Audio of a response the caller interrupted: it must never reach them.
+            self.deltas_muted += 1
+            return
+        audio = base64.b64decode(event.delta)
+        item = self._items.get(event.item_id)
+        if item is None:
+            item = self._items[event.item_id] = _AgentItem(event.response_id)
+            session.items.add(event.item_id)
+        item.received_ms += len(audio) / BYTES_PER_MS
+        await self.leg.play(event.item_id, audio)
+
+    async def _on_speech_started(
+        self, session: _Session, event: InputAudioBufferSpeechStartedEvent
+    ) -> None:
+        received_at = time.perf_counter()
+        self._caller_speaking = True
+        self._speech_stopped_at = None
+        self.turn_id += 1
+        self._turn_item_id = event.item_id
+        if self.leg.playback.is_playing():
+            await self._barge_in(session, received_at)
+        self._emit(
+            CallEventKind.SPEECH_STARTED, turn_id=self.turn_id, audio_start_ms=event.audio_start_ms
+        )
+
+    async def _barge_in(self, session: _Session, received_at: float) -> None:
+        playback = self.leg.playback
+        item_id = playback.current_item()
+        # First the caller stops hearing us; everything else can take a moment longer.
+        await self.leg.clear()
+        clear_ms = (time.perf_counter() - received_at) * 1000
+        # clear() froze every item at what the caller heard.
+        played_ms = playback.heard_ms(item_id) if item_id else 0
+        item = self._items.get(item_id) if item_id else None
+        received_ms = int(item.received_ms) if item else 0
+        audio_end_ms = min(played_ms, received_ms)
+        truncated = False
+        if item is not None and item_id is not None:
+            self._muted_responses.add(item.response_id)
+            if item_id in session.items:
+                truncated = await self._guarded(
+                    session,
+                    session.conn.conversation.item.truncate(
+                        item_id=item_id, content_index=0, audio_end_ms=audio_end_ms
+                    ),
+                )
+            item.cut_at_ms = audio_end_ms
+            if item.transcript is not None and not item.recorded:
+                self._record_agent_transcript(item_id, item)
+        cancelled = False
+        if session.response is ResponseState.ACTIVE and session.active_response_id:
+            self._muted_responses.add(session.active_response_id)
+            cancelled = await self._guarded(session, session.conn.response.cancel())
+        self._emit(
+            CallEventKind.BARGE_IN,
+            item_id=item_id,
+            played_ms=played_ms,
+            received_ms=received_ms,
+            audio_end_ms=audio_end_ms,
+            truncated=truncated,
+            cancelled=cancelled,
+            turn_id=self.turn_id,
+            clear_latency_ms=round(clear_ms, 3),
+        )
+
+    def _on_response_created(self, session: _Session, event: ResponseCreatedEvent) -> None:
+        response_id = event.response.id or ""
+        request = session.requested
+        session.response = ResponseState.ACTIVE
+        session.active_response_id = response_id
+        session.requested = None
+        session.requested_event_id = None
+        self._speech_stopped_at = None
+        self._response_turn[response_id] = self.turn_id
+        self._emit(
+            CallEventKind.RESPONSE_CREATED,
+            response_id=response_id,
+            turn_id=self.turn_id,
+            reason=request.reason if request else "server",
+        )
+        if request is not None and request.operation_ids:
+            self._emit(
+                CallEventKind.RESULT_ANNOUNCED,
+                response_id=response_id,
+                operation_ids=list(request.operation_ids),
+            )
+
+    async def _on_response_done(self, session: _Session, event: ResponseDoneEvent) -> None:
+        response = event.response
+        if session.active_response_id in (None, response.id):
+            session.response = ResponseState.IDLE
+            session.active_response_id = None
+        self._emit(
+            CallEventKind.RESPONSE_DONE,
+            response_id=response.id,
+            status=response.status,
+            turn_id=self._response_turn.get(response.id or "", self.turn_id),
+        )
+        for output in response.output or []:
+            if isinstance(output, RealtimeConversationItemFunctionCall):
+                self._on_function_call(session, output, response.id or "")
+        await self._drain()
+
+    async def _on_error(self, session: _Session, event: RealtimeErrorEvent) -> str | None:
+        error = event.error
+        if error.event_id is not None and error.event_id == session.requested_event_id:
+            # Our response.create lost a race (e.g. with the server's VAD): try again later.
+            if session.requested is not None:
+                self._creates.appendleft(session.requested)
+            session.requested = None
+            session.requested_event_id = None
+            if session.response is ResponseState.REQUESTED:
+                session.response = ResponseState.IDLE
+            self._schedule_recheck()
+        if error.code in EXPECTED_ERROR_CODES:
+            log.debug("call %s: expected Realtime error %s", self.ctx.call_id, error.code)
+            return None
+        self._emit(
+            CallEventKind.REALTIME_ERROR,
+            code=error.code,
+            type=error.type,
+            message=error.message[:200],
+            event_id=error.event_id,
+        )
+        if error.code in FATAL_ERROR_CODES:
+            return f"fatal error: {error.code}"
+        return None
+
+    # Function calls.
+
+    def _on_function_call(
+        self, session: _Session, item: RealtimeConversationItemFunctionCall, response_id: str
+    ) -> None:
+        # Only a completed item is proof: a cancelled response's arguments are not a request.
+        if item.status != "completed" or not item.call_id or item.call_id in self._seen_calls:
+            return
+        self._seen_calls.add(item.call_id)
+        request = FunctionCallRequest(
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+            item_id=item.id or "",
+            response_id=response_id,
+            turn_id=self._response_turn.get(response_id, self.turn_id),
+        )
+        self._emit(
+            CallEventKind.FUNCTION_CALL,
+            call_id=request.call_id,
+            name=request.name,
+            arguments=request.arguments[:500],
+            turn_id=request.turn_id,
+            response_id=response_id,
+        )
+        self._spawn(self._run_tool(request, session.generation), f"tool-{item.call_id}", tool=True)
+
+    async def _run_tool(self, request: FunctionCallRequest, generation: int) -> None:
+        try:
+            reply = await self._gateway.handle(self.ctx, request)
+        except Exception as exc:
+            log.exception("call %s: tool gateway failed on %s", self.ctx.call_id, request.name)
+            self._emit(CallEventKind.ERROR, where="tool_gateway", error=repr(exc)[:200])
+            reply = ToolReply({"error": "The request could not be completed right now."})
+        session = self._session
+        if self._ended.is_set() or session is None:
+            self._emit(
+                CallEventKind.FUNCTION_OUTPUT,
+                call_id=request.call_id,
+                operation_id=reply.operation_id,
+                sent=False,
+                response="call_ended",
+            )
+            return
+        output = json.dumps(reply.output, separators=(",", ":"), default=str)
+        if session.generation == generation:
+            sent = await self._guarded(
+                session,
+                session.conn.conversation.item.create(
+                    item={
+                        "type": "function_call_output",
+                        "call_id": request.call_id,
+                        "output": output,
+                    }
+                ),
+            )
+        else:
+            # The session that asked is gone; tell the new one what came back.
+            sent = await self._guarded(
+                session,
+                session.conn.conversation.item.create(
+                    item=self._system_note(
+                        f"Result of the earlier request ({request.name}): {output}"
+                    )
+                ),
+            )
+        current = request.turn_id == self.turn_id
+        if not reply.wants_response:
+            decision = "not_wanted"
+        elif not current:
+            decision = "deferred_stale_turn"
+        elif self._caller_speaking:
+            decision = "deferred_caller_speaking"
+        else:
+            # If the response that asked is still finishing, this waits for its response.done.
+            self._creates.append(_CreateRequest("function_output", turn_id=request.turn_id))
+            decision = "requested"
+        self._emit(
+            CallEventKind.FUNCTION_OUTPUT,
+            call_id=request.call_id,
+            operation_id=reply.operation_id,
+            sent=sent,
+            response=decision,
+            turn_id=request.turn_id,
+        )
+        await self._drain()
+
+    # Late results.
+
+    async def deliver_result(self, result: LateResult) -> bool:
+        """Speak a late result at the next safe moment; False if the call is ending."""
+        if self._ended.is_set() or self._state in (BridgeState.FAILING, BridgeState.ENDED):
+            return False
+        self._late.append(result)
+        await self._drain()
+        return True
+
+    @staticmethod
+    def _system_note(text: str) -> Any:
+        return {
+            "type": "message",
+            "role": "system",
+            "content": [{"type": "input_text", "text": text}],
+        }
+
+    # Response scheduling.
+
+    def _safe_moment(self, session: _Session) -> bool:
+        if self._state is not BridgeState.LIVE or session.response is not ResponseState.IDLE:
+            return False
+        if self._caller_speaking:
+            return False
+        stopped = self._speech_stopped_at
+        # The server's VAD answers a finished utterance itself; do not race it.
+        return stopped is None or time.monotonic() - stopped > AUTO_RESPONSE_WAIT_S
+
+    async def _drain(self) -> None:
+        """Send at most one response.create if it is safe now; otherwise look again later."""
+        session = self._session
+        if session is None or (not self._creates and not self._late):
+            return
+        if not self._safe_moment(session):
+            self._schedule_recheck()
+            return
+        while len(self._creates) > self.config.max_queued_response_creates:
+            dropped = self._creates.popleft()
+            self._emit(
+                CallEventKind.FUNCTION_OUTPUT, response="dropped_queue_full", reason=dropped.reason
+            )
+        request: _CreateRequest | None = None
+        if self._late:
+            results = list(self._late)
+            self._late.clear()
+            for result in results:
+                await self._guarded(
+                    session,
+                    session.conn.conversation.item.create(
+                        item=self._system_note(
+                            "An update arrived for the caller. Tell them briefly, in your own "
+                            f"words: {result.text}"
+                        )
+                    ),
+                )
+            request = _CreateRequest(
+                "late_result", operation_ids=tuple(r.operation_id for r in results)
+            )
+            self._creates.clear()  # one response carries the queued work too
+        else:
+            # One response sees every item added so far: coalesce what is still current.
+            while self._creates:
+                candidate = self._creates.popleft()
+                if candidate.turn_id is None or candidate.turn_id == self.turn_id:
+                    request = candidate
+            if request is None:
+                return
+        await self._create_response(session, request)
+
+    async def _create_response(self, session: _Session, request: _CreateRequest) -> None:
+        self._event_seq += 1
+        event_id = f"bridge_rc_{self._event_seq}"
+        session.response = ResponseState.REQUESTED
+        session.requested = request
+        session.requested_event_id = event_id
+        if request.instructions is not None:
+            send = session.conn.response.create(
+                event_id=event_id, response={"instructions": request.instructions}
+            )
+        else:
+            send = session.conn.response.create(event_id=event_id)
+        if not await self._guarded(session, send):
+            session.response = ResponseState.IDLE
+            session.requested = None
+            session.requested_event_id = None
+
+    def _schedule_recheck(self) -> None:
+        if self._recheck is not None or self._ended.is_set():
+            return
+
+        def fire() -> None:
+            self._recheck = None
+            if not self._ended.is_set():
+                self._spawn(self._drain(), "drain")
+
+        self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, fire)
+
+    # Transcripts.
+
+    def _on_agent_transcript(self, item_id: str, text: str) -> None:
+        item = self._items.get(item_id)
+        if item is None:
+            # No audio reached us for it (text-only or fully muted): nothing was heard.
+            self._emit(
+                CallEventKind.AGENT_TRANSCRIPT,
+                item_id=item_id,
+                text="",
+                full_text=text[:2000],
+                cut=bool(text),
+                heard_ms=0,
+                audio_ms=0,
+            )
+            return
+        item.transcript = text
+        if item.cut_at_ms is not None:
+            self._record_agent_transcript(item_id, item)
+        else:
+            self._check_played(item_id)
+
+    def _check_played(self, item_id: str) -> None:
+        """Record an item's transcript once its audio has played out, or look again later."""
+        item = self._items[item_id]
+        item.timer = None
+        if item.recorded or self._ended.is_set():
+            return
+        remaining_ms = item.received_ms - self.leg.playback.heard_ms(item_id)
+        if remaining_ms <= 1 or item.cut_at_ms is not None:
+            self._record_agent_transcript(item_id, item)
+            return
+        loop = asyncio.get_running_loop()
+        item.timer = loop.call_later(remaining_ms / 1000 + 0.05, self._check_played, item_id)
+
+    def _record_agent_transcript(self, item_id: str, item: _AgentItem, final: bool = False) -> None:
+        if item.recorded or item.transcript is None:
+            return
+        item.recorded = True
+        if item.timer is not None:
+            item.timer.cancel()
+            item.timer = None
+        text = item.transcript
+        heard = item.cut_at_ms
+        if heard is None:
+            heard = self.leg.playback.heard_ms(item_id) if final else int(item.received_ms)
+        audio_ms = int(item.received_ms)
+        cut = audio_ms > 0 and heard < audio_ms - 1
+        if cut:
+            text = _cut_text(text, heard / audio_ms)
+        self._emit(
+            CallEventKind.AGENT_TRANSCRIPT,
+            item_id=item_id,
+            text=text,
+            cut=cut,
+            heard_ms=heard,
+            audio_ms=audio_ms,
+            **({"full_text": item.transcript[:2000]} if cut else {}),
+        )
+        if text:
+            self._history.append(f"Agent{' (interrupted)' if cut else ''}: {text}")
+
+
+def _cut_text(text: str, fraction: float) -> str:
+    """The part of `text` spoken in the first `fraction` of its audio (by characters)."""
+    end = max(0, min(len(text), round(len(text) * fraction)))
+    cut = text[:end]
+    if end < len(text) and " " in cut:
+        cut = cut[: cut.rfind(" ")]  # a word cut in half was not heard as a word
+    return cut.rstrip()

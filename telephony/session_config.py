@@ -1,0 +1,117 @@
+"""The Realtime session a call runs with: bridge configuration and the GA `session.update`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from openai.types.realtime import RealtimeSessionCreateRequestParam
+from openai.types.realtime.realtime_audio_formats_param import (
+    AudioPCMA,
+    AudioPCMU,
+    RealtimeAudioFormatsParam,
+)
+
+from telephony.leg import AudioFormat
+
+Eagerness = Literal["low", "medium", "high", "auto"]
+
+BASE_INSTRUCTIONS = (
+    "You are a friendly, efficient phone assistant for a restaurant. You are speaking with a "
+    "caller on the telephone, so keep every answer short and natural, one or two sentences, "
+    "and never read out lists, markup or long numbers unless asked."
+)
+
+# Rules that hold whatever persona a deployment configures; always appended.
+CALL_RULES = (
+    "Rules for this phone call:\n"
+    "- Before an action that may take a moment (looking something up, booking, changing or "
+    "cancelling), first say one short, natural sentence that describes what you are doing, "
+    "for example 'Let me check that for you.' or 'One moment, I'm booking the table.' Vary "
+    "the wording; never repeat the same sentence twice in a call.\n"
+    "- Never mention tools, functions, systems, APIs or internal identifiers to the caller.\n"
+    "- Never claim an action is done (booked, cancelled, changed, sent) unless the result you "
+    "received says it was done. If the result is pending or unknown, say so plainly and tell "
+    "the caller they will be informed.\n"
+    "- If the caller interrupts you, stop and listen; do not repeat what you were saying unless "
+    "they ask.\n"
+    "- If a request is refused, explain the reason you were given in simple words."
+)
+
+RESUMED_NOTE = (
+    "The connection to this call was interrupted for a moment and has been restored. The "
+    "conversation so far (most recent last) was:\n{transcript}\n"
+    "Continue naturally from there; do not greet the caller again."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeConfig:
+    """Per-deployment settings of the call bridge."""
+
+    model: str = "gpt-realtime"
+    voice: str = "marin"
+    instructions: str = BASE_INSTRUCTIONS
+    vad_eagerness: Eagerness = "auto"
+    transcription_model: str = "gpt-4o-mini-transcribe"
+    # How long a dropped Realtime session may take to come back before the call is given up.
+    reconnect_budget_s: float = 8.0
+    # Timeout of one connection attempt (handshake); also bounded by the remaining budget.
+    connect_timeout_s: float = 5.0
+    # response.create requests waiting for the active response to finish; older ones drop.
+    max_queued_response_creates: int = 4
+    # Whether the agent speaks first (a response.create right after the session is set up).
+    greeting: bool = True
+    greeting_instructions: str = "Greet the caller briefly and ask how you can help."
+    # Text of the apology played (as a short audible clip) when the session cannot be restored.
+    apology_text: str = (
+        "Sorry, we are having technical difficulties. Please call again in a few minutes."
+    )
+    # Timeout of one send to the Realtime socket; a stuck socket is treated as dropped.
+    send_timeout_s: float = 5.0
+
+
+def instructions_text(config: BridgeConfig, resumed_transcript: Sequence[str] = ()) -> str:
+    """The full instructions: persona, the call rules, and a resume note after a reconnect."""
+    parts = [config.instructions.strip(), CALL_RULES]
+    if resumed_transcript:
+        parts.append(RESUMED_NOTE.format(transcript="\n".join(resumed_transcript)))
+    return "\n\n".join(parts)
+
+
+def _format(audio_format: AudioFormat) -> RealtimeAudioFormatsParam:
+    if audio_format == "audio/pcma":
+        return AudioPCMA(type="audio/pcma")
+    return AudioPCMU(type="audio/pcmu")
+
+
+def session_update(
+    config: BridgeConfig,
+    audio_format: AudioFormat,
+    tools: Sequence[dict[str, Any]],
+    resumed_transcript: Sequence[str] = (),
+) -> RealtimeSessionCreateRequestParam:
+    """The `session` of the one GA `session.update` a call sends (again after a reconnect)."""
+    session: RealtimeSessionCreateRequestParam = {
+        "type": "realtime",
+        "output_modalities": ["audio"],
+        "instructions": instructions_text(config, resumed_transcript),
+        "audio": {
+            "input": {
+                # Same G.711 codec as the leg: no transcoding on the audio path.
+                "format": _format(audio_format),
+                "transcription": {"model": config.transcription_model},
+                "turn_detection": {
+                    "type": "semantic_vad",
+                    "eagerness": config.vad_eagerness,
+                    "create_response": True,
+                    "interrupt_response": True,
+                },
+            },
+            "output": {"format": _format(audio_format), "voice": config.voice},
+        },
+        "tools": cast(Any, list(tools)),
+        "tool_choice": "auto",
+    }
+    return session

@@ -1,0 +1,266 @@
+"""The Twilio Media Streams leg: one accepted `/twilio/media` WebSocket as a CallLeg."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.errors import MalformedFrame
+from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.playback import PlaybackTracker
+from telephony.twilio_events import (
+    Connected,
+    Dtmf,
+    Mark,
+    Media,
+    Start,
+    StartInfo,
+    Stop,
+    clear_message,
+    mark_message,
+    media_message,
+    parse_inbound,
+)
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_MS = 8  # 8 kHz G.711: one byte per sample
+# One Twilio frame. Every chunk is followed by a mark, so confirmations come every 20 ms and
+# the tracker never has to interpolate across more than one frame.
+CHUNK_MS = 20
+CHUNK_BYTES = CHUNK_MS * BYTES_PER_MS
+# A Twilio frame is ~300 bytes; anything near this is not a media stream talking.
+MAX_FRAME_CHARS = 64 * 1024
+EXCERPT_CHARS = 120
+
+
+class TextWebSocket(Protocol):
+    """The slice of a WebSocket the leg uses (Starlette's WebSocket fits)."""
+
+    async def receive_text(self) -> str: ...
+
+    async def send_text(self, data: str) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+def mark_name(epoch: int, item_id: str, end_ms: float) -> str:
+    """Mark names carry what the echo confirms: playback epoch, end offset, item id."""
+    return f"{epoch}:{round(end_ms)}:{item_id}"
+
+
+def parse_mark_name(name: str) -> tuple[int, int, str] | None:
+    """(epoch, end_ms, item_id) from a mark name we sent; None for anything else."""
+    parts = name.split(":", 2)
+    if len(parts) != 3:
+        return None
+    try:
+        return int(parts[0]), int(parts[1]), parts[2]
+    except ValueError:
+        return None
+
+
+class TwilioLeg:
+    """Caller audio in, agent audio out over a Twilio Media Stream.
+
+    Outbound audio is cut into 20 ms `media` frames, each followed by a `mark` named
+    `epoch:end_ms:item_id`; Twilio echoes the mark once the audio before it has played, which
+    the PlaybackTracker turns into heard milliseconds. Frames wait in a local queue drained by
+    one sender task, so `play` never blocks and a slow socket never stalls the receive side;
+    `clear` drops whatever is still queued locally before sending Twilio's `clear`.
+    """
+
+    audio_format: AudioFormat = "audio/pcmu"
+
+    def __init__(
+        self,
+        ws: TextWebSocket,
+        start: StartInfo,
+        sink: CallEventSink,
+        call_id: str,
+        *,
+        playback: PlaybackTracker | None = None,
+        idle_timeout_s: float = 15.0,
+        send_timeout_s: float = 5.0,
+    ) -> None:
+        self._ws = ws
+        self.start = start
+        self.stream_sid = start.stream_sid
+        self._sink = sink
+        self.call_id = call_id
+        self.playback = playback if playback is not None else PlaybackTracker()
+        self._idle_timeout_s = idle_timeout_s
+        self._send_timeout_s = send_timeout_s
+        self._outbox: deque[str] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._generation = 0  # bumped by clear(): a frame popped before it must not go out
+        self._send_lock = asyncio.Lock()
+        self._sender: asyncio.Task[None] | None = None
+        self._pending: bytes = b""  # tail shorter than a chunk, per item
+        self._pending_item: str | None = None
+        self._closed = False
+        self._close_reason: str | None = None
+        self.malformed_frames = 0
+
+    # Receive side.
+
+    async def events(self) -> AsyncIterator[LegEvent]:
+        """Caller audio, digits and finally LegClosed; malformed frames are recorded, skipped."""
+        while not self._closed:
+            try:
+                async with asyncio.timeout(self._idle_timeout_s):
+                    raw = await self._ws.receive_text()
+            except TimeoutError:
+                yield LegClosed(f"no frames for {self._idle_timeout_s:g} s")
+                return
+            except KeyError:
+                # Starlette's receive_text() raises KeyError for a binary frame.
+                self._malformed("binary frame", "")
+                continue
+            except Exception as exc:  # the socket is gone, whatever the server library says
+                yield LegClosed(self._close_reason or f"disconnected: {type(exc).__name__}")
+                return
+            event = self._parse(raw)
+            if event is not None:
+                yield event
+                if isinstance(event, LegClosed):
+                    return
+        yield LegClosed(self._close_reason or "closed")
+
+    def _parse(self, raw: str) -> LegEvent | None:
+        if len(raw) > MAX_FRAME_CHARS:
+            self._malformed(f"oversized frame ({len(raw)} chars)", raw)
+            return None
+        try:
+            message = parse_inbound(raw)
+            match message:
+                case Media():
+                    if message.media.track not in ("inbound", "inbound_track"):
+                        return None
+                    return AudioIn(message.media.audio(), message.media.timestamp_ms())
+                case Mark():
+                    self._on_mark(message.mark.name)
+                    return None
+                case Dtmf():
+                    return DtmfIn(message.dtmf.digit)
+                case Stop():
+                    return LegClosed("stop")
+                case Connected() | Start():
+                    return None  # already handled by whoever accepted the stream
+        except MalformedFrame as exc:
+            self._malformed(str(exc), raw)
+        return None
+
+    def _on_mark(self, name: str) -> None:
+        parsed = parse_mark_name(name)
+        if parsed is None:
+            self._malformed("mark we did not send", name)
+            return
+        epoch, end_ms, item_id = parsed
+        # Twilio echoes marks for cleared audio too; the epoch check discards those.
+        self.playback.played(epoch, item_id, end_ms)
+
+    def _malformed(self, why: str, raw: str) -> None:
+        self.malformed_frames += 1
+        log.info("malformed Twilio frame on call %s: %s", self.call_id, why)
+        self._sink.emit(
+            CallEvent(
+                self.call_id,
+                CallEventKind.MALFORMED_FRAME,
+                {"reason": why[:200], "excerpt": raw[:EXCERPT_CHARS], "length": len(raw)},
+            )
+        )
+
+    # Send side.
+
+    async def play(self, item_id: str, audio: bytes) -> None:
+        """Queue agent audio as 20 ms frames, each followed by a mark; never waits on the socket."""
+        if self._closed or not audio:
+            return
+        if self._pending_item != item_id:
+            self._flush_pending()
+            self._pending_item = item_id
+        data = self._pending + audio
+        whole = len(data) - len(data) % CHUNK_BYTES
+        for offset in range(0, whole, CHUNK_BYTES):
+            self._enqueue(item_id, data[offset : offset + CHUNK_BYTES])
+        self._pending = data[whole:]
+        if self._pending and not self.playback.is_playing():
+            # Nothing else is queued: a short tail must not wait for audio that may never come.
+            self._flush_pending()
+        self._ensure_sender()
+
+    def _flush_pending(self) -> None:
+        if self._pending and self._pending_item is not None:
+            self._enqueue(self._pending_item, self._pending)
+        self._pending = b""
+
+    def _enqueue(self, item_id: str, chunk: bytes) -> None:
+        epoch, end_ms = self.playback.queued(item_id, len(chunk) / BYTES_PER_MS)
+        self._outbox.append(media_message(self.stream_sid, chunk))
+        self._outbox.append(mark_message(self.stream_sid, mark_name(epoch, item_id, end_ms)))
+        self._outbox_ready.set()
+
+    def _ensure_sender(self) -> None:
+        if self._sender is None and not self._closed:
+            self._sender = asyncio.create_task(
+                self._send_loop(), name=f"twilio-send-{self.call_id}"
+            )
+
+    async def _send_loop(self) -> None:
+        while not self._closed:
+            if not self._outbox:
+                self._outbox_ready.clear()
+                await self._outbox_ready.wait()
+                continue
+            frame = self._outbox.popleft()
+            # Short tails are held for the next delta; once the queue runs dry, send them.
+            if not self._outbox and self._pending:
+                self._flush_pending()
+            if not await self._send(frame, self._generation):
+                return
+
+    async def _send(self, frame: str, generation: int | None = None) -> bool:
+        try:
+            async with self._send_lock, asyncio.timeout(self._send_timeout_s):
+                if generation is not None and generation != self._generation:
+                    return True  # popped before a clear: this audio must never be heard
+                await self._ws.send_text(frame)
+        except Exception as exc:  # a dead or stuck socket; the receive side reports the end
+            log.info("Twilio send failed on call %s: %r", self.call_id, exc)
+            self._outbox.clear()
+            return False
+        return True
+
+    async def clear(self) -> None:
+        """Stop agent audio now: drop the local queue, send Twilio `clear`, start a new epoch."""
+        # Frames still queued here never reached Twilio; they were never heard.
+        self._generation += 1
+        self._outbox.clear()
+        self._pending = b""
+        self._pending_item = None
+        if not self._closed:
+            await self._send(clear_message(self.stream_sid))
+        self.playback.cleared()
+
+    async def close(self, reason: str) -> None:
+        """Close the stream (idempotent); Twilio then ends the `<Connect>`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        self._outbox.clear()
+        self._outbox_ready.set()
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
+            self._sender = None
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._send_timeout_s):
+                await self._ws.close(1000, reason[:120])
