@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     worker_concurrency: int = Field(default=4, ge=1)
 
+    # The system of record workers act on (`voice-agent sor`), and the shared secret that
+    # signs its reports to POST /operations/{id}/callback.
+    sor_base_url: str = "http://127.0.0.1:8766"
+    sor_callback_secret: SecretStr | None = None
+    # How often each worker's sweeper looks for stuck, unknown and expired operations.
+    sweep_interval_s: float = Field(default=5.0, gt=0)
+
     def stream_secret(self) -> bytes:
         """Key for stream tokens: explicit, else derived from the Twilio auth token."""
         if self.stream_token_secret is not None:
