@@ -1,0 +1,191 @@
+"""Scenario files for the Realtime simulator: what the scripted model says and calls, in order.
+
+A scenario is JSON::
+
+    {
+      "name": "restaurant-booking",
+      "greeting": {"text": "Thanks for calling. How can I help?"},
+      "steps": [
+        {"caller_transcript": "Is there a table for four tomorrow at eight?",
+         "function_call": {"name": "check_availability",
+                           "arguments": {"date": "{tomorrow}", "time": "20:00", "party_size": 4},
+                           "preamble": "Let me check that for you."}},
+        {"reply": {"text": "We have a table at eight. Shall I book it?", "audio_ms": 2500}}
+      ],
+      "fallback": {"text": "Sorry, could you say that again?"}
+    }
+
+- `greeting` is played by the first `response.create` that arrives before any caller speech.
+- Every other response consumes the next step. A step speaks its `reply`, calls its
+  `function_call`, or both (the reply then plays before the call, like a preamble).
+- `caller_transcript` is how the caller's turn that precedes the step is transcribed.
+- Reply texts may use `{output}` (the latest `function_call_output`, verbatim) or
+  `{output[key]}` (a field of it when it is JSON); missing fields render empty.
+- String arguments may use `{today}` and `{tomorrow}` (ISO dates, UTC), so a scenario does not
+  age into the past.
+- When the steps run out, every response speaks `fallback`.
+- `audio_ms` is the reply's audio duration; by default it follows the text length.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import string
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Speech runs at roughly 14-15 characters per second; keeps derived durations plausible.
+_MS_PER_CHAR = 65
+_MIN_AUDIO_MS = 600
+DEFAULT_SCENARIO = "default.json"
+
+
+class Reply(BaseModel):
+    """Something the agent says: a transcript and the duration of its audio."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str = Field(min_length=1)
+    audio_ms: int | None = Field(default=None, gt=0, le=120_000)
+
+    def duration_ms(self, text: str | None = None) -> int:
+        """The audio duration: `audio_ms` if given, else derived from the (rendered) text."""
+        if self.audio_ms is not None:
+            return self.audio_ms
+        return max(_MIN_AUDIO_MS, len(text if text is not None else self.text) * _MS_PER_CHAR)
+
+
+class FunctionCallStep(BaseModel):
+    """A function call the scripted model makes, optionally preceded by a spoken sentence."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    preamble: Reply | None = None
+
+    @field_validator("preamble", mode="before")
+    @classmethod
+    def _text_is_enough(cls, value: object) -> object:
+        return {"text": value} if isinstance(value, str) else value
+
+    def rendered_arguments(self, today: dt.date | None = None) -> str:
+        """The arguments as the JSON string the model streams, with date placeholders filled."""
+        day = today or dt.datetime.now(dt.UTC).date()
+        values = {"today": day.isoformat(), "tomorrow": (day + dt.timedelta(days=1)).isoformat()}
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, str):
+                return _render(value, values)
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [fill(v) for v in value]
+            return value
+
+        return json.dumps(fill(self.arguments), separators=(",", ":"))
+
+
+class Step(BaseModel):
+    """One scripted model turn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    caller_transcript: str | None = None
+    reply: Reply | None = None
+    function_call: FunctionCallStep | None = None
+
+    @field_validator("reply", mode="before")
+    @classmethod
+    def _text_is_enough(cls, value: object) -> object:
+        return {"text": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _does_something(self) -> Step:
+        if self.reply is None and self.function_call is None:
+            raise ValueError("a step needs a reply, a function_call, or both")
+        if self.reply is not None and self.function_call and self.function_call.preamble:
+            raise ValueError("a step with a reply and a function_call takes no preamble")
+        return self
+
+    def spoken(self) -> Reply | None:
+        """What this step says before anything else (its reply, or the call's preamble)."""
+        if self.reply is not None:
+            return self.reply
+        return self.function_call.preamble if self.function_call else None
+
+
+class Scenario(BaseModel):
+    """A whole scripted conversation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "scenario"
+    greeting: Reply | None = None
+    steps: list[Step] = Field(default_factory=list)
+    fallback: Reply = Reply(text="Sorry, could you say that again?")
+
+    @field_validator("greeting", "fallback", mode="before")
+    @classmethod
+    def _text_is_enough(cls, value: object) -> object:
+        return {"text": value} if isinstance(value, str) else value
+
+
+def render_reply_text(text: str, output: str | None) -> str:
+    """Fill `{output}` / `{output[key]}` from the latest function output (JSON or plain)."""
+    if "{" not in text:
+        return text
+    parsed: Any = output or ""
+    if output:
+        try:
+            parsed = json.loads(output)
+        except ValueError:
+            parsed = output
+    return _render(text, {"output": _Field(parsed, raw=output or "")})
+
+
+class _Field:
+    """A lenient view of a JSON value for str.format: missing keys render empty."""
+
+    def __init__(self, value: Any, raw: str | None = None) -> None:
+        self._value = value
+        self._raw = raw
+
+    def __getitem__(self, key: str) -> _Field:
+        value = self._value
+        if isinstance(value, dict):
+            return _Field(value.get(key, ""))
+        if isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            return _Field(value[int(key)])
+        return _Field("")
+
+    def __format__(self, spec: str) -> str:
+        if self._raw is not None:
+            return self._raw
+        if isinstance(self._value, str):
+            return self._value
+        return json.dumps(self._value)
+
+
+def _render(template: str, values: dict[str, Any]) -> str:
+    class Lenient(string.Formatter):
+        def get_value(self, key: int | str, args: Any, kwargs: Any) -> Any:
+            return values.get(str(key), "{" + str(key) + "}")
+
+    try:
+        return Lenient().format(template)
+    except (ValueError, IndexError, AttributeError, KeyError):
+        return template
+
+
+def load_scenario(source: str | Path | None = None) -> Scenario:
+    """Load a scenario file; None loads the built-in restaurant-booking demo."""
+    if source is None:
+        text = resources.files("telephony.scenarios").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
+    else:
+        text = Path(source).read_text("utf-8")
+    return Scenario.model_validate_json(text)

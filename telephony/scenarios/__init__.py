@@ -1,0 +1,1 @@
+"""Built-in scenarios for the Realtime simulator (JSON files, loaded via importlib.resources)."""

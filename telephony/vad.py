@@ -1,0 +1,178 @@
+"""Energy-based speech detection on a stream of telephone audio (pure: bytes in, events out).
+
+The detector cuts the stream into short frames, calls a frame voiced when its RMS level is at
+or above a threshold (dBFS), and runs a small state machine:
+
+    silence --(voiced frame)--> pending --(activation_ms voiced in a row)--> speech
+    pending --(unvoiced frame)--> silence
+    speech --(silence_ms unvoiced in a row)--> silence
+
+Offsets are milliseconds of audio fed since the detector was created, like the Realtime API's
+`audio_start_ms` / `audio_end_ms`: the start includes `prefix_padding_ms` (it points at the audio
+the model would hear first), and the end is where the trailing silence was confirmed, so it
+includes `silence_ms`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+with warnings.catch_warnings():
+    # audioop is deprecated on 3.11/3.12 and provided by `audioop-lts` from 3.13 on.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import audioop
+
+AudioEncoding = Literal["pcmu", "pcma", "pcm16"]
+
+SAMPLE_RATES: dict[AudioEncoding, int] = {"pcmu": 8000, "pcma": 8000, "pcm16": 24000}
+_BYTES_PER_SAMPLE: dict[AudioEncoding, int] = {"pcmu": 1, "pcma": 1, "pcm16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class VadConfig:
+    """Tuning of the detector; the defaults match the Realtime API's `server_vad` defaults."""
+
+    threshold_dbfs: float = -40.0
+    activation_ms: int = 60
+    silence_ms: int = 500
+    prefix_padding_ms: int = 300
+    frame_ms: int = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    """Speech was confirmed; `audio_start_ms` includes the prefix padding."""
+
+    audio_start_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStopped:
+    """Trailing silence was confirmed at `audio_end_ms`; speech itself ended at `speech_end_ms`."""
+
+    audio_end_ms: int
+    speech_end_ms: int
+
+
+VadEvent = SpeechStarted | SpeechStopped
+
+
+class VadState(enum.Enum):
+    SILENCE = "silence"
+    PENDING = "pending"
+    SPEECH = "speech"
+
+
+def to_linear16(audio: bytes, encoding: AudioEncoding) -> bytes:
+    """Decode G.711 (or pass through 16-bit PCM) to 16-bit little-endian linear samples."""
+    if encoding == "pcmu":
+        return audioop.ulaw2lin(audio, 2)
+    if encoding == "pcma":
+        return audioop.alaw2lin(audio, 2)
+    return audio
+
+
+def level_dbfs(linear16: bytes) -> float:
+    """RMS level of 16-bit linear audio in dBFS (-inf for digital silence)."""
+    if not linear16:
+        return -math.inf
+    rms = audioop.rms(linear16, 2)
+    if rms == 0:
+        return -math.inf
+    return 20.0 * math.log10(rms / 32768.0)
+
+
+def audio_ms(num_bytes: int, encoding: AudioEncoding) -> float:
+    """Duration of `num_bytes` of audio in `encoding`, in milliseconds."""
+    return num_bytes * 1000.0 / (SAMPLE_RATES[encoding] * _BYTES_PER_SAMPLE[encoding])
+
+
+class EnergyVad:
+    """Feed audio chunks of any size; get speech start/stop events with stream offsets."""
+
+    def __init__(
+        self,
+        config: VadConfig | None = None,
+        encoding: AudioEncoding = "pcmu",
+        *,
+        offset_ms: int = 0,
+    ) -> None:
+        """`offset_ms` is where this detector's stream starts (to keep counting across retunes)."""
+        self.config = config or VadConfig()
+        self._offset_ms = offset_ms
+        self.encoding: AudioEncoding = encoding
+        rate = SAMPLE_RATES[encoding]
+        self._frame_bytes = rate * self.config.frame_ms // 1000 * _BYTES_PER_SAMPLE[encoding]
+        self._pending_bytes = b""
+        self._frames = 0  # whole frames analysed so far
+        self.state = VadState.SILENCE
+        self._run_frames = 0  # voiced frames in a row (PENDING) or unvoiced in a row (SPEECH)
+        self._onset_frame = 0
+
+    @property
+    def position_ms(self) -> int:
+        """Milliseconds of audio analysed so far (whole frames only), from the stream start."""
+        return self._offset_ms + self._frames * self.config.frame_ms
+
+    @property
+    def in_speech(self) -> bool:
+        return self.state is VadState.SPEECH
+
+    def reset(self) -> None:
+        """Forget any speech in progress (buffer cleared or committed); offsets keep counting."""
+        self.state = VadState.SILENCE
+        self._run_frames = 0
+
+    def feed(self, audio: bytes) -> list[VadEvent]:
+        """Analyse `audio` (in this detector's encoding) and return the events it completes."""
+        data = self._pending_bytes + audio
+        events: list[VadEvent] = []
+        whole = len(data) - len(data) % self._frame_bytes
+        for start in range(0, whole, self._frame_bytes):
+            frame = to_linear16(data[start : start + self._frame_bytes], self.encoding)
+            event = self._step(level_dbfs(frame) >= self.config.threshold_dbfs)
+            if event is not None:
+                events.append(event)
+        self._pending_bytes = data[whole:]
+        return events
+
+    def _step(self, voiced: bool) -> VadEvent | None:
+        cfg = self.config
+        frame_index = self._frames
+        self._frames += 1
+        if self.state is VadState.SILENCE:
+            if voiced:
+                self.state = VadState.PENDING
+                self._onset_frame = frame_index
+                self._run_frames = 1
+                return self._maybe_start()
+            return None
+        if self.state is VadState.PENDING:
+            if not voiced:
+                self.reset()
+                return None
+            self._run_frames += 1
+            return self._maybe_start()
+        # SPEECH
+        if voiced:
+            self._run_frames = 0
+            return None
+        self._run_frames += 1
+        if self._run_frames * cfg.frame_ms >= cfg.silence_ms:
+            end_ms = self.position_ms
+            self.reset()
+            return SpeechStopped(audio_end_ms=end_ms, speech_end_ms=end_ms - cfg.silence_ms)
+        return None
+
+    def _maybe_start(self) -> VadEvent | None:
+        cfg = self.config
+        if self._run_frames * cfg.frame_ms < cfg.activation_ms:
+            return None
+        self.state = VadState.SPEECH
+        self._run_frames = 0
+        onset_ms = self._offset_ms + self._onset_frame * cfg.frame_ms
+        return SpeechStarted(audio_start_ms=max(0, onset_ms - cfg.prefix_padding_ms))
