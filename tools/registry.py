@@ -105,6 +105,11 @@ class ToolSpec:
     # Shapes a provider result into a compact, speakable dict (reads and committed results).
     shape_result: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     confirm_window_s: float = 120.0
+    # The provider reference this tool acts on (e.g. the booking id a cancel targets): the
+    # policy engine treats the caller who created that reference as its owner.
+    target_ref: Callable[[Any], str] | None = None
+    # Arguments that must not be stored verbatim (PINs): tool_calls keeps a redacted copy.
+    redact_arguments: bool = False
 
     def definition(self) -> dict[str, Any]:
         """The Realtime `function` tool definition (what the model sees)."""

@@ -1,0 +1,550 @@
+"""The tool pipeline: every function call from a live call goes through here.
+
+parse and validate -> record the tool call -> policy -> reads inline within their deadline,
+mutations admitted as operations (row + enqueue in one transaction) and answered at once
+with their true state. Confirmation and spoken PIN entry are handled here as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
+from tools import ledger
+from tools.catalog import ConfirmOperationArgs, VerifyPinArgs
+from tools.errors import IdempotencyConflict, InvalidArguments, ToolError, UnknownTool
+from tools.identity import CallerIdentity, CallIdentities, IdentityStore, PinOutcome
+from tools.ledger import Enqueue, OperationRecord, ToolCallRecord
+from tools.policy import Decision, LedgerFacts, Outcome, PolicyConfig, PolicyInput, evaluate
+from tools.registry import Registry, ToolKind, ToolSpec
+from tools.results import (
+    bounded,
+    cancelled_output,
+    confirmation_output,
+    denied_output,
+    error_output,
+    operation_output,
+    read_output,
+    verification_output,
+)
+from tools.states import IN_FLIGHT, OperationStatus
+
+log = logging.getLogger(__name__)
+
+S = OperationStatus
+
+# Runs a read against the provider: (spec, validated args) -> raw result.
+ReadExecutor = Callable[[ToolSpec, BaseModel], Awaitable[Mapping[str, Any]]]
+# Receives the operations still in flight when a call ends (late delivery decides: SMS).
+PendingResultsSink = Callable[[CallContext, list[OperationRecord]], Awaitable[None]]
+
+_MAX_GENERATIONS = 20
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _reply(output: dict[str, Any], op: OperationRecord | None = None) -> ToolReply:
+    return ToolReply(
+        output=output, wants_response=True, operation_id=str(op.operation_id) if op else None
+    )
+
+
+class ToolPipeline:
+    """Implements `telephony.tool_gateway.ToolGateway` over the ledger and policy engine."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        registry: Registry,
+        *,
+        enqueue: Enqueue,
+        read_executor: ReadExecutor,
+        identities: IdentityStore,
+        policy: PolicyConfig | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+        pending_results: PendingResultsSink | None = None,
+        max_pin_attempts: int = 3,
+    ) -> None:
+        self._engine = engine
+        self._registry = registry
+        self._enqueue = enqueue
+        self._read = read_executor
+        self._ids = CallIdentities(identities, max_attempts=max_pin_attempts)
+        self._policy = policy or PolicyConfig()
+        self._clock = clock
+        # The app sets this to hand in-flight outcomes to late delivery when a call ends.
+        self.pending_results = pending_results
+
+    def definitions(self) -> list[dict[str, Any]]:
+        return self._registry.definitions()
+
+    # --- the ToolGateway surface ---------------------------------------------------------
+
+    async def handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
+        try:
+            return await self._handle(ctx, request)
+        except Exception:
+            # The call must survive any bug here; the model hears an honest non-answer.
+            log.exception("tool call %s (%s) failed", request.call_id, request.name)
+            return _reply(
+                error_output(
+                    "Something went wrong on our side with that request, so don't tell the "
+                    "caller it was done. Offer to try again.",
+                    retryable=True,
+                )
+            )
+
+    async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
+        state = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
+        outcome = state.feed_dtmf(digit)
+        if outcome is not PinOutcome.INCOMPLETE:
+            log.info("call %s: keypad PIN entry %s", ctx.call_id, outcome.value)
+
+    async def on_call_end(self, ctx: CallContext) -> None:
+        async with self._engine.begin() as conn:
+            for op in await ledger.operations_for_call(
+                conn, ctx.call_id, [S.AWAITING_CONFIRMATION]
+            ):
+                await ledger.transition(
+                    conn,
+                    op.operation_id,
+                    S.AWAITING_CONFIRMATION,
+                    S.CANCELLED,
+                    actor="policy",
+                    reason="call ended before confirmation",
+                )
+            pending = await ledger.operations_for_call(conn, ctx.call_id, IN_FLIGHT)
+        self._ids.drop(ctx.call_id)
+        if pending and self.pending_results is not None:
+            await self.pending_results(ctx, pending)
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    async def _handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
+        spec = self._registry.get(request.name) if request.name in self._registry else None
+        raw = request.arguments
+        if spec is not None and spec.redact_arguments:
+            raw = json.dumps({"redacted": True})
+        # Known before the transaction: the identity store may do its own I/O.
+        verification = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
+        async with self._engine.begin() as conn:
+            tc, created = await ledger.record_tool_call(
+                conn,
+                call_id=ctx.call_id,
+                provider_call_id=request.call_id,
+                tenant_id=ctx.tenant_id,
+                tool=request.name,
+                raw_arguments=raw,
+                turn_id=request.turn_id,
+                response_id=request.response_id,
+                item_id=request.item_id,
+            )
+            if not created:
+                return await self._replay(conn, tc)
+            if spec is None:
+                out = error_output(
+                    f"There is no tool called {request.name}. Use only the tools offered."
+                )
+                await ledger.complete_tool_call(
+                    conn,
+                    tc.id,
+                    decision="invalid",
+                    reason=str(UnknownTool(request.name)),
+                    output=out,
+                )
+                return _reply(out)
+            try:
+                args = spec.parse(request.arguments)
+            except InvalidArguments as exc:
+                out = error_output(
+                    f"Those details didn't fit: {exc}. Ask the caller for what is missing or "
+                    "wrong, then try again."
+                )
+                await ledger.complete_tool_call(
+                    conn, tc.id, decision="invalid", reason=str(exc), output=out
+                )
+                return _reply(out)
+            identity = verification.snapshot()
+            if spec.kind is ToolKind.CONTROL:
+                if isinstance(args, ConfirmOperationArgs):
+                    return await self._confirm(conn, ctx, tc, args, identity)
+                if isinstance(args, VerifyPinArgs):
+                    outcome = verification.submit(args.digits)
+                    out = _pin_output(outcome, verification.attempts_left)
+                    await ledger.complete_tool_call(conn, tc.id, decision=outcome.value, output=out)
+                    return _reply(out)
+                raise ToolError(f"no handler for control tool {spec.name}")
+            norm = spec.normalize(args)
+            if spec.kind is ToolKind.MUTATION:
+                return await self._mutation(conn, ctx, request, tc, spec, args, norm, identity)
+            decision = evaluate(self._input(ctx, spec, args, identity, LedgerFacts()))
+            if not decision.allowed:
+                return await self._refuse(conn, tc, norm, decision)
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="allow", reason=decision.reason, arguments=norm
+            )
+        # Reads run outside any transaction: no connection is held across provider I/O.
+        out = await self._run_read(spec, args)
+        async with self._engine.begin() as conn:
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="allow", reason=decision.reason, arguments=norm, output=out
+            )
+        return _reply(out)
+
+    async def _run_read(self, spec: ToolSpec, args: BaseModel) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(spec.deadline_s):
+                result = await self._read(spec, args)
+        except TimeoutError:
+            return error_output(
+                "I couldn't get an answer in time. Say you'll check again, and try once more.",
+                retryable=True,
+            )
+        except ToolError as exc:
+            log.warning("read %s failed: %s", spec.name, exc)
+            return error_output("I couldn't check that just now.", retryable=exc.retryable)
+        return read_output(spec, result)
+
+    # --- mutations -----------------------------------------------------------------------
+
+    async def _mutation(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        request: FunctionCallRequest,
+        tc: ToolCallRecord,
+        spec: ToolSpec,
+        args: BaseModel,
+        norm: dict[str, Any],
+        identity: CallerIdentity,
+    ) -> ToolReply:
+        resource = spec.resource(args) if spec.resource else None
+        # Serialize admissions of one caller, then of one resource, so counts hold.
+        await ledger.lock_scope(conn, ctx.tenant_id, "caller", ctx.from_number or ctx.call_id)
+        if resource is not None:
+            await ledger.lock_scope(conn, ctx.tenant_id, "resource", resource)
+        key, existing = await self._intent(conn, ctx, spec, norm)
+        if existing is not None:
+            # The same human intent again (model retried, re-asked): one operation.
+            out = self._state_output(spec, existing)
+            await ledger.complete_tool_call(
+                conn,
+                tc.id,
+                decision="duplicate",
+                reason="same intent as an existing operation",
+                arguments=norm,
+                operation_id=existing.operation_id,
+                output=out,
+            )
+            return _reply(out, existing)
+        facts = await self._facts(conn, ctx, spec, args, resource)
+        decision = evaluate(self._input(ctx, spec, args, identity, facts))
+        if decision.outcome in (Outcome.DENY, Outcome.NEEDS_VERIFICATION):
+            return await self._refuse(conn, tc, norm, decision)
+        now = self._clock()
+        awaiting = decision.outcome is Outcome.NEEDS_CONFIRMATION
+        try:
+            adm = await ledger.admit_operation(
+                conn,
+                tenant_id=ctx.tenant_id,
+                tool=spec.name,
+                args=norm,
+                idempotency_key=key,
+                call_id=ctx.call_id,
+                caller=ctx.from_number,
+                turn_id=request.turn_id,
+                resource=resource,
+                status=S.AWAITING_CONFIRMATION if awaiting else S.ADMITTED,
+                readback=decision.readback,
+                confirm_by=now + timedelta(seconds=spec.confirm_window_s) if awaiting else None,
+                expires_at=None
+                if awaiting
+                else now + timedelta(seconds=spec.retry.total_deadline_s),
+                overflow=None if awaiting or decision.overflow is None else decision.overflow.value,
+                actor="policy",
+                reason=decision.reason,
+                data={"rule": decision.rule, "provider_call_id": request.call_id},
+                enqueue=None if awaiting else self._enqueue,
+            )
+        except IdempotencyConflict as exc:
+            out = error_output("That conflicts with an earlier request; nothing was done.")
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="conflict", reason=str(exc), arguments=norm, output=out
+            )
+            return _reply(out)
+        op = adm.operation
+        out = self._state_output(spec, op)
+        await ledger.complete_tool_call(
+            conn,
+            tc.id,
+            decision=decision.outcome.value,
+            reason=decision.reason,
+            arguments=norm,
+            operation_id=op.operation_id,
+            output=out,
+        )
+        return _reply(out, op)
+
+    async def _intent(
+        self, conn: AsyncConnection, ctx: CallContext, spec: ToolSpec, norm: dict[str, Any]
+    ) -> tuple[str, OperationRecord | None]:
+        """The idempotency key for this intent, and its live (or committed) operation if any.
+
+        An intent whose operation was declined, expired or failed for good starts a new
+        generation, so asking again in the same call is a new request, not a dead end.
+        """
+        scope = ctx.call_id
+        for generation in range(1, _MAX_GENERATIONS + 1):
+            key = ledger.derive_idempotency_key(ctx.tenant_id, scope, spec.name, norm, generation)
+            op = await ledger.find_by_idempotency_key(conn, ctx.tenant_id, key)
+            if op is None:
+                return key, None
+            if op.status not in (S.CANCELLED, S.FAILED_FINAL):
+                return key, op
+        raise ToolError("too many attempts at the same request in one call")
+
+    async def _facts(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        spec: ToolSpec,
+        args: BaseModel,
+        resource: str | None,
+    ) -> LedgerFacts:
+        since = self._clock() - self._policy.frequency_window
+        caller_n = (
+            await ledger.count_recent_mutations(
+                conn, ctx.tenant_id, since=since, caller=ctx.from_number
+            )
+            if ctx.from_number
+            else 0
+        )
+        tenant_n = await ledger.count_recent_mutations(conn, ctx.tenant_id, since=since)
+        in_flight = await ledger.count_in_flight(conn, ctx.tenant_id, resource) if resource else 0
+        owns = False
+        if spec.target_ref is not None and ctx.from_number:
+            ref = spec.target_ref(args)
+            for creator in self._registry:
+                if creator.compensated_by != spec.name:
+                    continue
+                op = await ledger.find_by_provider_ref(conn, ctx.tenant_id, creator.name, ref)
+                if op is not None and op.caller == ctx.from_number:
+                    owns = True
+        return LedgerFacts(
+            caller_recent_mutations=caller_n,
+            tenant_recent_mutations=tenant_n,
+            in_flight_on_resource=in_flight,
+            caller_owns_target=owns,
+        )
+
+    def _input(
+        self,
+        ctx: CallContext,
+        spec: ToolSpec,
+        args: BaseModel,
+        identity: CallerIdentity,
+        facts: LedgerFacts,
+        **extra: Any,
+    ) -> PolicyInput:
+        return PolicyInput(
+            tenant_id=ctx.tenant_id,
+            call_id=ctx.call_id,
+            identity=identity,
+            spec=spec,
+            args=args,
+            facts=facts,
+            now=self._clock(),
+            config=self._policy,
+            **extra,
+        )
+
+    async def _refuse(
+        self,
+        conn: AsyncConnection,
+        tc: ToolCallRecord,
+        norm: dict[str, Any],
+        decision: Decision,
+    ) -> ToolReply:
+        if decision.outcome is Outcome.NEEDS_VERIFICATION:
+            out = verification_output(decision.prompt or "Please enter your PIN.")
+        else:
+            out = denied_output(decision.reason, rule=decision.rule)
+        await ledger.complete_tool_call(
+            conn,
+            tc.id,
+            decision=decision.outcome.value,
+            reason=decision.reason,
+            arguments=norm,
+            output=out,
+        )
+        return _reply(out)
+
+    # --- confirmation --------------------------------------------------------------------
+
+    async def _confirm(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        tc: ToolCallRecord,
+        args: ConfirmOperationArgs,
+        identity: CallerIdentity,
+    ) -> ToolReply:
+        norm = args.model_dump(mode="json")
+        op = await ledger.get_operation(conn, args.operation_id, for_update=True)
+
+        async def finish(decision: str, reason: str, out: dict[str, Any]) -> ToolReply:
+            await ledger.complete_tool_call(
+                conn,
+                tc.id,
+                decision=decision,
+                reason=reason,
+                arguments=norm,
+                operation_id=op.operation_id if op else None,
+                output=out,
+            )
+            return _reply(out, op)
+
+        if op is None or op.tenant_id != ctx.tenant_id:
+            op = None
+            return await finish(
+                "deny",
+                "no such operation",
+                denied_output("I can't find that request. Make the request again first."),
+            )
+        if op.call_id != ctx.call_id:
+            await ledger.record_event(
+                conn,
+                op.operation_id,
+                kind="decision",
+                actor="policy",
+                reason="confirmation from another call refused",
+                data={"call_id": ctx.call_id},
+            )
+            op = None  # the reply must not link another call's operation
+            return await finish(
+                "deny",
+                "confirmation from another call",
+                denied_output(
+                    "That request belongs to a different call, so it can't be confirmed here.",
+                    rule="confirmation",
+                ),
+            )
+        spec = self._registry.get(op.tool)
+        if op.status is not S.AWAITING_CONFIRMATION:
+            return await finish(
+                "duplicate", "not awaiting confirmation", self._state_output(spec, op)
+            )
+        now = self._clock()
+        if op.confirm_by is not None and now > op.confirm_by:
+            moved = await ledger.transition(
+                conn,
+                op.operation_id,
+                S.AWAITING_CONFIRMATION,
+                S.CANCELLED,
+                actor="policy",
+                reason="confirmation expired",
+            )
+            op = moved or op
+            return await finish(
+                "expired",
+                "confirmation expired",
+                cancelled_output(
+                    op,
+                    "The confirmation came too late, so the request was cancelled. Offer to "
+                    "make it again.",
+                ),
+            )
+        if not args.confirmed:
+            moved = await ledger.transition(
+                conn,
+                op.operation_id,
+                S.AWAITING_CONFIRMATION,
+                S.CANCELLED,
+                actor="model",
+                reason="caller declined",
+            )
+            op = moved or op
+            return await finish(
+                "declined",
+                "caller declined",
+                cancelled_output(op, "The caller said no, so it was cancelled."),
+            )
+        # Limits are checked again now: admission happens at confirmation, not at request.
+        op_args = spec.args_model.model_validate(op.args)
+        await ledger.lock_scope(conn, ctx.tenant_id, "caller", ctx.from_number or ctx.call_id)
+        if op.resource is not None:
+            await ledger.lock_scope(conn, ctx.tenant_id, "resource", op.resource)
+        facts = await self._facts(conn, ctx, spec, op_args, op.resource)
+        decision = evaluate(
+            self._input(ctx, spec, op_args, identity, facts, confirmed=True, admit_by=op.confirm_by)
+        )
+        if decision.outcome is not Outcome.ALLOW:
+            moved = await ledger.transition(
+                conn,
+                op.operation_id,
+                S.AWAITING_CONFIRMATION,
+                S.CANCELLED,
+                actor="policy",
+                reason=f"refused at confirmation: {decision.reason}",
+                data={"rule": decision.rule},
+            )
+            op = moved or op
+            return await finish(
+                decision.outcome.value,
+                decision.reason,
+                denied_output(decision.reason, rule=decision.rule),
+            )
+        admitted = await ledger.transition(
+            conn,
+            op.operation_id,
+            S.AWAITING_CONFIRMATION,
+            S.ADMITTED,
+            actor="model",
+            reason="caller confirmed",
+            data={"rule": decision.rule, "provider_call_id": tc.provider_call_id},
+            expires_at=now + timedelta(seconds=spec.retry.total_deadline_s),
+            overflow=decision.overflow.value if decision.overflow else None,
+        )
+        if admitted is None:  # pragma: no cover - the row lock is held
+            raise ToolError("operation changed while confirming")
+        await self._enqueue(conn, admitted.operation_id)
+        op = admitted
+        return await finish("allow", decision.reason, self._state_output(spec, admitted))
+
+    # --- replies -------------------------------------------------------------------------
+
+    def _state_output(self, spec: ToolSpec, op: OperationRecord) -> dict[str, Any]:
+        if op.status is S.AWAITING_CONFIRMATION:
+            return confirmation_output(op, spec.confirm_window_s)
+        return operation_output(spec, op)
+
+    async def _replay(self, conn: AsyncConnection, tc: ToolCallRecord) -> ToolReply:
+        """The same provider call delivered again: the same answer, for the current state."""
+        if tc.operation_id is not None:
+            op = await ledger.get_operation(conn, tc.operation_id)
+            if op is not None and op.call_id == tc.call_id and op.tool in self._registry:
+                return _reply(self._state_output(self._registry.get(op.tool), op), op)
+        if tc.output is not None:
+            return _reply(dict(tc.output))
+        return _reply({"status": "in_progress", "message": "Still working on that request."})
+
+
+def _pin_output(outcome: PinOutcome, attempts_left: int) -> dict[str, Any]:
+    messages = {
+        PinOutcome.VERIFIED: "PIN accepted. Call the tool the caller wanted again.",
+        PinOutcome.WRONG: f"That PIN didn't match. {attempts_left} tries left.",
+        PinOutcome.LOCKED: "Too many wrong PINs on this call; verification is locked.",
+        PinOutcome.NO_ACCOUNT: "There is no PIN registered for this number.",
+        PinOutcome.INCOMPLETE: "I didn't get the full PIN.",
+    }
+    return {"status": outcome.value, "message": bounded(messages[outcome])}

@@ -1,0 +1,158 @@
+"""Speakable results: compact, bounded, and truthful about state.
+
+Every output the model receives is a small dict with a `status` and a `message` it can
+say in its own words. A request that is admitted but not confirmed by the system of
+record is never phrased as done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from tools.ledger import OperationRecord
+from tools.registry import OverflowPolicy, ToolSpec
+from tools.states import OperationStatus
+
+S = OperationStatus
+
+MAX_MESSAGE_CHARS = 300
+MAX_VALUE_CHARS = 120
+MAX_FIELDS = 8
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Cut at a word boundary with an ellipsis: never a wall of text for the caller."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1].rsplit(" ", 1)[0]
+    return cut + "…"
+
+
+def compact(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A few scalar fields, each short; nested structures become short text or go."""
+    out: dict[str, Any] = {}
+    for k, v in list(data.items())[:MAX_FIELDS]:
+        if v is None or isinstance(v, bool | int | float):
+            out[k] = v
+        elif isinstance(v, str):
+            out[k] = bounded(v, MAX_VALUE_CHARS)
+        elif isinstance(v, list | tuple) and all(isinstance(x, str | int) for x in v):
+            out[k] = [x for x in v[:5]]
+        else:
+            out[k] = bounded(str(v), MAX_VALUE_CHARS)
+    return out
+
+
+def error_output(message: str, *, retryable: bool = False) -> dict[str, Any]:
+    return {"status": "error", "message": bounded(message), "retryable": retryable}
+
+
+def denied_output(reason: str, *, rule: str = "") -> dict[str, Any]:
+    return {"status": "denied", "message": bounded(reason), "rule": rule}
+
+
+def verification_output(prompt: str) -> dict[str, Any]:
+    return {
+        "status": "needs_verification",
+        "message": bounded(f"{prompt} After the caller has entered it, call the same tool again."),
+    }
+
+
+def read_output(spec: ToolSpec, result: Mapping[str, Any]) -> dict[str, Any]:
+    shaped = spec.shape_result(result) if spec.shape_result else compact(result)
+    shaped.setdefault("status", "ok")
+    if "message" in shaped:
+        shaped["message"] = bounded(str(shaped["message"]))
+    return compact(shaped)
+
+
+def describe_operation(spec: ToolSpec, op: OperationRecord) -> str:
+    try:
+        return spec.describe_args(spec.args_model.model_validate(op.args))
+    except ValidationError:
+        return spec.name.replace("_", " ")
+
+
+def status_message(spec: ToolSpec, op: OperationRecord) -> str:
+    """One speakable sentence saying where the operation stands. Only `committed` says done."""
+    what = describe_operation(spec, op)
+    match op.status:
+        case S.AWAITING_CONFIRMATION:
+            return f"Not done yet: waiting for the caller to confirm {what}."
+        case S.ADMITTED:
+            if op.overflow == OverflowPolicy.DEGRADE:
+                return (
+                    f"Requested {what}. It is not confirmed yet; we are busy, so the caller "
+                    "will get a text message once the restaurant confirms."
+                )
+            if op.overflow == OverflowPolicy.QUEUE:
+                return (
+                    f"Requested {what}. It is queued behind other requests and not "
+                    "confirmed yet; I will share the outcome when it arrives."
+                )
+            return (
+                f"Requested {what}. The restaurant has not confirmed it yet; I will share "
+                "the outcome when it arrives."
+            )
+        case S.RUNNING:
+            return f"Sending {what} to the restaurant now; it is not confirmed yet."
+        case S.FAILED_RETRYABLE:
+            return f"A temporary problem with {what}; it is being retried and is not done yet."
+        case S.UNKNOWN:
+            return (
+                f"We are checking with the restaurant whether {what} went through; "
+                "it is not confirmed yet."
+            )
+        case S.COMMITTED:
+            ref = f" Reference {op.provider_ref}." if op.provider_ref else ""
+            return f"Done and confirmed by the restaurant: {what}.{ref}"
+        case S.FAILED_FINAL:
+            why = f" ({op.error})" if op.error else ""
+            return f"That could not be done: {what}{why}. Nothing was changed."
+        case S.CANCELLED:
+            return f"That request was cancelled and nothing was done: {what}."
+    return f"Status of {what}: {op.status}."  # pragma: no cover
+
+
+def operation_output(spec: ToolSpec, op: OperationRecord) -> dict[str, Any]:
+    """What the model hears about an operation right now."""
+    out: dict[str, Any] = {
+        "status": op.status.value,
+        "operation_id": str(op.operation_id),
+        "message": bounded(status_message(spec, op)),
+    }
+    if op.status is S.COMMITTED:
+        if op.provider_ref:
+            out["reference"] = op.provider_ref
+        if op.result and spec.shape_result:
+            out["details"] = compact(spec.shape_result(op.result))
+    if op.status is S.ADMITTED and op.overflow:
+        out["overflow"] = op.overflow
+    return out
+
+
+def confirmation_output(op: OperationRecord, window_s: float) -> dict[str, Any]:
+    """Tell the model exactly what to read back and how to report the answer."""
+    readback = op.readback or "Please confirm the request. Say yes to confirm."
+    return {
+        "status": "awaiting_confirmation",
+        "operation_id": str(op.operation_id),
+        "readback": bounded(readback),
+        "confirm_within_s": int(window_s),
+        "message": bounded(
+            "Not done yet. Read the readback to the caller word for word, then call "
+            "confirm_operation with this operation_id and confirmed true or false."
+        ),
+    }
+
+
+def cancelled_output(op: OperationRecord, reason: str) -> dict[str, Any]:
+    return {
+        "status": "cancelled",
+        "operation_id": str(op.operation_id),
+        "message": bounded(f"{reason} Nothing was done."),
+    }
