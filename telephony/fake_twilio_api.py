@@ -1,0 +1,611 @@
+"""A fake Twilio REST API: a real HTTP server answering the endpoints the twilio library
+calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed callbacks.
+
+- `POST /2010-04-01/Accounts/{AccountSid}/Calls/{CallSid}.json`: `Status=completed` ends
+  the call (an attached `FakeTwilioCaller` sends `stop` and closes its stream, as Twilio
+  would); `Twiml=...` replaces the call's instructions, which ends the media stream.
+- `GET  .../Calls/{CallSid}.json`
+- `POST /2010-04-01/Accounts/{AccountSid}/Messages.json`: 201 with a queued message, then
+  signed status callbacks (`sent`, `delivered`; or `undelivered` / `failed`).
+- `GET  .../Messages/{MessageSid}.json`
+
+Every request is recorded. Runs in-process on an ephemeral port (uvicorn, this loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import secrets
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import format_datetime
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp
+from twilio.request_validator import RequestValidator
+
+from telephony.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, parse_twiml
+
+if TYPE_CHECKING:
+    from telephony.fake_caller import FakeTwilioCaller
+
+API_VERSION = "2010-04-01"
+SmsOutcome: TypeAlias = Literal["delivered", "undelivered", "failed"]
+
+# Twilio's error codes for the failures this fake produces.
+_SMS_ERROR_CODES: dict[str, int] = {"undelivered": 30003, "failed": 30008}
+
+
+class InProcessServer:
+    """An ASGI app served by uvicorn inside the running event loop, on its own port."""
+
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self, timeout: float = 10.0) -> str:  # noqa: ASYNC109
+        """Bind, serve, and return the base URL once the server accepts connections."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self._socket = sock
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            ws="websockets-sansio",
+            access_log=False,
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(
+            self._server.serve(sockets=[sock]), name=f"uvicorn-{self.port}"
+        )
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("server stopped before it started")
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise TimeoutError(f"server on port {self.port} did not start in {timeout} s")
+            await asyncio.sleep(0.01)
+        return self.base_url
+
+    async def stop(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+        """Stop serving; force-close connections if a graceful stop takes too long."""
+        server, task = self._server, self._task
+        if server is None or task is None:
+            return
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            server.force_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            self._server = None
+            self._task = None
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
+
+
+def _rfc2822(moment: datetime) -> str:
+    return format_datetime(moment, usegmt=True)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request the fake API received, and how it answered."""
+
+    t: float
+    method: str
+    path: str
+    form: dict[str, str]
+    headers: dict[str, str]
+    authorized: bool
+    status: int
+
+
+@dataclass(frozen=True)
+class CallbackRecord:
+    """A signed status callback the fake API sent."""
+
+    t: float
+    url: str
+    delivered_to: str
+    params: dict[str, str]
+    signature: str
+    status_code: int | None
+    error: str | None
+
+
+@dataclass
+class FakeCall:
+    """A call known to the fake API."""
+
+    sid: str
+    account_sid: str
+    from_number: str
+    to_number: str
+    status: str = "in-progress"
+    direction: str = "inbound"
+    created: datetime = field(default_factory=_now)
+    ended: datetime | None = None
+    twiml: list[str] = field(default_factory=list)
+
+    def resource(self) -> dict[str, Any]:
+        uri = f"/{API_VERSION}/Accounts/{self.account_sid}/Calls/{self.sid}.json"
+        base = uri.removesuffix(".json")
+        duration = None
+        if self.ended is not None:
+            duration = str(int((self.ended - self.created).total_seconds()))
+        return {
+            "sid": self.sid,
+            "date_created": _rfc2822(self.created),
+            "date_updated": _rfc2822(self.ended or self.created),
+            "parent_call_sid": None,
+            "account_sid": self.account_sid,
+            "to": self.to_number,
+            "to_formatted": self.to_number,
+            "from": self.from_number,
+            "from_formatted": self.from_number,
+            "phone_number_sid": "PN" + "0" * 32,
+            "status": self.status,
+            "start_time": _rfc2822(self.created),
+            "end_time": _rfc2822(self.ended) if self.ended else None,
+            "duration": duration,
+            "price": None,
+            "price_unit": "USD",
+            "direction": self.direction,
+            "answered_by": None,
+            "api_version": API_VERSION,
+            "forwarded_from": None,
+            "group_sid": None,
+            "caller_name": None,
+            "queue_time": "0",
+            "trunk_sid": None,
+            "uri": uri,
+            "subresource_uris": {
+                "notifications": f"{base}/Notifications.json",
+                "recordings": f"{base}/Recordings.json",
+                "streams": f"{base}/Streams.json",
+                "payments": f"{base}/Payments.json",
+                "events": f"{base}/Events.json",
+            },
+        }
+
+
+@dataclass
+class FakeMessage:
+    """An SMS sent through the fake API, with every status it went through."""
+
+    sid: str
+    account_sid: str
+    to_number: str
+    from_number: str
+    body: str
+    status_callback: str | None
+    status: str = "queued"
+    statuses: list[str] = field(default_factory=lambda: ["queued"])
+    error_code: int | None = None
+    created: datetime = field(default_factory=_now)
+    sent: datetime | None = None
+
+    def resource(self) -> dict[str, Any]:
+        uri = f"/{API_VERSION}/Accounts/{self.account_sid}/Messages/{self.sid}.json"
+        base = uri.removesuffix(".json")
+        return {
+            "body": self.body,
+            "num_segments": str(max(1, -(-len(self.body) // 160))),
+            "direction": "outbound-api",
+            "from": self.from_number,
+            "to": self.to_number,
+            "date_updated": _rfc2822(self.sent or self.created),
+            "price": None,
+            "error_message": None,
+            "uri": uri,
+            "account_sid": self.account_sid,
+            "num_media": "0",
+            "status": self.status,
+            "messaging_service_sid": None,
+            "sid": self.sid,
+            "date_sent": _rfc2822(self.sent) if self.sent else None,
+            "date_created": _rfc2822(self.created),
+            "error_code": self.error_code,
+            "price_unit": "USD",
+            "api_version": API_VERSION,
+            "subresource_uris": {
+                "media": f"{base}/Media.json",
+                "feedback": f"{base}/Feedback.json",
+            },
+        }
+
+
+def _error(status: int, code: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        {
+            "code": code,
+            "message": message,
+            "more_info": f"https://www.twilio.com/docs/errors/{code}",
+            "status": status,
+        },
+        status_code=status,
+    )
+
+
+class FakeTwilioApi:
+    """Twilio's REST API for one account, served locally (see the module docstring).
+
+    `callback_base_url`, when set, replaces scheme and host of status callback URLs for
+    delivery (the signature still covers the URL as given, like behind a proxy).
+    """
+
+    def __init__(
+        self,
+        *,
+        account_sid: str = DEFAULT_ACCOUNT_SID,
+        auth_token: str = DEFAULT_AUTH_TOKEN,
+        sms_outcome: SmsOutcome = "delivered",
+        sms_step_delay_s: float = 0.05,
+        callback_base_url: str | None = None,
+        call_status_callback_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 10.0,
+    ) -> None:
+        self.account_sid = account_sid
+        self.auth_token = auth_token
+        self.sms_outcome: SmsOutcome = sms_outcome
+        self.sms_outcomes_by_to: dict[str, SmsOutcome] = {}
+        self.sms_step_delay_s = sms_step_delay_s
+        self.callback_base_url = callback_base_url
+        self.call_status_callback_url = call_status_callback_url
+        self.timeout = timeout
+        self.requests: list[RecordedRequest] = []
+        self.callbacks: list[CallbackRecord] = []
+        self.calls: dict[str, FakeCall] = {}
+        self.messages: dict[str, FakeMessage] = {}
+        self._callers: dict[str, FakeTwilioCaller] = {}
+        self._failures: list[tuple[int, int, str]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        self._http: httpx.AsyncClient | None = None
+        self._validator = RequestValidator(auth_token)
+        prefix = f"/{API_VERSION}/Accounts/{{account_sid}}"
+        app = Starlette(
+            routes=[
+                Route(f"{prefix}/Calls/{{call_sid}}.json", self._call, methods=["GET", "POST"]),
+                Route(f"{prefix}/Messages.json", self._create_message, methods=["POST"]),
+                Route(f"{prefix}/Messages/{{message_sid}}.json", self._get_message),
+            ]
+        )
+        self._server = InProcessServer(app, host, port)
+
+    # Lifecycle.
+
+    @property
+    def base_url(self) -> str:
+        """Where the API listens: give this to `make_twilio_client(api_base_url=...)`."""
+        return self._server.base_url
+
+    async def start(self) -> str:
+        """Start serving; return the base URL."""
+        self._http = httpx.AsyncClient(timeout=self.timeout)
+        return await self._server.start()
+
+    async def stop(self) -> None:
+        """Let pending callbacks and hangups finish (briefly), then stop serving."""
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.timeout)
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self._server.stop()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> FakeTwilioApi:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # Scenario control.
+
+    def attach(self, caller: FakeTwilioCaller) -> FakeCall:
+        """Know `caller`'s call: REST updates to its CallSid act on that caller."""
+        call = self.add_call(caller.call_sid, caller.from_number, caller.to_number)
+        self._callers[caller.call_sid] = caller
+        return call
+
+    def add_call(self, call_sid: str, from_number: str, to_number: str) -> FakeCall:
+        """Know a live call without a fake caller behind it."""
+        call = FakeCall(call_sid, self.account_sid, from_number, to_number)
+        self.calls[call_sid] = call
+        return call
+
+    def fail_next(self, count: int = 1, status: int = 503, code: int = 20503) -> None:
+        """Answer the next `count` API requests with an error (after auth succeeds)."""
+        message = "Service Unavailable" if status >= 500 else "Too Many Requests"
+        self._failures.extend([(status, code, message)] * count)
+
+    def requests_to(self, path_suffix: str, method: str = "POST") -> list[RecordedRequest]:
+        """Recorded requests whose path ends with `path_suffix`."""
+        return [r for r in self.requests if r.method == method and r.path.endswith(path_suffix)]
+
+    async def wait_for(
+        self,
+        predicate: Callable[[FakeTwilioApi], bool],
+        timeout: float = 10.0,  # noqa: ASYNC109
+    ) -> None:
+        """Wait until `predicate(api)` holds; TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._changed.clear()
+            if predicate(self):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"fake Twilio API condition not met within {timeout} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    # HTTP handlers.
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        scheme, _, encoded = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, _, password = base64.b64decode(encoded).decode().partition(":")
+        except ValueError:
+            return False
+        return (
+            secrets.compare_digest(user, self.account_sid)
+            and secrets.compare_digest(password, self.auth_token)
+            and request.path_params.get("account_sid") == self.account_sid
+        )
+
+    async def _admit(self, request: Request) -> tuple[dict[str, str], JSONResponse | None]:
+        """Read the form, check auth and injected failures; an error response or None."""
+        form_data = await request.form()
+        form = {k: v for k, v in form_data.items() if isinstance(v, str)}
+        if not self._authorized(request):
+            return form, JSONResponse(
+                {
+                    "code": 20003,
+                    "detail": "Your AccountSid or AuthToken was incorrect.",
+                    "message": "Authenticate",
+                    "more_info": "https://www.twilio.com/docs/errors/20003",
+                    "status": 401,
+                },
+                status_code=401,
+                headers={"WWW-Authenticate": 'Basic realm="Twilio API"'},
+            )
+        if self._failures:
+            status, code, message = self._failures.pop(0)
+            return form, _error(status, code, message)
+        return form, None
+
+    def _record(
+        self, request: Request, form: dict[str, str], response: JSONResponse
+    ) -> JSONResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
+        self.requests.append(
+            RecordedRequest(
+                time.monotonic(),
+                request.method,
+                request.url.path,
+                form,
+                headers,
+                response.status_code != 401,
+                response.status_code,
+            )
+        )
+        self._changed.set()
+        return response
+
+    def _not_found(self, request: Request) -> JSONResponse:
+        return _error(404, 20404, f"The requested resource {request.url.path} was not found")
+
+    async def _call(self, request: Request) -> JSONResponse:
+        form, refused = await self._admit(request)
+        if refused is not None:
+            return self._record(request, form, refused)
+        call = self.calls.get(request.path_params["call_sid"])
+        if call is None:
+            return self._record(request, form, self._not_found(request))
+        if request.method == "POST":
+            response = self._update_call(call, form)
+            if response is not None:
+                return self._record(request, form, response)
+        return self._record(request, form, JSONResponse(call.resource()))
+
+    def _update_call(self, call: FakeCall, form: dict[str, str]) -> JSONResponse | None:
+        status = form.get("Status")
+        twiml = form.get("Twiml")
+        if status is None and twiml is None and form.get("Url") is None:
+            return None
+        if call.status != "in-progress":
+            return _error(400, 21220, "Call is not in-progress. Cannot redirect.")
+        caller = self._callers.get(call.sid)
+        if status == "completed":
+            self._complete(call, caller, "call completed through the REST API")
+        elif twiml is not None:
+            call.twiml.append(twiml)
+            if caller is not None:
+                caller.twiml_updates.append(twiml)
+            # New instructions replace <Connect><Stream>: the stream stops. Without a new
+            # stream the call ends once the instructions have run.
+            if parse_twiml(twiml).kind != "stream":
+                self._complete(call, caller, "call updated with TwiML that ends it")
+        return None
+
+    def _complete(self, call: FakeCall, caller: FakeTwilioCaller | None, reason: str) -> None:
+        call.status = "completed"
+        call.ended = _now()
+        if caller is not None:
+            self._spawn(caller.end_by_twilio(reason), f"fake-twilio-hangup-{call.sid}")
+        if self.call_status_callback_url:
+            params = {
+                "CallSid": call.sid,
+                "AccountSid": call.account_sid,
+                "From": call.from_number,
+                "To": call.to_number,
+                "CallStatus": "completed",
+                "Direction": call.direction,
+                "ApiVersion": API_VERSION,
+                "CallDuration": str(int((call.ended - call.created).total_seconds())),
+            }
+            self._spawn(
+                self._callback(self.call_status_callback_url, params),
+                f"fake-twilio-call-status-{call.sid}",
+            )
+        self._changed.set()
+
+    async def _create_message(self, request: Request) -> JSONResponse:
+        form, refused = await self._admit(request)
+        if refused is not None:
+            return self._record(request, form, refused)
+        to = form.get("To")
+        sender = form.get("From") or form.get("MessagingServiceSid")
+        body = form.get("Body")
+        if not to:
+            return self._record(
+                request, form, _error(400, 21604, "A 'To' phone number is required.")
+            )
+        if not sender:
+            return self._record(
+                request, form, _error(400, 21603, "A 'From' phone number is required.")
+            )
+        if not body and not form.get("MediaUrl"):
+            return self._record(request, form, _error(400, 21602, "Message body is required."))
+        message = FakeMessage(
+            sid="SM" + secrets.token_hex(16),
+            account_sid=self.account_sid,
+            to_number=to,
+            from_number=sender,
+            body=body or "",
+            status_callback=form.get("StatusCallback"),
+        )
+        self.messages[message.sid] = message
+        outcome = self.sms_outcomes_by_to.get(to, self.sms_outcome)
+        self._spawn(self._deliver(message, outcome), f"fake-twilio-sms-{message.sid}")
+        return self._record(request, form, JSONResponse(message.resource(), status_code=201))
+
+    async def _get_message(self, request: Request) -> JSONResponse:
+        form, refused = await self._admit(request)
+        if refused is not None:
+            return self._record(request, form, refused)
+        message = self.messages.get(request.path_params["message_sid"])
+        if message is None:
+            return self._record(request, form, self._not_found(request))
+        return self._record(request, form, JSONResponse(message.resource()))
+
+    # Message lifecycle and callbacks.
+
+    async def _deliver(self, message: FakeMessage, outcome: SmsOutcome) -> None:
+        steps = ["failed"] if outcome == "failed" else ["sent", outcome]
+        for status in steps:
+            await asyncio.sleep(self.sms_step_delay_s)
+            message.status = status
+            message.statuses.append(status)
+            if status == "sent":
+                message.sent = _now()
+            if status in _SMS_ERROR_CODES:
+                message.error_code = _SMS_ERROR_CODES[status]
+            self._changed.set()
+            if message.status_callback:
+                params = {
+                    "SmsSid": message.sid,
+                    "SmsStatus": status,
+                    "MessageStatus": status,
+                    "MessageSid": message.sid,
+                    "AccountSid": message.account_sid,
+                    "From": message.from_number,
+                    "To": message.to_number,
+                    "ApiVersion": API_VERSION,
+                }
+                if message.error_code is not None:
+                    params["ErrorCode"] = str(message.error_code)
+                await self._callback(message.status_callback, params)
+
+    def delivery_url(self, url: str) -> str:
+        """Where a callback for `url` is actually sent."""
+        if not self.callback_base_url:
+            return url
+        base = urlsplit(self.callback_base_url)
+        parts = urlsplit(url)
+        return urlunsplit((base.scheme, base.netloc, parts.path, parts.query, parts.fragment))
+
+    async def _callback(self, url: str, params: dict[str, str]) -> None:
+        signature = self._validator.compute_signature(url, params)
+        target = self.delivery_url(url)
+        status_code: int | None = None
+        error: str | None = None
+        assert self._http is not None, "start() the fake API first"
+        try:
+            response = await self._http.post(
+                target,
+                data=params,
+                headers={
+                    "X-Twilio-Signature": signature,
+                    "User-Agent": "TwilioProxy/1.1",
+                    "Content-Type": "application/x-www-form-urlencoded; charset=UTF-8",
+                },
+            )
+            status_code = response.status_code
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        self.callbacks.append(
+            CallbackRecord(time.monotonic(), url, target, params, signature, status_code, error)
+        )
+        self._changed.set()
+
+
+__all__ = [
+    "CallbackRecord",
+    "FakeCall",
+    "FakeMessage",
+    "FakeTwilioApi",
+    "InProcessServer",
+    "RecordedRequest",
+]
