@@ -50,6 +50,14 @@ from tools.sor_protocol import (
 log = logging.getLogger(__name__)
 
 SEATS_PER_SLOT = 40
+# Booking references are read out on the phone: upper case, no look-alike characters.
+_REF_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+
+
+def new_booking_id() -> str:
+    """A fresh, speakable booking reference such as `BK7QX2MHN4`."""
+    return "BK" + "".join(secrets.choice(_REF_ALPHABET) for _ in range(8))
+
 
 _SCHEMA_SQL = """
 CREATE SCHEMA IF NOT EXISTS sor;
@@ -406,9 +414,7 @@ class SystemOfRecord:
                 raise _DomainError(
                     422, ErrorBody(code="no_availability", message="no table for that slot")
                 )
-            booking = Booking(
-                id="bk_" + secrets.token_hex(6), status="confirmed", **req.model_dump()
-            )
+            booking = Booking(id=new_booking_id(), status="confirmed", **req.model_dump())
             await conn.execute(
                 "INSERT INTO sor.bookings (id, date, time, party_size, name, status) "
                 "VALUES (%s, %s, %s, %s, %s, 'confirmed')",

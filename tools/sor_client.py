@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import date as Date
-from enum import StrEnum
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
+from tools.provider import Outcome
 from tools.sor_protocol import (
     CALLBACK_URL_HEADER,
     IDEMPOTENCY_HEADER,
@@ -25,16 +25,6 @@ from tools.sor_protocol import (
     ErrorBody,
     KeyStatus,
 )
-
-
-class Outcome(StrEnum):
-    """How a provider call ended, as far as the caller can know."""
-
-    committed = "committed"
-    pending = "pending"
-    failed_retryable = "failed_retryable"
-    failed_final = "failed_final"
-    unknown = "unknown"
 
 
 @dataclass(frozen=True, slots=True)

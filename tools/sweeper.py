@@ -1,0 +1,160 @@
+"""The sweeper: nothing stays stranded, whatever died or hung.
+
+Each sweep:
+1. jobs of dead workers (Procrastinate's stalled jobs: no heartbeat) are closed, and their
+   operations, if still `running`, go to `unknown` at once;
+2. `running` operations past their attempt deadline go to `unknown` (a dead worker is not
+   the only way to hang);
+3. `unknown` operations due for a check are reconciled with the provider;
+4. confirmations whose window passed are cancelled.
+
+Several sweepers may run at once (one per worker): every move is a conditional transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import procrastinate
+import sqlalchemy as sa
+from procrastinate.jobs import Status as JobStatus
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tools import ledger
+from tools.ledger_models import operations_table as ops_t
+from tools.reconcile import Reconciler
+from tools.states import OperationStatus
+
+S = OperationStatus
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepReport:
+    """What one sweep did."""
+
+    timed_out: list[uuid.UUID] = field(default_factory=list)
+    reconciled: dict[uuid.UUID, str] = field(default_factory=dict)  # id -> status after
+    expired: list[uuid.UUID] = field(default_factory=list)
+    stalled_jobs: int = 0
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Sweeper:
+    """Periodic recovery of running, unknown and expired operations."""
+
+    def __init__(
+        self,
+        *,
+        engine: AsyncEngine,
+        reconciler: Reconciler,
+        app: procrastinate.App | None = None,
+        task_name: str | None = None,
+        interval_s: float = 5.0,
+        stalled_after_s: float = 30.0,
+        batch: int = 100,
+        actor: str = "sweeper",
+    ) -> None:
+        self.engine = engine
+        self.reconciler = reconciler
+        self.app = app
+        self.task_name = task_name
+        self.interval_s = interval_s
+        self.stalled_after_s = stalled_after_s
+        self.batch = batch
+        self.actor = actor
+
+    async def sweep_once(self, now: datetime | None = None) -> SweepReport:
+        report = SweepReport()
+        now = now or _now()
+        if self.app is not None:
+            await self._close_stalled_jobs(report)
+        async with self.engine.begin() as conn:
+            for op in await ledger.list_running_past_deadline(conn, now, self.batch):
+                moved = await ledger.transition(
+                    conn,
+                    op.operation_id,
+                    S.RUNNING,
+                    S.UNKNOWN,
+                    actor=self.actor,
+                    reason="running past its deadline; outcome unknown until reconciled",
+                    data={"deadline": op.deadline.isoformat() if op.deadline else None},
+                )
+                if moved is not None:
+                    report.timed_out.append(op.operation_id)
+        for op_id in await self._unknown_due(now):
+            after = await self.reconciler.reconcile(op_id, now=now)
+            if after is not None:
+                report.reconciled[op_id] = after.status.value
+        async with self.engine.begin() as conn:
+            report.expired = await ledger.expire_confirmations(conn, now, actor=self.actor)
+        return report
+
+    async def _unknown_due(self, now: datetime) -> list[uuid.UUID]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                sa.select(ops_t.c.operation_id)
+                .where(
+                    ops_t.c.status == S.UNKNOWN.value,
+                    sa.or_(ops_t.c.next_attempt_at.is_(None), ops_t.c.next_attempt_at <= now),
+                )
+                .order_by(ops_t.c.updated_at)
+                .limit(self.batch)
+            )
+            return [r.operation_id for r in rows]
+
+    async def _close_stalled_jobs(self, report: SweepReport) -> None:
+        """Jobs whose worker stopped heartbeating will never finish: close them, and move
+        their running operations to `unknown` without waiting for the attempt deadline."""
+        assert self.app is not None
+        manager = self.app.job_manager
+        jobs = await manager.get_stalled_jobs(
+            task_name=self.task_name, seconds_since_heartbeat=self.stalled_after_s
+        )
+        for job in jobs:
+            assert job.id is not None
+            await manager.finish_job_by_id_async(
+                job_id=job.id, status=JobStatus.FAILED, delete_job=False
+            )
+            report.stalled_jobs += 1
+            raw_id = job.task_kwargs.get("operation_id")
+            if not isinstance(raw_id, str):
+                continue
+            async with self.engine.begin() as conn:
+                moved = await ledger.transition(
+                    conn,
+                    uuid.UUID(raw_id),
+                    S.RUNNING,
+                    S.UNKNOWN,
+                    actor=self.actor,
+                    reason="its worker stopped (stalled job); outcome unknown until reconciled",
+                    data={"job_id": job.id},
+                )
+            if moved is not None:
+                report.timed_out.append(moved.operation_id)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sweep every `interval_s` until `stop` is set; a failed sweep is logged, not fatal."""
+        while not stop.is_set():
+            try:
+                report = await self.sweep_once()
+                if report.timed_out or report.reconciled or report.expired:
+                    log.info(
+                        "sweep: %d timed out, %d reconciled, %d confirmations expired",
+                        len(report.timed_out),
+                        len(report.reconciled),
+                        len(report.expired),
+                    )
+            except Exception:
+                log.exception("sweep failed; trying again next interval")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
