@@ -96,13 +96,41 @@ class ToolPipeline:
         except Exception:
             # The call must survive any bug here; the model hears an honest non-answer.
             log.exception("tool call %s (%s) failed", request.call_id, request.name)
-            return _reply(
-                error_output(
-                    "Something went wrong on our side with that request, so don't tell the "
-                    "caller it was done. Offer to try again.",
-                    retryable=True,
-                )
+            out = error_output(
+                "Something went wrong on our side with that request, so don't tell the "
+                "caller it was done. Offer to try again.",
+                retryable=True,
             )
+            await self._record_failure(ctx, request, out)
+            return _reply(out)
+
+    async def _record_failure(
+        self, ctx: CallContext, request: FunctionCallRequest, out: dict[str, Any]
+    ) -> None:
+        """Best effort: the failed call's transaction rolled back, so record it afresh."""
+        spec = self._registry.get(request.name) if request.name in self._registry else None
+        raw = (
+            json.dumps({"redacted": True}) if spec and spec.redact_arguments else request.arguments
+        )
+        try:
+            async with self._engine.begin() as conn:
+                tc, created = await ledger.record_tool_call(
+                    conn,
+                    call_id=ctx.call_id,
+                    provider_call_id=request.call_id,
+                    tenant_id=ctx.tenant_id,
+                    tool=request.name,
+                    raw_arguments=raw,
+                    turn_id=request.turn_id,
+                    response_id=request.response_id,
+                    item_id=request.item_id,
+                )
+                if created:
+                    await ledger.complete_tool_call(
+                        conn, tc.id, decision="error", reason="internal error", output=out
+                    )
+        except Exception:
+            log.exception("could not record failed tool call %s", request.call_id)
 
     async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
         state = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
@@ -321,15 +349,15 @@ class ToolPipeline:
         args: BaseModel,
         resource: str | None,
     ) -> LedgerFacts:
-        since = self._clock() - self._policy.frequency_window
+        window = self._policy.frequency_window
         caller_n = (
             await ledger.count_recent_mutations(
-                conn, ctx.tenant_id, since=since, caller=ctx.from_number
+                conn, ctx.tenant_id, window=window, caller=ctx.from_number
             )
             if ctx.from_number
             else 0
         )
-        tenant_n = await ledger.count_recent_mutations(conn, ctx.tenant_id, since=since)
+        tenant_n = await ledger.count_recent_mutations(conn, ctx.tenant_id, window=window)
         in_flight = await ledger.count_in_flight(conn, ctx.tenant_id, resource) if resource else 0
         owns = False
         if spec.target_ref is not None and ctx.from_number:

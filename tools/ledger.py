@@ -534,9 +534,10 @@ async def find_by_provider_ref(
 
 
 async def count_recent_mutations(
-    conn: AsyncConnection, tenant_id: str, *, since: datetime, caller: str | None = None
+    conn: AsyncConnection, tenant_id: str, *, window: timedelta, caller: str | None = None
 ) -> int:
-    """Operations admitted since `since` (for a caller, or the whole tenant)."""
+    """Operations admitted within `window` of the database clock (a caller, or the tenant)."""
+    since = sa.func.now() - window
     stmt = (
         sa.select(sa.func.count())
         .select_from(ops_t)

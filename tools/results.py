@@ -95,8 +95,8 @@ def status_message(spec: ToolSpec, op: OperationRecord) -> str:
                     "confirmed yet; I will share the outcome when it arrives."
                 )
             return (
-                f"Requested {what}. The restaurant has not confirmed it yet; I will share "
-                "the outcome when it arrives."
+                f"Requested {what}. It is not confirmed yet: the restaurant still has to "
+                "confirm it, and I will share the outcome when it arrives."
             )
         case S.RUNNING:
             return f"Sending {what} to the restaurant now; it is not confirmed yet."
