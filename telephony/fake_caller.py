@@ -873,7 +873,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `voice-agent call`."""
     parser.add_argument("--server", default="http://127.0.0.1:8000", help="base URL to connect to")
     parser.add_argument(
-        "--public-url", default=None, help="base URL the server is known by (default: --server)"
+        "--public-url",
+        default=os.environ.get("PUBLIC_BASE_URL"),
+        help="base URL the server is known by, which Twilio signs "
+        "(default: $PUBLIC_BASE_URL, else --server)",
     )
     parser.add_argument(
         "--auth-token",
@@ -891,7 +894,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tail-ms", type=int, default=8000, help="how long to stay on after speaking"
     )
     parser.add_argument(
-        "--lead-ms", type=int, default=500, help="silence before speaking (to hear a greeting)"
+        "--greeting-timeout-ms",
+        type=int,
+        default=5000,
+        help="before speaking, wait this long at most for a greeting to finish playing",
+    )
+    parser.add_argument(
+        "--lead-ms", type=int, default=300, help="silence before speaking, after the greeting"
     )
 
 
@@ -909,6 +918,11 @@ async def run_call(args: argparse.Namespace) -> FakeTwilioCaller:
         outcome = await caller.dial()
         if outcome.kind == "stream" and not caller.closed:
             try:
+                with contextlib.suppress(TimeoutError):
+                    await caller.wait_for(
+                        lambda c: c.heard_ms > 0 and c.buffered_ms == 0,
+                        args.greeting_timeout_ms / 1000,
+                    )
                 await caller.play_silence(args.lead_ms)
                 if args.wav:
                     await caller.play_wav(args.wav)
