@@ -174,7 +174,7 @@ class Reconciler:
                 if finding.state == "not_found" and cur.deadline is not None:
                     at = max(cur.deadline, now)
                 await schedule_recheck(conn, operation_id, at)
-                return cur
+                return await ledger.get_operation(conn, operation_id)
             # Proved never applied.
             if cur.cancel_requested:
                 return await ledger.transition(
