@@ -338,6 +338,7 @@ class FakeTwilioCaller:
         self.protocol_errors: list[str] = []
         self.twiml_updates: list[str] = []
         self.media_frames_sent = 0
+        self.media_received_bytes = 0
 
         self._playout = PlayoutBuffer(BYTES_PER_SECOND * speed)
         self._mark_received_at: dict[str, deque[float]] = {}
@@ -647,11 +648,7 @@ class FakeTwilioCaller:
     @property
     def media_received_ms(self) -> float:
         """All outbound audio the server sent, heard or not."""
-        total = 0
-        for m in self.received:
-            if m.event == "media" and m.data is not None:
-                total += len(base64.b64decode(m.data["media"]["payload"]))
-        return audio.duration_ms(total, "pcmu")
+        return audio.duration_ms(self.media_received_bytes, "pcmu")
 
     def heard_audio(self) -> bytes:
         """Everything the caller heard, back to back (mu-law)."""
@@ -818,6 +815,7 @@ class FakeTwilioCaller:
                 self.protocol_errors.append("media payload is not base64")
                 self._notify()
                 return
+            self.media_received_bytes += len(chunk)
             await self._echo(self._playout.push_audio(chunk, now), now)
         elif isinstance(message, OutMark):
             self._mark_received_at.setdefault(message.mark.name, deque()).append(now)

@@ -453,6 +453,11 @@ class FakeTwilioApi:
         call = self.calls.get(request.path_params["call_sid"])
         if call is None:
             return self._record(request, form, self._not_found(request))
+        caller = self._callers.get(call.sid)
+        if caller is not None and caller.closed and call.status == "in-progress":
+            # The caller hung up, or the stream ended with nothing after it: the call is over.
+            call.status = "completed"
+            call.ended = _now()
         if request.method == "POST":
             response = self._update_call(call, form)
             if response is not None:

@@ -288,6 +288,7 @@ async def test_playout_echoes_marks_at_playback_pace_and_clear_flushes_the_rest(
     assert clear.marks_flushed == ("m2", "m3", "m4")
     # Everything sent was either heard or dropped by the clear.
     assert caller.heard_ms + clear.dropped_ms == pytest.approx(1000)
+    assert caller.media_received_ms == pytest.approx(1000)
     assert 400 <= caller.heard_ms < 1000
     # What was heard is the start of what was sent, byte for byte.
     heard = caller.heard_audio()

@@ -259,3 +259,15 @@ async def test_completing_a_call_posts_a_signed_call_status_callback(
     path, form, valid = receiver.received[0]
     assert (path, valid) == ("/twilio/status", True)
     assert form["CallSid"] == call.sid and form["CallStatus"] == "completed"
+
+
+async def test_a_call_whose_caller_hung_up_is_completed_and_cannot_be_ended_again(
+    api: FakeTwilioApi, client: Client
+) -> None:
+    async with stream_sink() as (url, _), FakeTwilioCaller(auth_token=TOKEN) as caller:
+        api.attach(caller)
+        await caller.open_stream(url)
+        await caller.hangup()
+        assert await end_call(client, caller.call_sid) is False
+        assert (await client.calls(caller.call_sid).fetch_async()).status == "completed"
+    assert caller.closed_by == "caller"
