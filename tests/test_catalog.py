@@ -215,3 +215,28 @@ def test_committed_result_names_the_reference(catalog: Registry) -> None:
         ),
     )
     assert "confirmed by the restaurant" in out["message"] and out["reference"] == "BK7QX2MHN4"
+
+
+class FakeBackend:
+    async def check_availability(self, day: Any, time: str, party_size: int) -> Any:
+        from tools.sor_protocol import Availability
+
+        return Availability(
+            date=day, time=time, party_size=party_size, available=False, seats_left=0
+        )
+
+    async def get_booking(self, booking_id: str) -> Any:
+        return None
+
+
+async def test_restaurant_reads_bind_read_actions_to_the_backend(catalog: Registry) -> None:
+    from tools.catalog import RestaurantReads
+
+    reads = RestaurantReads(FakeBackend())
+    spec = catalog.get("check_availability")
+    raw = await reads(spec, spec.parse('{"date": "2026-12-05", "time": "21:00", "party_size": 2}'))
+    out = read_output(spec, raw)
+    assert out["available"] is False and "No table is free" in out["message"]
+    get = catalog.get("get_booking")
+    missing = await reads(get, get.parse('{"booking_id": "BK1"}'))
+    assert read_output(get, missing)["status"] == "not_found"

@@ -60,12 +60,15 @@ class FakeReads:
 
     def __init__(self) -> None:
         self.hang = asyncio.Event()
+        self.broken = False
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     async def __call__(self, spec: ToolSpec, args: BaseModel) -> Mapping[str, Any]:
         self.calls.append((spec.name, args.model_dump(mode="json")))
         if self.hang.is_set():
             await asyncio.Event().wait()
+        if self.broken:
+            raise RuntimeError("provider exploded")
         if spec.name == "get_booking":
             return {"found": False}
         return {**args.model_dump(mode="json"), "available": True, "seats_left": 10}
@@ -226,6 +229,18 @@ async def test_read_past_its_deadline_answers_with_a_retryable_error(
     )
     assert reply.output["status"] == "error" and reply.output["retryable"] is True
     assert (await h.tool_call(ctx(), "fc_slow")).output == reply.output
+
+
+async def test_read_whose_provider_fails_answers_plainly_and_is_recorded(h: Harness) -> None:
+    h.reads.broken = True
+    reply = await h.call(
+        ctx(),
+        "check_availability",
+        {"date": "2026-12-05", "time": "21:00", "party_size": 4},
+        call_id="fc_err",
+    )
+    assert reply.output["status"] == "error" and "couldn't check" in reply.output["message"]
+    assert (await h.tool_call(ctx(), "fc_err")).output == reply.output
 
 
 async def test_read_denied_by_policy_never_reaches_the_provider(h: Harness) -> None:

@@ -265,3 +265,62 @@ def test_engine_denies_a_schema_valid_call() -> None:
     # party_size 30 fits the schema (<= 100) but not the restaurant's limit.
     d = evaluate(make(args=book(party_size=30)))
     assert d.outcome is Outcome.DENY and d.rule == "preconditions"
+
+
+# --- caller verification state ------------------------------------------------------------
+
+
+def _verifier() -> Any:
+    from tools.identity import Account, CallerVerification
+
+    acc = Account("acc-2", "t1", frozenset({"+15550002"}), pin="4321")
+    return CallerVerification("+15550002", acc, max_attempts=3)
+
+
+def test_keypad_pin_submits_itself_at_full_length() -> None:
+    from tools.identity import PinOutcome
+
+    v = _verifier()
+    assert [v.feed_dtmf(d) for d in "432"] == [PinOutcome.INCOMPLETE] * 3
+    assert v.feed_dtmf("1") is PinOutcome.VERIFIED
+    assert v.snapshot().verified and v.snapshot().known
+
+
+def test_keypad_star_starts_over_and_hash_submits_early() -> None:
+    from tools.identity import PinOutcome
+
+    v = _verifier()
+    v.feed_dtmf("9")
+    v.feed_dtmf("*")
+    assert v.feed_dtmf("4") is PinOutcome.INCOMPLETE
+    assert v.feed_dtmf("#") is PinOutcome.WRONG
+    assert v.snapshot().failed_attempts == 1 and not v.snapshot().verified
+
+
+def test_spoken_digits_are_understood() -> None:
+    from tools.identity import spoken_digits
+
+    assert spoken_digits("four three two one") == "4321"
+    assert spoken_digits("4 3-2, one") == "4321"
+    assert spoken_digits("oh nine") == "09"
+
+
+def test_three_wrong_pins_lock_even_the_right_one() -> None:
+    from tools.identity import PinOutcome
+
+    v = _verifier()
+    assert [v.submit("0000") for _ in range(3)] == [
+        PinOutcome.WRONG,
+        PinOutcome.WRONG,
+        PinOutcome.LOCKED,
+    ]
+    assert v.submit("4321") is PinOutcome.LOCKED and v.snapshot().locked
+
+
+async def test_identity_store_knows_registered_numbers_only() -> None:
+    from tools.identity import Account, StaticIdentityStore
+
+    store = StaticIdentityStore([Account("a", "t1", frozenset({"+1555"}), pin="1")])
+    assert (await store.lookup("t1", "+1555")) is not None
+    assert await store.lookup("t2", "+1555") is None
+    assert await store.lookup("t1", "anonymous") is None

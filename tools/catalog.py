@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -236,3 +236,29 @@ def restaurant_catalog(
     )
     registry.check()
     return registry
+
+
+class RestaurantBackend(Protocol):
+    """The reads the catalog needs from a system of record (`tools.sor_client.SorClient`)."""
+
+    async def check_availability(self, day: dt.date, time: str, party_size: int) -> BaseModel: ...
+
+    async def get_booking(self, booking_id: str) -> BaseModel | None: ...
+
+
+class RestaurantReads:
+    """The pipeline's `read_executor` for this catalog: binds read provider actions."""
+
+    def __init__(self, backend: RestaurantBackend) -> None:
+        self._backend = backend
+
+    async def __call__(self, spec: ToolSpec, args: BaseModel) -> Mapping[str, Any]:
+        if isinstance(args, CheckAvailabilityArgs) and spec.provider_action == (
+            "sor.check_availability"
+        ):
+            found = await self._backend.check_availability(args.date, args.time, args.party_size)
+            return found.model_dump(mode="json")
+        if isinstance(args, BookingRefArgs) and spec.provider_action == "sor.get_booking":
+            booking = await self._backend.get_booking(args.booking_id)
+            return booking.model_dump(mode="json") if booking is not None else {"found": False}
+        raise ValueError(f"no read bound for {spec.provider_action!r}")

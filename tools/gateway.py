@@ -241,6 +241,10 @@ class ToolPipeline:
         except ToolError as exc:
             log.warning("read %s failed: %s", spec.name, exc)
             return error_output("I couldn't check that just now.", retryable=exc.retryable)
+        except Exception:
+            # A provider client's own errors: the caller hears a plain "couldn't check".
+            log.exception("read %s failed", spec.name)
+            return error_output("I couldn't check that just now.", retryable=True)
         return read_output(spec, result)
 
     # --- mutations -----------------------------------------------------------------------
