@@ -436,7 +436,8 @@ class FakeTwilioCaller:
     async def open_stream(
         self, stream_url: str | None = None, parameters: dict[str, str] | None = None
     ) -> bool:
-        """Open the media WebSocket and send `connected` and `start`; False if refused."""
+        """Open the media WebSocket and send `connected` and `start`; False if the handshake
+        was refused or the server closed the socket before `start` went out."""
         if self.state is CallerState.IDLE:
             self._set_state(CallerState.DIALING)
         if stream_url is None:
@@ -461,6 +462,18 @@ class FakeTwilioCaller:
             return False
         self.stream_started_at = self._now()
         self._set_state(CallerState.STREAMING)
+        self._spawn(self._receive_loop(), "receive")
+        try:
+            await self._send_opening(parameters)
+        except (ConnectionClosed, CallerError):
+            # Closed on us straight away; the receive loop records how.
+            await self.wait_closed(self.timeout)
+            return False
+        self._spawn(self._media_loop(), "media")
+        self._spawn(self._playout_loop(), "playout")
+        return True
+
+    async def _send_opening(self, parameters: dict[str, str] | None) -> None:
         await self._send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         await self._send_json(
             {
@@ -481,10 +494,6 @@ class FakeTwilioCaller:
                 "streamSid": self.stream_sid,
             }
         )
-        self._spawn(self._receive_loop(), "receive")
-        self._spawn(self._media_loop(), "media")
-        self._spawn(self._playout_loop(), "playout")
-        return True
 
     async def hangup(self) -> None:
         """The caller hangs up: send `stop` and close the stream (idempotent)."""

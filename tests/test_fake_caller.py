@@ -17,6 +17,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from twilio.request_validator import RequestValidator
 from twilio.twiml.voice_response import Connect, VoiceResponse
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request as WsRequest
+from websockets.http11 import Response as WsResponse
 
 from telephony import audio
 from telephony.fake_caller import (
@@ -345,6 +347,33 @@ async def test_server_closing_the_stream_ends_the_call_cleanly_with_its_code() -
     assert caller.closed_by == "server"
     assert "1008" in (caller.closed_reason or "")
     assert "stop" not in srv.peer.events()
+
+
+async def test_stream_closed_at_once_by_the_server_ends_the_call_without_errors() -> None:
+    async def script(ws: ServerConnection, peer: StreamPeer) -> None:
+        await ws.close(1008, "no token")
+
+    async with (
+        stream_server(script) as srv,
+        FakeTwilioCaller(auth_token=TOKEN) as caller,
+    ):
+        await caller.open_stream(srv.url)
+        await caller.wait_closed(timeout=5)
+    assert (caller.closed_by, caller.close_code) == ("server", 1008)
+
+
+async def test_refused_stream_handshake_is_recorded_not_raised() -> None:
+    def refuse(connection: ServerConnection, request: WsRequest) -> WsResponse:
+        return connection.respond(403, "forbidden")
+
+    async with (
+        serve(lambda ws: asyncio.sleep(0), "127.0.0.1", 0, process_request=refuse) as server,
+        FakeTwilioCaller(auth_token=TOKEN) as caller,
+    ):
+        port = next(iter(server.sockets)).getsockname()[1]
+        assert await caller.open_stream(f"ws://127.0.0.1:{port}/twilio/media") is False
+    assert caller.handshake_status == 403
+    assert caller.closed and caller.closed_by is None
 
 
 async def test_raw_frames_reach_the_server_untouched_and_bad_server_frames_are_recorded() -> None:
