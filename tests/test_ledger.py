@@ -425,3 +425,20 @@ def test_no_sequence_of_attempted_transitions_reaches_an_illegal_state(
     clean_db: str, start: OperationStatus, attempts: list
 ) -> None:
     asyncio.run(_run_attempts(clean_db, start, attempts))
+
+
+async def test_cancel_request_on_a_finished_operation_changes_nothing_but_the_trail(
+    engine: AsyncEngine, jobs: ListQueue
+) -> None:
+    async with engine.begin() as conn:
+        op = (await _admit(conn, jobs)).operation
+        await ledger.claim_for_execution(conn, op.operation_id, worker_id="w", attempt_deadline_s=5)
+        await ledger.transition(
+            conn, op.operation_id, S.RUNNING, S.COMMITTED, actor="worker:w", reason="ok"
+        )
+        after = await ledger.request_cancel(conn, op.operation_id, actor="staff", reason="oops")
+        events = await ledger.get_events(conn, op.operation_id)
+    assert after.status is S.COMMITTED and not after.cancel_requested
+    assert events[-1].kind == "decision" and "after the outcome was final" in (
+        events[-1].reason or ""
+    )

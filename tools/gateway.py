@@ -74,6 +74,7 @@ class ToolPipeline:
         clock: Callable[[], datetime] = _utcnow,
         pending_results: PendingResultsSink | None = None,
         max_pin_attempts: int = 3,
+        handle_timeout_s: float = 15.0,
     ) -> None:
         self._engine = engine
         self._registry = registry
@@ -84,6 +85,9 @@ class ToolPipeline:
         self._clock = clock
         # The app sets this to hand in-flight outcomes to late delivery when a call ends.
         self.pending_results = pending_results
+        # Bounds the database work and an inline read together (reads have their own,
+        # shorter deadline); on expiry the transaction rolls back and the model is told.
+        self.handle_timeout_s = handle_timeout_s
 
     def definitions(self) -> list[dict[str, Any]]:
         return self._registry.definitions()
@@ -92,7 +96,8 @@ class ToolPipeline:
 
     async def handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
         try:
-            return await self._handle(ctx, request)
+            async with asyncio.timeout(self.handle_timeout_s):
+                return await self._handle(ctx, request)
         except Exception:
             # The call must survive any bug here; the model hears an honest non-answer.
             log.exception("tool call %s (%s) failed", request.call_id, request.name)

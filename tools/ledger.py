@@ -426,7 +426,24 @@ async def claim_for_execution(
 async def request_cancel(
     conn: AsyncConnection, operation_id: uuid.UUID, *, actor: str, reason: str
 ) -> OperationRecord:
-    """Mark a cancel request. Nothing sent yet -> cancelled now; else the provider decides."""
+    """Mark a cancel request. Nothing sent yet -> cancelled now; else the provider decides.
+
+    A finished operation is left as it is (undoing a committed one is compensation, a new
+    operation); the request is still recorded in its trail.
+    """
+    op = await get_operation(conn, operation_id, for_update=True)
+    if op is None:
+        raise OperationNotFound(f"no operation {operation_id}")
+    if op.status in TERMINAL:
+        await _insert_event(
+            conn,
+            operation_id,
+            kind="decision",
+            actor=actor,
+            reason=f"cancel requested after the outcome was final: {reason}",
+            data={"cancel_requested": False},
+        )
+        return op
     row = (
         await conn.execute(
             ops_t.update()
@@ -435,8 +452,7 @@ async def request_cancel(
             .returning(*ops_t.c)
         )
     ).first()
-    if row is None:
-        raise OperationNotFound(f"no operation {operation_id}")
+    assert row is not None
     op = OperationRecord.from_row(row)
     await _insert_event(
         conn,
@@ -452,9 +468,7 @@ async def request_cancel(
         )
         if done is not None:
             return done
-    again = await get_operation(conn, operation_id)
-    assert again is not None
-    return again
+    return op
 
 
 async def record_event(

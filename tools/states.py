@@ -3,13 +3,17 @@
 Only `tools.ledger.transition` changes an operation's status (with a conditional update);
 this module is the pure part it consults.
 
-    awaiting_confirmation --> admitted --> running --> committed
-            |                    |           |-----> failed_retryable --> running (retry)
-            v                    v           |-----> failed_final
-        cancelled            cancelled       '-----> unknown --(reconcile)--> committed
-                                                                          |-> failed_final
-                                                                          |-> failed_retryable
-                                                                          '-> cancelled
+    awaiting_confirmation -> admitted          the caller confirmed in time, in the call
+                          -> cancelled         declined, expired, call ended, refused
+    admitted              -> running           a worker claimed it (attempts + 1)
+                          -> cancelled         cancel requested before any attempt
+                          -> failed_final      total deadline passed before any attempt
+    running               -> committed | failed_retryable | failed_final | unknown
+                          -> cancelled         only when the provider confirmed a cancel
+    failed_retryable      -> running | failed_final | cancelled
+    unknown               -> committed | failed_final | failed_retryable | cancelled
+                             (reconciliation only; never straight back to running)
+    committed, failed_final, cancelled: terminal
 """
 
 from __future__ import annotations
