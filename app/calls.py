@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from telephony.tool_gateway import LiveCall
 
@@ -21,6 +22,7 @@ class LiveCallEntry:
     call_sid: str
     call_id: str
     live: LiveCall
+    socket: Any = None  # the media socket as the leg sees it (app.routes_twilio.FrameGuard)
     # Who ended it first (status callback, stop frame, shutdown); later enders don't overwrite.
     end_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)

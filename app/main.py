@@ -23,6 +23,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from app.stream_token import StreamTokens
 from app.tool_wiring import build_gateway
+from app.twilio_rest import close_twilio_client, make_twilio_client
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
 
@@ -49,12 +50,6 @@ def make_openai_client(settings: Settings) -> AsyncOpenAI:
 
 
 def _make_twilio_client(settings: Settings) -> Any:
-    try:
-        from app.twilio_rest import make_twilio_client
-    except ImportError:  # pragma: no cover - until the helper lands
-        log.warning("app.twilio_rest is missing: REST hang-ups are disabled")
-        return None
-
     return make_twilio_client(
         settings.twilio_account_sid,
         settings.twilio_auth_token.get_secret_value(),
@@ -121,6 +116,7 @@ def create_app(
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
             await runtime.drain_tasks(5.0)
             await events.close()
+            await close_twilio_client(runtime.twilio)
             if own_client:
                 await client.close()
             if own_engine:

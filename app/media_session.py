@@ -72,6 +72,7 @@ async def run_media_session(
         leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai, on_fatal=hang_up
     )
     entry = runtime.registry.attach(call.call_sid, call.id, bridge)
+    entry.socket = ws
     try:
         await bridge.run()
     finally:
@@ -102,8 +103,7 @@ async def _hang_up_via_rest(runtime: Runtime, sink: CallSink, call: CallRow, rea
     log.warning("call %s: realtime failed (%s); hanging up through Twilio", call.id, reason)
     try:
         async with asyncio.timeout(HANGUP_TIMEOUT_S):
-            # The twilio REST client is synchronous; keep it off the event loop.
-            await asyncio.to_thread(end_call, runtime.twilio, call.call_sid)
+            await end_call(runtime.twilio, call.call_sid)
     except Exception as exc:
         log.error("call %s: REST hang-up failed: %r", call.id, exc)
         sink.emit(

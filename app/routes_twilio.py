@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -41,6 +42,7 @@ MAX_WEBHOOK_BYTES = 64 * 1024
 START_TIMEOUT_S = 10.0
 # Frames tolerated before `start` that are neither `connected` nor `start`.
 MAX_FRAMES_BEFORE_START = 5
+_CLEAR_PREFIX = '{"event":"clear"'
 
 
 async def signed_form(request: Request, settings: Settings) -> dict[str, str]:
@@ -245,6 +247,8 @@ class FrameGuard:
         self._max = runtime.settings.max_ws_frame_bytes
         self.call_id: str | None = None
         self.dropped = 0
+        # When each `clear` left (monotonic): barge-in ordering is observable from outside.
+        self.clears_sent_at: list[float] = []
 
     async def receive_text(self) -> str:
         while True:
@@ -276,6 +280,8 @@ class FrameGuard:
 
     async def send_text(self, data: str) -> None:
         await self._ws.send_text(data)
+        if data.startswith(_CLEAR_PREFIX):
+            self.clears_sent_at.append(time.monotonic())
 
     async def close(self, code: int, reason: str) -> None:
         await _close(self._ws, code, reason)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import uvicorn
 
 from app.db import resolve_database_url, upgrade
-from app.main import create_app
+from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,18 @@ async def prepare_database(settings: Settings) -> str:
     url = await asyncio.to_thread(resolve_database_url, settings.database_url, settings.data_dir)
     await asyncio.to_thread(upgrade, url)
     return url
+
+
+class ServiceServer(uvicorn.Server):
+    """uvicorn, ending live calls (with a reason on their timeline) before closing sockets."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new calls while the live ones wind down
+        runtime = getattr(getattr(self.config.app, "state", None), "runtime", None)
+        if runtime is not None:
+            await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+        await super().shutdown(sockets)
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
@@ -59,7 +72,7 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     if with_worker:
         # The durable tool pipeline's worker is wired here once it lands (tools/).
         log.info("no in-process operation worker yet")
-    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    server = ServiceServer(uvicorn_config(create_app(settings), settings))
     try:
         await server.serve()
     finally:

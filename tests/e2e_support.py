@@ -21,9 +21,13 @@ from twilio.request_validator import RequestValidator
 
 from app.main import create_app
 from app.runtime import Runtime
-from app.server import uvicorn_config
+from app.server import ServiceServer, uvicorn_config
 from app.settings import Settings
+from telephony.fake_caller import FakeTwilioCaller
+from telephony.fake_twilio_api import FakeTwilioApi
+from telephony.scenario import Scenario
 from telephony.session_config import BridgeConfig
+from telephony.simulator import RealtimeSimulator
 
 AUTH_TOKEN = "dev-auth-token"  # the fake caller's and fake Twilio API's default
 CONSOLE = ("admin", "console-test-password")
@@ -78,7 +82,7 @@ async def running_service(
     port = sock.getsockname()[1]
     settings = make_settings(port, **overrides)
     app = create_app(settings, engine=engine, bridge_config=bridge_config)
-    server = uvicorn.Server(
+    server = ServiceServer(
         uvicorn_config(app, settings, log_level="warning", access_log=False,
                        timeout_graceful_shutdown=10)
     )  # fmt: skip
@@ -176,3 +180,54 @@ async def event_rows(engine: AsyncEngine, call_id: str | uuid.UUID) -> list[dict
 
 async def event_kinds(engine: AsyncEngine, call_id: str | uuid.UUID) -> list[str]:
     return [r["kind"] for r in await event_rows(engine, call_id)]
+
+
+@dataclass
+class Stack:
+    """Simulator, fake Twilio REST API and the service, wired to each other."""
+
+    sim: RealtimeSimulator
+    api: FakeTwilioApi
+    service: Service
+    engine: AsyncEngine
+
+    def caller(self, **kwargs: Any) -> FakeTwilioCaller:
+        """A fake caller for this service, known to the fake Twilio API."""
+        caller = FakeTwilioCaller(self.service.url, **kwargs)
+        self.api.attach(caller)
+        return caller
+
+    async def call_id(self, caller: FakeTwilioCaller) -> str:
+        row = await call_row(self.engine, caller.call_sid)
+        assert row is not None, "no call row"
+        return str(row["id"])
+
+    async def events(self, caller: FakeTwilioCaller) -> list[dict[str, Any]]:
+        """The caller's call events as persisted, once the call has wound down here."""
+        registry = self.service.runtime.registry
+        await wait_until(lambda: registry.get(caller.call_sid) is None, 15, "call ended")
+        await self.service.runtime.events.flush()
+        return await event_rows(self.engine, await self.call_id(caller))
+
+
+@asynccontextmanager
+async def call_stack(
+    engine: AsyncEngine,
+    scenario: Scenario | None = None,
+    *,
+    bridge_config: BridgeConfig | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Stack]:
+    """Everything a simulated call needs, in this loop, torn down in order."""
+    async with (
+        RealtimeSimulator(scenario) as sim,
+        FakeTwilioApi() as api,
+        running_service(
+            engine,
+            bridge_config=bridge_config,
+            openai_base_url=sim.base_url,
+            twilio_api_base_url=api.base_url,
+            **overrides,
+        ) as service,
+    ):
+        yield Stack(sim, api, service, engine)
