@@ -37,7 +37,9 @@ class StartInfo(_Wire):
     call_sid: str = Field(alias="callSid")
     tracks: list[str] = Field(default_factory=list)
     custom_parameters: dict[str, str] = Field(default_factory=dict, alias="customParameters")
-    media_format: MediaFormat = Field(default_factory=MediaFormat, alias="mediaFormat")
+    media_format: MediaFormat = Field(
+        default_factory=lambda: MediaFormat.model_validate({}), alias="mediaFormat"
+    )
 
 
 class Start(_Wire):
@@ -107,7 +109,7 @@ class Stop(_Wire):
     event: Literal["stop"]
     sequence_number: str = Field("", alias="sequenceNumber")
     stream_sid: str = Field("", alias="streamSid")
-    stop: StopInfo = Field(default_factory=StopInfo)
+    stop: StopInfo = Field(default_factory=lambda: StopInfo.model_validate({}))
 
 
 InboundMessage = Annotated[
