@@ -652,6 +652,13 @@ class ResponseState(enum.Enum):
     DONE = "done"
 
 
+_RESPONSE_TRANSITIONS: dict[ResponseState, frozenset[ResponseState]] = {
+    ResponseState.IN_PROGRESS: frozenset({ResponseState.CANCELLING, ResponseState.DONE}),
+    ResponseState.CANCELLING: frozenset({ResponseState.DONE}),
+    ResponseState.DONE: frozenset(),
+}
+
+
 @dataclass
 class _ResponsePlan:
     spoken: Reply | None
@@ -668,6 +675,12 @@ class _ActiveResponse:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     output: list[ConversationItemState] = field(default_factory=list)
+
+    def advance(self, to: ResponseState) -> None:
+        """The only way `state` changes; refuses an illegal transition."""
+        if to not in _RESPONSE_TRANSITIONS[self.state]:
+            raise RuntimeError(f"response {self.id}: illegal transition {self.state} -> {to}")
+        self.state = to
 
 
 # --------------------------------------------------------------------------------------------
@@ -692,6 +705,7 @@ class SimulatedSession:
         authorization: str | None,
         realtime_factor: float,
         chunk_ms: int,
+        record: bool = True,
     ) -> None:
         self.id = new_id("sess")
         self.model = model
@@ -707,6 +721,7 @@ class SimulatedSession:
         self._scenario = scenario
         self._factor = max(0.0, realtime_factor)
         self._chunk_ms = chunk_ms
+        self._recording = record
         self._effective = EffectiveConfig.of(self.config)
         self._vad: EnergyVad | None = None
         self._order: list[str] = []
@@ -850,6 +865,11 @@ class SimulatedSession:
 
     def _session_payload(self) -> RealtimeSessionCreateRequest:
         payload = self.config.model_dump(mode="json")
+        for side in (payload.get("audio") or {}).values():
+            for key, value in (side or {}).items():
+                if isinstance(value, dict):
+                    # `{"type": "audio/pcmu"}`, not `{"type": "audio/pcmu", "rate": null}`.
+                    side[key] = {k: v for k, v in value.items() if v is not None}
         payload.update(
             object="realtime.session",
             id=self.id,
@@ -1164,7 +1184,7 @@ class SimulatedSession:
         if active is None or active.task is None:
             return
         if active.state is ResponseState.IN_PROGRESS:
-            active.state = ResponseState.CANCELLING
+            active.advance(ResponseState.CANCELLING)
             active.cancel_reason = reason
         active.wake.set()
         task = active.task
@@ -1210,7 +1230,7 @@ class SimulatedSession:
         if plan.function_call is not None and response.state is ResponseState.IN_PROGRESS:
             await self._stream_function_call(response, plan.function_call)
         # No active response from here on: the client may send response.create at once.
-        response.state = ResponseState.DONE
+        response.advance(ResponseState.DONE)
         if self._active is response:
             self._active = None
         await self._send(
@@ -1481,8 +1501,9 @@ class SimulatedSession:
         await self._ws.send(json.dumps(data))
 
     def _record(self, log_: list[tuple[float, dict[str, Any]]], data: dict[str, Any]) -> None:
-        log_.append((time.monotonic(), data))
-        self._notify()
+        if self._recording:
+            log_.append((time.monotonic(), data))
+            self._notify()
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -1505,8 +1526,11 @@ class RealtimeSimulator:
         port: int = 0,
         realtime_factor: float = 1.0,
         chunk_ms: int = 150,
+        record: bool = True,
     ) -> None:
+        """`record=False` keeps no event logs and forgets closed sessions (long-running use)."""
         self.scenario = scenario if scenario is not None else load_scenario()
+        self.record = record
         self.host = host
         self.realtime_factor = realtime_factor
         self.chunk_ms = chunk_ms
@@ -1586,9 +1610,15 @@ class RealtimeSimulator:
             for session in live:
                 await session.closed.wait()
 
-    async def wait_for_session(self, index: int = 0, *, within: float = 5.0) -> SimulatedSession:
+    async def wait_for_session(
+        self,
+        index: int = 0,
+        *,
+        within: float = 5.0,
+        timeout: float | None = None,  # noqa: ASYNC109 - alias of `within` for existing callers
+    ) -> SimulatedSession:
         """Wait until connection number `index` (0-based) was accepted."""
-        async with asyncio.timeout(within):
+        async with asyncio.timeout(within if timeout is None else timeout):
             while len(self.sessions) <= index:
                 await self._sessions_changed.wait()
             return self.sessions[index]
@@ -1619,6 +1649,7 @@ class RealtimeSimulator:
             authorization=ws.request.headers.get("Authorization"),
             realtime_factor=self.realtime_factor,
             chunk_ms=self.chunk_ms,
+            record=self.record,
         )
         self.sessions.append(session)
         changed, self._sessions_changed = self._sessions_changed, asyncio.Event()
@@ -1627,6 +1658,9 @@ class RealtimeSimulator:
             await session.run()
         except Exception:
             log.exception("simulator session %s failed", session.id)
+        finally:
+            if not self.record:
+                self.sessions.remove(session)
 
 
 def run_simulator(host: str, port: int, scenario: str | None) -> int:
@@ -1639,7 +1673,7 @@ def run_simulator(host: str, port: int, scenario: str | None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
-        async with RealtimeSimulator(loaded, host=host, port=port) as sim:
+        async with RealtimeSimulator(loaded, host=host, port=port, record=False) as sim:
             print(f"Realtime simulator ({loaded.name}) at {sim.base_url}", flush=True)
             print(f"  export OPENAI_BASE_URL={sim.base_url}", flush=True)
             await stop.wait()

@@ -614,3 +614,38 @@ def test_reply_templates_read_the_function_output() -> None:
     assert render_reply_text("Booked: {output[id]}", '{"id": "B-7"}') == "Booked: B-7"
     assert render_reply_text("Said: {output}", "plain words") == "Said: plain words"
     assert render_reply_text("Missing: {output[nope]}.", "{}") == "Missing: ."
+
+
+async def test_default_scenario_runs_the_booking_story_through_the_sdk(
+    sim: RealtimeSimulator, conn: AsyncRealtimeConnection
+) -> None:
+    await _configure(conn)
+    await conn.response.create()
+    await _recv_until(conn, "response.done")  # greeting
+    spoken: list[str] = []
+    calls: list[str] = []
+    for _turn in range(2):
+        await _append(conn, _speech(800) + _silence(600))
+        events = await _recv_until(conn, "response.done")
+        done = events[-1]
+        assert done.response.status == "completed"
+        call = done.response.output[-1]
+        assert call.type == "function_call"
+        calls.append(call.name)
+        await conn.conversation.item.create(
+            item={"type": "function_call_output", "call_id": call.call_id, "output": '{"ok":true}'}
+        )
+        await conn.response.create()
+        events = await _recv_until(conn, "response.done")
+        spoken += [
+            e.transcript for e in events if e.type == "response.output_audio_transcript.done"
+        ]
+    assert calls == ["check_availability", "book_table"]
+    assert len(spoken) == 2
+    session = await sim.wait_for_session()
+    transcripts = [
+        e["transcript"]
+        for e in session.sent_events("conversation.item.input_audio_transcription.completed")
+    ]
+    assert transcripts == [s.caller_transcript for s in load_scenario().steps[::2]]
+    _assert_sdk_shapes(session)
