@@ -58,7 +58,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _sor(args: argparse.Namespace) -> int:
     from tools.sor import run_sor
 
-    return run_sor(host=args.host, port=args.port, database_url=args.database_url)
+    url = args.database_url
+    if url is None:
+        from app.db import resolve_database_url
+        from app.settings import get_settings
+
+        settings = get_settings()
+        url = resolve_database_url(settings.database_url, settings.data_dir)
+    return run_sor(host=args.host, port=args.port, database_url=url)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import routes_api, routes_health, routes_twilio
+from app import routes_api, routes_health, routes_operations, routes_twilio
 from app.calls import CallRegistry
 from app.db import make_engine, resolve_database_url
 from app.errors import install_error_handlers
@@ -127,4 +127,5 @@ def create_app(
     app.include_router(routes_twilio.router)
     app.include_router(routes_api.router)
     app.include_router(routes_health.router)
+    app.include_router(routes_operations.router)
     return app

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from tests.sor_support import CALLBACK_SECRET, AppServer, start_sor, wait_for
 from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import Outcome, SorClient
+from tools.provider import Outcome
+from tools.sor_client import SorClient
 from tools.sor_protocol import SIGNATURE_HEADER, BookingRequest, CallbackReport, verify
 
 DAY = date(2026, 12, 5)
@@ -128,7 +129,7 @@ async def test_cancel_is_idempotent_and_counted_once(
 
 
 async def test_unknown_booking_cancel_fails_for_good(client: SorClient) -> None:
-    result = await client.cancel_booking("c1", "bk_missing")
+    result = await client.cancel_booking("c1", "BKMISSING")
     assert result.outcome is Outcome.failed_final and result.status_code == 404
 
 

@@ -1,0 +1,334 @@
+"""Operations benchmark: admission latency, time to worker pickup, ledger throughput.
+
+Prints tables (no assertions). Uses TEST_DATABASE_URL / DATABASE_URL (a scratch database
+is created there and dropped afterwards) or an embedded PostgreSQL. Everything (load,
+worker, SOR) runs in this one process, as `voice-agent serve` does by default.
+
+    .venv/bin/python bench/operations.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.db import make_engine, plain_url, start_embedded_postgres, upgrade
+from app.worker import OperationWorker
+from tools import ledger
+from tools.catalog import restaurant_catalog
+from tools.executor import enqueue_operation, make_app
+from tools.sor import SystemOfRecord
+from tools.sor_client import SorClient
+from tools.sor_protocol import BookingRequest
+from tools.sor_provider import SorProvider
+from tools.states import OperationStatus
+
+TENANT = "bench"
+
+
+def _args(i: int) -> dict[str, object]:
+    # Spread over many slots so the SOR's seat limit never refuses a booking.
+    day = 1 + (i // 400) % 28
+    minute = (i % 400) % 60
+    hour = 12 + ((i % 400) // 60)
+    return {
+        "date": f"2027-01-{day:02d}",
+        "time": f"{hour:02d}:{minute:02d}",
+        "party_size": 2,
+        "name": f"Guest {i}",
+    }
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def fmt_ms(v: float) -> str:
+    return f"{v * 1000:8.2f}"
+
+
+async def run_concurrent(
+    callers: int, per_caller: int, one: Callable[[int], Awaitable[None]]
+) -> tuple[list[float], float]:
+    """`callers` tasks each doing `per_caller` calls; (latencies, wall seconds)."""
+    latencies: list[float] = []
+    counter = iter(range(callers * per_caller))
+
+    async def caller() -> None:
+        for _ in range(per_caller):
+            i = next(counter)
+            t0 = time.perf_counter()
+            await one(i)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return latencies, time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, url: str, engine: AsyncEngine, quick: bool) -> None:
+        self.url = url
+        self.engine = engine
+        self.quick = quick
+        self.queue = make_app(url)
+        self.n = 0
+
+    async def enqueue(self, conn: sa.ext.asyncio.AsyncConnection, op_id: uuid.UUID) -> None:
+        await enqueue_operation(self.queue, conn, op_id)
+
+    async def admit_one(self, i: int) -> None:
+        async with self.engine.begin() as conn:
+            await ledger.admit_operation(
+                conn,
+                tenant_id=TENANT,
+                tool="book_table",
+                args=_args(i),
+                idempotency_key=f"bench-{uuid.uuid4().hex}",
+                call_id="bench-call",
+                caller="+15550000000",
+                enqueue=self.enqueue,
+            )
+
+    async def bare_insert(self, i: int) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                sa.text("INSERT INTO bench_scratch (id, payload) VALUES (:id, :p)"),
+                {"id": uuid.uuid4(), "p": f"row {i}"},
+            )
+
+    async def reset(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    "TRUNCATE operations, operation_events, tool_calls, bench_scratch, "
+                    "procrastinate_jobs, procrastinate_events CASCADE"
+                )
+            )
+            await conn.execute(sa.text("TRUNCATE sor.bookings, sor.idempotency, sor.effects"))
+
+
+async def admission_table(b: Bench) -> list[tuple[str, ...]]:
+    rows = []
+    for callers, per in ((1, 100 if b.quick else 300), (50, 4 if b.quick else 10)):
+        for label, fn in (("bare INSERT+COMMIT", b.bare_insert), ("admit+enqueue", b.admit_one)):
+            await b.reset()
+            await run_concurrent(callers, 2, fn)  # warm the pool
+            lat, wall = await run_concurrent(callers, per, fn)
+            rows.append(
+                (
+                    label,
+                    str(callers),
+                    str(len(lat)),
+                    fmt_ms(pct(lat, 50)),
+                    fmt_ms(pct(lat, 99)),
+                    f"{len(lat) / wall:9.0f}",
+                )
+            )
+    return rows
+
+
+async def _event_gap(engine: AsyncEngine, to_a: str, to_b: str) -> list[float]:
+    """Per operation: seconds between its transition to `to_a` and to `to_b`."""
+    async with engine.connect() as conn:
+        result = await conn.execute(
+            sa.text(
+                "SELECT extract(epoch FROM b.at - a.at) FROM operation_events a "
+                "JOIN operation_events b ON a.operation_id = b.operation_id "
+                "WHERE a.to_status = :a AND b.to_status = :b AND a.kind = 'transition' "
+                "AND b.kind = 'transition' AND a.from_status IS NULL"
+                if to_a == "admitted"
+                else "SELECT extract(epoch FROM b.at - a.at) FROM operation_events a "
+                "JOIN operation_events b ON a.operation_id = b.operation_id "
+                "WHERE a.to_status = :a AND b.to_status = :b"
+            ),
+            {"a": to_a, "b": to_b},
+        )
+        return [float(r[0]) for r in result]
+
+
+async def _count(engine: AsyncEngine, status: OperationStatus) -> int:
+    async with engine.connect() as conn:
+        result = await conn.execute(
+            sa.text("SELECT count(*) FROM operations WHERE status = :s"), {"s": status.value}
+        )
+        return int(result.scalar_one())
+
+
+async def wait_all(engine: AsyncEngine, n: int, timeout_s: float = 120.0) -> float:
+    t0 = time.perf_counter()
+    while await _count(engine, OperationStatus.COMMITTED) < n:
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"only {await _count(engine, OperationStatus.COMMITTED)} of {n}")
+        await asyncio.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+async def pipeline_tables(b: Bench, sor: SystemOfRecord) -> tuple[list[tuple[str, ...]], ...]:
+    async with SorClient(sor.url) as client:
+        worker = OperationWorker(
+            database_url=b.url,
+            engine=b.engine,
+            registry=restaurant_catalog(),
+            provider=SorProvider(client),
+            concurrency=8,
+            poll_interval_s=1.0,
+            sweep=False,
+        )
+        await worker.start()
+        try:
+            # Pickup: one operation at a time into an idle worker (LISTEN/NOTIFY path).
+            await b.reset()
+            n_pick = 30 if b.quick else 100
+            for i in range(n_pick):
+                await b.admit_one(i)
+                await wait_all(b.engine, i + 1)
+            pickup = await _event_gap(b.engine, "admitted", "running")
+            run = await _event_gap(b.engine, "running", "committed")
+            pick_rows = [
+                (
+                    "admitted -> running (pickup)",
+                    str(len(pickup)),
+                    fmt_ms(pct(pickup, 50)),
+                    fmt_ms(pct(pickup, 99)),
+                ),
+                (
+                    "running -> committed (SOR call)",
+                    str(len(run)),
+                    fmt_ms(pct(run, 50)),
+                    fmt_ms(pct(run, 99)),
+                ),
+            ]
+
+            # Throughput: a burst admitted by 20 callers, drained by the worker.
+            await b.reset()
+            n = 200 if b.quick else 600
+            t0 = time.perf_counter()
+            await run_concurrent(20, n // 20, b.admit_one)
+            await wait_all(b.engine, n)
+            ops_wall = time.perf_counter() - t0
+        finally:
+            await worker.stop()
+
+        # Baselines in the same run, same concurrency: bare rows, and the SOR called
+        # directly (what the ledger wraps).
+        await b.reset()
+        _, bare_wall = await run_concurrent(20, n // 20, b.bare_insert)
+
+        async def direct(i: int) -> None:
+            await client.book_table(f"direct-{i}", BookingRequest.model_validate(_args(i)))
+
+        await b.reset()
+        _, sor_wall = await run_concurrent(20, n // 20, direct)
+    ops = n / ops_wall
+    tp_rows = [
+        ("bare INSERT+COMMIT (baseline)", str(n), f"{n / bare_wall:9.0f}", "1.00x"),
+        (
+            "SOR POST /bookings direct",
+            str(n),
+            f"{n / sor_wall:9.0f}",
+            f"{(n / bare_wall) / (n / sor_wall):.2f}x",
+        ),
+        ("admit -> run -> commit (ledger)", str(n), f"{ops:9.0f}", f"{(n / bare_wall) / ops:.2f}x"),
+    ]
+    return pick_rows, tp_rows
+
+
+def table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(r[i].strip()) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.strip().ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def _server_url() -> str:
+    url = os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    if url:
+        return plain_url(url)
+    return start_embedded_postgres(Path(tempfile.gettempdir()) / "voice-agent-bench-pg")
+
+
+async def main(quick: bool) -> None:
+    server = _server_url()
+    info = psycopg.conninfo.conninfo_to_dict(server)
+    name = f"va_bench_{os.getpid()}"
+    admin = psycopg.conninfo.make_conninfo(
+        **{**{k: str(v) for k, v in info.items()}, "dbname": "postgres"}
+    )
+    url = psycopg.conninfo.make_conninfo(**{**{k: str(v) for k, v in info.items()}, "dbname": name})
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url_str = _as_url(url)
+        await asyncio.to_thread(upgrade, url_str)
+        engine = make_engine(url_str, pool_size=60, max_overflow=10)
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text("CREATE TABLE bench_scratch (id uuid PRIMARY KEY, payload text)")
+            )
+        sor = SystemOfRecord(url_str)
+        await sor.start()
+        b = Bench(url_str, engine, quick)
+        try:
+            t0 = time.perf_counter()
+            adm = await admission_table(b)
+            pick, tp = await pipeline_tables(b, sor)
+            took = time.perf_counter() - t0
+        finally:
+            await sor.stop()
+            await engine.dispose()
+        print(
+            f"operations benchmark ({'quick' if quick else 'full'}; {os.cpu_count()} CPUs; "
+            f"took {took:.0f} s)"
+        )
+        table(
+            "Admission latency: function call -> operation persisted and enqueued (ms)",
+            ("path", "callers", "n", "p50", "p99", "per s"),
+            adm,
+        )
+        table("Time to worker pickup and execution (ms)", ("interval", "n", "p50", "p99"), pick)
+        table(
+            "Throughput (ops/s; cost relative to bare INSERT+COMMIT, 20 callers)",
+            ("path", "n", "per s", "cost"),
+            tp,
+        )
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _as_url(conninfo: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(conninfo)
+    user = info.get("user", "postgres")
+    password = info.get("password")
+    auth = f"{user}:{password}@" if password else f"{user}@"
+    host = str(info.get("host", "127.0.0.1"))
+    port = info.get("port", "5432")
+    if host.startswith("/"):
+        return f"postgresql://{auth}/{info['dbname']}?host={host}&port={port}"
+    return f"postgresql://{auth}{host}:{port}/{info['dbname']}"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer samples")
+    asyncio.run(main(parser.parse_args().quick))
