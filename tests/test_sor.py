@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.sor_support import CALLBACK_SECRET, AppServer, start_sor, wait_for
-from tools.sor import Faults, SystemOfRecord
 from tools.provider import Outcome
+from tools.sor import Faults, SystemOfRecord
 from tools.sor_client import SorClient
 from tools.sor_protocol import SIGNATURE_HEADER, BookingRequest, CallbackReport, verify
 
