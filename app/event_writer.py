@@ -54,6 +54,7 @@ class EventWriter:
         self._closing = False
         self.dropped = 0
         self.written = 0
+        self.retries = 0  # failed write attempts that were retried
         self.kind_counts: Counter[str] = Counter()
 
     # The sink side (event loop thread, audio path): never awaits, never raises.
@@ -161,6 +162,7 @@ class EventWriter:
                     self.dropped += len(batch)
                     log.error("dropping %d call events at shutdown: %s", len(batch), exc)
                     return
+                self.retries += 1
                 log.warning("call event write failed, retrying in %.1fs: %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
