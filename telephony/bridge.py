@@ -66,6 +66,8 @@ FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
 HISTORY_LINES = 20
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
+# Caller audio kept while the session is (re)connecting, sent once it is up (2 s of frames).
+BACKLOG_FRAMES = 100
 RECHECK_S = 0.25  # how often queued response work looks for a safe moment
 AUTO_RESPONSE_WAIT_S = 2.0  # after speech stopped, how long the server's own response may take
 
@@ -187,6 +189,8 @@ class Bridge:
         self._late: deque[LateResult] = deque()
         self._history: deque[str] = deque(maxlen=HISTORY_LINES)
         self._recheck: asyncio.TimerHandle | None = None
+        self._backlog: deque[bytes] = deque(maxlen=BACKLOG_FRAMES)
+        self._upstream = asyncio.Lock()  # keeps caller audio in order across a backlog flush
         self._event_seq = 0
         # Counters for benchmarks and tests.
         self.frames_up = 0
@@ -309,14 +313,30 @@ class Bridge:
     async def _send_audio(self, audio: bytes) -> None:
         session = self._session
         if session is None or self._state is not BridgeState.LIVE:
-            self.frames_dropped_up += 1  # nobody to hear it while reconnecting
+            # Keep the last moments for the session being opened; older audio is stale.
+            if len(self._backlog) == self._backlog.maxlen:
+                self.frames_dropped_up += 1
+            self._backlog.append(audio)
             return
+        async with self._upstream:
+            if await self._flush_backlog(session):
+                await self._append(session, audio)
+
+    async def _flush_backlog(self, session: _Session) -> bool:
+        while self._backlog:
+            if not await self._append(session, self._backlog.popleft()):
+                return False
+        return True
+
+    async def _append(self, session: _Session, audio: bytes) -> bool:
         # The hot path: plain JSON instead of the SDK's TypedDict transform (50x cheaper).
         data = json.dumps(
             {"type": "input_audio_buffer.append", "audio": base64.b64encode(audio).decode()}
         )
-        if await self._guarded(session, session.conn.send_raw(data)):
+        sent = await self._guarded(session, session.conn.send_raw(data))
+        if sent:
             self.frames_up += 1
+        return sent
 
     async def _dtmf(self, digit: str) -> None:
         async with asyncio.timeout(TIMEOUT_S):
@@ -368,6 +388,9 @@ class Bridge:
                     down_ms=round((time.monotonic() - started) * 1000),
                 )
             first = False
+            if self._backlog:
+                async with self._upstream:
+                    await self._flush_backlog(session)
             await self._drain()
             reason = await self._read(session)
             if self._ended.is_set():

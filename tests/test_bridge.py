@@ -16,10 +16,13 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from telephony import audio
 from telephony.bridge import Bridge, BridgeConfig, apology_clip
 from telephony.call_events import CallEvent, CallEventKind, MemorySink
 from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
+from telephony.scenario import Scenario
+from telephony.simulator import RealtimeSimulator
 from telephony.tool_gateway import CallContext, FunctionCallRequest, LateResult, ToolReply
 
 FRAME = 160  # 20 ms of G.711
@@ -142,8 +145,9 @@ class ScriptedRealtime:
         return conn
 
 
-# A fake leg with real-time playout: chunks play at 20 ms each, and playout is confirmed to the
-# tracker the way Twilio's mark echoes would confirm it.
+# A fake leg with a wall-clock playout, like Twilio's: chunks play back to back at 20 ms each
+# whatever our event loop is doing, and each chunk's end is confirmed to the tracker the way
+# Twilio's mark echo confirms it (late when the loop is busy, as echoes are).
 
 
 @dataclass
@@ -151,6 +155,15 @@ class Played:
     item_id: str
     audio: bytes
     at: float
+
+
+@dataclass
+class Chunk:
+    epoch: int
+    item_id: str
+    end_ms: float  # offset in the item where this chunk ends
+    starts: float  # wall clock when the caller starts hearing it
+    ends: float
 
 
 class FakeLeg:
@@ -164,7 +177,9 @@ class FakeLeg:
         self.closed: str | None = None
         self.played_log: list[tuple[str, int, float]] = []  # (item, end_ms, at) confirmed
         self._log = log
-        self._chunks: asyncio.Queue[tuple[int, str, bytes, float]] = asyncio.Queue()
+        self._timeline: list[Chunk] = []
+        self._cursor = 0.0  # wall clock when the queued audio runs out
+        self._chunks: asyncio.Queue[Chunk] = asyncio.Queue()
         self._player: asyncio.Task[None] | None = None
 
     async def events(self) -> AsyncIterator[LegEvent]:
@@ -175,34 +190,53 @@ class FakeLeg:
                 return
 
     async def play(self, item_id: str, audio: bytes) -> None:
-        self.plays.append(Played(item_id, audio, time.monotonic()))
+        now = time.monotonic()
+        self.plays.append(Played(item_id, audio, now))
         for offset in range(0, len(audio), FRAME):
-            chunk = audio[offset : offset + FRAME]
-            epoch, end = self.playback.queued(item_id, len(chunk) / 8)
-            self._chunks.put_nowait((epoch, item_id, chunk, end))
+            ms = len(audio[offset : offset + FRAME]) / 8
+            epoch, end = self.playback.queued(item_id, ms)
+            starts = max(now, self._cursor)
+            self._cursor = starts + ms / 1000
+            chunk = Chunk(epoch, item_id, end, starts, self._cursor)
+            self._timeline.append(chunk)
+            self._chunks.put_nowait(chunk)
         if self._player is None:
             self._player = asyncio.create_task(self._playout())
 
+    def heard_ms(self, item_id: str, at: float) -> float:
+        """Ground truth: how much of `item_id` the caller had heard at wall clock `at`."""
+        heard = 0.0
+        for chunk in self._timeline:
+            if chunk.item_id == item_id and chunk.starts < at:
+                length = (chunk.ends - chunk.starts) * 1000
+                heard = max(heard, chunk.end_ms - length + min(length, (at - chunk.starts) * 1000))
+        return heard
+
     async def _playout(self) -> None:
         while True:
-            epoch, item_id, chunk, end = await self._chunks.get()
-            if epoch != self.playback.epoch:
+            chunk = await self._chunks.get()
+            if chunk.epoch != self.playback.epoch:
                 continue  # cleared before it played
-            await asyncio.sleep(len(chunk) / 8 / 1000)
-            if self.playback.played(epoch, item_id, end):
-                self.played_log.append((item_id, int(end), time.monotonic()))
+            await asyncio.sleep(max(0.0, chunk.ends - time.monotonic()))
+            if self.playback.played(chunk.epoch, chunk.item_id, chunk.end_ms):
+                self.played_log.append((chunk.item_id, int(chunk.end_ms), time.monotonic()))
 
     async def clear(self) -> None:
+        now = time.monotonic()
         self._log.append(("leg_clear", None))
         current = self.playback.current_item()
         self.clears.append(
             {
-                "at": time.monotonic(),
+                "at": now,
                 "item_id": current,
                 "confirmed_ms": self.playback.confirmed_ms(current) if current else 0,
+                "heard_ms": self.heard_ms(current, now) if current else 0,
                 "plays_before": len(self.plays),
             }
         )
+        # Whatever had not started playing is gone (heard_ms is only asked up to this moment).
+        self._timeline = [c for c in self._timeline if c.starts < now]
+        self._cursor = now
         while not self._chunks.empty():
             self._chunks.get_nowait()
         self.playback.cleared()
@@ -218,6 +252,12 @@ class FakeLeg:
     def speak(self, ms: int) -> None:
         for i in range(ms // 20):
             self.inbox.put_nowait(AudioIn(bytes([0x10]) * FRAME, i * 20))
+
+    def say(self, speech_ms: int, then_silence_ms: int = 800) -> None:
+        """Speech-like caller audio then silence, which the simulator's VAD detects."""
+        clip = audio.speech_like_mulaw(speech_ms) + audio.silence(then_silence_ms)
+        for offset in range(0, len(clip) - FRAME + 1, FRAME):
+            self.inbox.put_nowait(AudioIn(clip[offset : offset + FRAME], offset // 8))
 
 
 @dataclass
@@ -285,11 +325,12 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
     servers: list[ScriptedRealtime] = []
     baseline = asyncio.all_tasks()
 
-    async def make(**config: Any) -> Call:
+    async def make(simulator: RealtimeSimulator | None = None, **config: Any) -> Call:
         log: list[tuple[str, Any]] = []
         server = ScriptedRealtime(log)
         await server.start()
         servers.append(server)
+        base_url = simulator.base_url if simulator is not None else server.base_url
         leg = FakeLeg(log)
         sink = MemorySink()
         gateway = FakeGateway()
@@ -299,7 +340,7 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
             log.append(("on_fatal", time.monotonic()))
             fatal.append(reason)
 
-        client = AsyncOpenAI(api_key="test-key", base_url=server.base_url)
+        client = AsyncOpenAI(api_key="test-key", base_url=base_url)
         settings = {"greeting": False, "reconnect_budget_s": 2.0, **config}
         bridge = Bridge(leg, CTX, gateway, sink, BridgeConfig(**settings), client, on_fatal)
         run = asyncio.create_task(bridge.run())
@@ -429,8 +470,9 @@ async def test_barge_in_clears_first_then_truncates_at_heard_audio_then_cancels(
     clear = call.leg.clears[0]
     assert truncate["item_id"] == "agent_1"
     assert truncate["content_index"] == 0
-    # Within one 20 ms frame of what the leg had confirmed played when it was cleared.
-    assert 0 <= truncate["audio_end_ms"] - clear["confirmed_ms"] <= 20
+    # Within one 20 ms frame of what the caller had heard when the leg was cleared.
+    assert abs(truncate["audio_end_ms"] - clear["heard_ms"]) <= 20
+    assert truncate["audio_end_ms"] >= clear["confirmed_ms"]
     assert truncate["audio_end_ms"] < 2000
     assert len(call.leg.plays) == clear["plays_before"]
     assert barge.data["truncated"] is True
@@ -726,3 +768,142 @@ async def test_hang_up_during_a_slow_tool_call_leaves_no_task_behind(make_call):
     output = [e for e in call.events(CallEventKind.FUNCTION_OUTPUT)]
     assert not output or output[0].data["sent"] is False
     # make_call's teardown asserts that no task survived the call.
+
+
+# Against the Realtime simulator: the same SDK code path, a server with its own VAD and rules.
+
+
+@pytest.fixture
+async def simulator() -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[RealtimeSimulator]]]:
+    started: list[RealtimeSimulator] = []
+
+    async def start(scenario: dict[str, Any]) -> RealtimeSimulator:
+        sim = RealtimeSimulator(Scenario.model_validate(scenario), realtime_factor=1.0)
+        await sim.start()
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        await sim.stop()
+
+
+async def test_simulated_call_greets_hears_the_caller_and_answers(make_call, simulator):
+    sim = await simulator(
+        {
+            "greeting": {"text": "Thanks for calling. How can I help?", "audio_ms": 600},
+            "steps": [
+                {
+                    "caller_transcript": "A table for two, please.",
+                    "reply": {"text": "Of course, for what time?", "audio_ms": 700},
+                }
+            ],
+        }
+    )
+    call = await make_call(simulator=sim, greeting=True)
+    greeting = await call.event(CallEventKind.AGENT_TRANSCRIPT)
+    assert greeting.data["text"] == "Thanks for calling. How can I help?"
+    assert greeting.data["cut"] is False
+    await wait_until(lambda: not call.leg.playback.is_playing())
+
+    call.leg.say(900)
+    caller = await call.event(CallEventKind.CALLER_TRANSCRIPT)
+    assert caller.data["text"] == "A table for two, please."
+    reply = await call.event(CallEventKind.AGENT_TRANSCRIPT, 2)
+    assert reply.data == {
+        "item_id": reply.data["item_id"],
+        "text": "Of course, for what time?",
+        "cut": False,
+        "heard_ms": 700,
+        "audio_ms": 700,
+    }
+    assert not call.leg.clears
+    assert not call.events(CallEventKind.REALTIME_ERROR)
+    session = sim.sessions[0]
+    assert len(session.received_events("session.update")) == 1
+    assert not session.sent_events("error")
+
+
+async def test_simulated_barge_in_truncates_within_a_frame_of_what_was_heard(make_call, simulator):
+    sim = await simulator(
+        {
+            "greeting": {
+                "text": "Welcome to Luigi's, home of the finest pizza in town.",
+                "audio_ms": 4000,
+            }
+        }
+    )
+    call = await make_call(simulator=sim, greeting=True)
+    session = await sim.wait_for_session()
+    await wait_until(lambda: call.leg.plays)
+    await wait_until(lambda: call.leg.playback.confirmed_ms(call.leg.plays[0].item_id) >= 700)
+
+    call.leg.say(800)
+    truncate = await session.wait_for_received("conversation.item.truncate")
+    barge = await call.event(CallEventKind.BARGE_IN)
+    clear = call.leg.clears[0]
+    assert abs(truncate["audio_end_ms"] - clear["heard_ms"]) <= 20
+    assert truncate["audio_end_ms"] >= clear["confirmed_ms"]
+    assert barge.data["audio_end_ms"] == truncate["audio_end_ms"]
+    await session.wait_for_sent("conversation.item.truncated")
+    # The simulator accepted it: the truncation fits the audio it sent for the item.
+    assert not call.events(CallEventKind.REALTIME_ERROR)
+    agent = await call.event(CallEventKind.AGENT_TRANSCRIPT)
+    assert agent.data["cut"] is True
+    # Nothing of the interrupted greeting reached the caller after the clear.
+    await session.wait_for_sent("response.done")
+    assert len(call.leg.plays) == clear["plays_before"]
+
+
+async def test_simulated_function_call_round_trip(make_call, simulator):
+    sim = await simulator(
+        {
+            "steps": [
+                {
+                    "caller_transcript": "Any table at nine?",
+                    "function_call": {
+                        "name": "check_availability",
+                        "arguments": {"time": "21:00"},
+                        "preamble": {"text": "Let me check that for you.", "audio_ms": 600},
+                    },
+                },
+                {"reply": {"text": "Free: {output[tables]}.", "audio_ms": 600}},
+            ]
+        }
+    )
+    call = await make_call(simulator=sim)
+    session = await sim.wait_for_session()
+    call.gateway.gate.set()
+    call.leg.say(900)
+    await wait_until(lambda: session.function_outputs)
+    assert session.function_outputs[0][1] == '{"tables":["19:00","21:00"]}'
+    answer = await call.event(CallEventKind.AGENT_TRANSCRIPT, 2)
+    assert "21:00" in answer.data["text"]
+    assert call.gateway.requests[0].arguments == '{"time":"21:00"}'
+    assert not session.sent_events("error")
+
+
+async def test_simulated_drop_reconnects_and_the_call_goes_on(make_call, simulator):
+    sim = await simulator({"steps": [{"reply": {"text": "Yes?", "audio_ms": 600}}]})
+    call = await make_call(simulator=sim)
+    await sim.wait_for_session(0)
+    await sim.drop_all()
+    second = await sim.wait_for_session(1)
+    await second.wait_for_received("session.update")
+    await call.event(CallEventKind.REALTIME_RECONNECTED)
+    call.leg.say(900)
+    reply = await call.event(CallEventKind.AGENT_TRANSCRIPT)
+    assert reply.data["text"] == "Yes?"
+
+
+async def test_simulated_reconnect_failure_apologises_and_hangs_up(make_call, simulator):
+    sim = await simulator({})
+    call = await make_call(simulator=sim, reconnect_budget_s=0.5)
+    await sim.wait_for_session(0)
+    sim.fail_next_connects(1000)
+    await sim.drop_all()
+    async with asyncio.timeout(WAIT_S):
+        await call.run
+    assert len(call.fatal) == 1
+    assert call.events(CallEventKind.APOLOGY_PLAYED)
+    assert sim.connect_attempts > 2
