@@ -107,6 +107,7 @@ class EnergyVad:
         self.encoding: AudioEncoding = encoding
         rate = SAMPLE_RATES[encoding]
         self._frame_bytes = rate * self.config.frame_ms // 1000 * _BYTES_PER_SAMPLE[encoding]
+        self._linear_frame_bytes = rate * self.config.frame_ms // 1000 * 2
         self._pending_bytes = b""
         self._frames = 0  # whole frames analysed so far
         self.state = VadState.SILENCE
@@ -132,8 +133,10 @@ class EnergyVad:
         data = self._pending_bytes + audio
         events: list[VadEvent] = []
         whole = len(data) - len(data) % self._frame_bytes
-        for start in range(0, whole, self._frame_bytes):
-            frame = to_linear16(data[start : start + self._frame_bytes], self.encoding)
+        linear = to_linear16(data[:whole], self.encoding)
+        step = self._linear_frame_bytes
+        for start in range(0, len(linear), step):
+            frame = linear[start : start + step]
             event = self._step(level_dbfs(frame) >= self.config.threshold_dbfs)
             if event is not None:
                 events.append(event)
