@@ -649,3 +649,61 @@ async def test_default_scenario_runs_the_booking_story_through_the_sdk(
     ]
     assert transcripts == [s.caller_transcript for s in load_scenario().steps[::2]]
     _assert_sdk_shapes(session)
+
+
+SLOW_PREAMBLE_CALL: dict[str, Any] = {
+    "steps": [
+        {
+            "function_call": {
+                "name": "book_table",
+                "arguments": {"party_size": 2},
+                "preamble": {"text": "One moment while I book that.", "audio_ms": 30000},
+            }
+        }
+    ]
+}
+
+
+async def test_cancelling_during_the_preamble_never_emits_the_function_call(
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    sim = await _start(stack, SLOW_PREAMBLE_CALL, factor=1.0)
+    conn = await _connect(stack, sim)
+    await _configure(conn)
+    await conn.response.create()
+    await _recv_until(conn, "response.output_audio.delta")
+    await conn.response.cancel()
+    events = await _recv_until(conn, "response.done")
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.done" not in types
+    assert [item.type for item in events[-1].response.output] == ["message"]
+    assert events[-1].response.status == "cancelled"
+
+
+async def test_speech_does_not_cancel_when_interrupt_response_is_off(
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    sim = await _start(stack, LONG_REPLY, factor=1.0)
+    conn = await _connect(stack, sim)
+    await conn.session.update(
+        session={
+            "type": "realtime",
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcmu"},
+                    "turn_detection": {"type": "server_vad", "interrupt_response": False},
+                },
+                "output": {"format": {"type": "audio/pcmu"}},
+            },
+        }
+    )
+    assert (await conn.recv()).type == "session.updated"
+    await conn.response.create()
+    await _recv_until(conn, "response.output_audio.delta")
+    await _append(conn, _speech(300))
+    await _recv_until(conn, "input_audio_buffer.speech_started")
+    session = await sim.wait_for_session()
+    assert session.response_active
+    await conn.response.cancel()
+    events = await _recv_until(conn, "response.done")
+    assert events[-1].response.status_details.reason == "client_cancelled"
