@@ -373,7 +373,7 @@ class Bridge:
             if first:
                 self._emit(CallEventKind.REALTIME_CONNECTED, attempts=attempts)
                 if self.config.greeting:
-                    self._creates.append(
+                    self._queue_create(
                         _CreateRequest(
                             "greeting",
                             instructions=instructions_text(self.config)
@@ -455,7 +455,14 @@ class Bridge:
                 continue
             except Exception as exc:
                 return f"receive failed: {type(exc).__name__}"
-            fatal = await self._on_event(session, event)
+            try:
+                fatal = await self._on_event(session, event)
+            except Exception as exc:  # one odd event must not end the call
+                log.exception("call %s: could not handle %s", self.ctx.call_id, event.type)
+                self._emit(
+                    CallEventKind.ERROR, where=f"realtime:{event.type}", error=repr(exc)[:200]
+                )
+                continue
             if fatal is not None:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1.0):
@@ -763,7 +770,7 @@ class Bridge:
             decision = "deferred_caller_speaking"
         else:
             # If the response that asked is still finishing, this waits for its response.done.
-            self._creates.append(_CreateRequest("function_output", turn_id=request.turn_id))
+            self._queue_create(_CreateRequest("function_output", turn_id=request.turn_id))
             decision = "requested"
         self._emit(
             CallEventKind.FUNCTION_OUTPUT,
@@ -812,11 +819,6 @@ class Bridge:
         if not self._safe_moment(session):
             self._schedule_recheck()
             return
-        while len(self._creates) > self.config.max_queued_response_creates:
-            dropped = self._creates.popleft()
-            self._emit(
-                CallEventKind.FUNCTION_OUTPUT, response="dropped_queue_full", reason=dropped.reason
-            )
         request: _CreateRequest | None = None
         if self._late:
             results = list(self._late)
@@ -861,6 +863,12 @@ class Bridge:
             session.response = ResponseState.IDLE
             session.requested = None
             session.requested_event_id = None
+
+    def _queue_create(self, request: _CreateRequest) -> None:
+        self._creates.append(request)
+        while len(self._creates) > self.config.max_queued_response_creates:
+            dropped = self._creates.popleft()
+            log.info("call %s: response queue full, dropped %s", self.ctx.call_id, dropped.reason)
 
     def _schedule_recheck(self) -> None:
         if self._recheck is not None or self._ended.is_set():

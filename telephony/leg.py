@@ -51,7 +51,12 @@ class CallLeg(Protocol):
         ...
 
     async def clear(self) -> None:
-        """Stop all agent audio at once (Twilio `clear`, RTP queue flush)."""
+        """Stop all agent audio at once (Twilio `clear`, RTP queue flush).
+
+        Drops audio queued locally, then calls `playback.cleared()`, so that afterwards
+        `playback.heard_ms(item)` is what the caller heard (the bridge truncates at it) and
+        confirmations of the dropped audio no longer count.
+        """
         ...
 
     async def close(self, reason: str) -> None:

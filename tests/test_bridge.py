@@ -907,3 +907,16 @@ async def test_simulated_reconnect_failure_apologises_and_hangs_up(make_call, si
     assert len(call.fatal) == 1
     assert call.events(CallEventKind.APOLOGY_PLAYED)
     assert sim.connect_attempts > 2
+
+
+async def test_an_odd_server_event_is_recorded_and_the_call_goes_on(make_call):
+    call = await make_call()
+    conn = await call.server.connection()
+    await conn.send("response.output_audio.delta", item_id="agent_1")  # no delta, no response
+    await conn.send("some.future.event", detail=1)
+    error = await call.event(CallEventKind.ERROR)
+    assert error.data["where"] == "realtime:response.output_audio.delta"
+    await conn.response_created("resp_1")
+    await conn.audio("resp_1", "agent_2", 100)
+    await wait_until(lambda: call.leg.plays)
+    assert not call.run.done()
