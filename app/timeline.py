@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
 from typing import Any
@@ -58,16 +59,38 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
     return {"call": call.as_json(), "events": events}
 
 
-def format_table(timeline: dict[str, Any], width: int = 100) -> str:
+# What the table shows per kind (everything else, ids included, stays in the JSON).
+_DETAILS: dict[str, tuple[str, ...]] = {
+    "call_started": ("from", "to"),
+    "stream_started": ("stream_sid",),
+    "call_rejected": ("reason",),
+    "caller_transcript": ("text",),
+    "agent_transcript": ("text", "cut", "heard_ms", "audio_ms"),
+    "speech_started": ("audio_start_ms",),
+    "speech_stopped": ("audio_end_ms",),
+    "barge_in": ("played_ms", "audio_end_ms", "truncated", "cancelled", "clear_latency_ms"),
+    "response_created": ("reason",),
+    "response_done": ("status",),
+    "function_call": ("name", "arguments"),
+    "function_output": ("sent", "response", "output"),
+    "call_ended": ("reason",),
+}
+_IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
+
+
+def format_table(timeline: dict[str, Any], width: int = 120) -> str:
     """The timeline as a plain-text table: t ms, kind, details."""
-    lines = [f"{'t ms':>9}  {'kind':<22}  details", f"{'-' * 9}  {'-' * 22}  {'-' * 40}"]
+    lines = [f"{'t ms':>9}  {'kind':<20}  details", f"{'-' * 9}  {'-' * 20}  {'-' * 50}"]
     for event in timeline["events"]:
-        details = ", ".join(f"{k}={_short(v)}" for k, v in event["data"].items())
-        line = f"{event['t_ms']:>9.1f}  {event['kind']:<22}  {details}"
+        data: dict[str, Any] = event["data"]
+        keys = _DETAILS.get(event["kind"]) or tuple(k for k in data if k not in _IDS)
+        details = ", ".join(f"{k}={_short(data[k])}" for k in keys if k in data)
+        line = f"{event['t_ms']:>9.1f}  {event['kind']:<20}  {details}"
         lines.append(line if len(line) <= width else line[: width - 1] + "…")
     return "\n".join(lines)
 
 
 def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 48 else text[:47] + "…"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = f'"{text}"' if isinstance(value, str) and " " in value else text
+    return text if len(text) <= 72 else text[:71] + "…"
