@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import routes_api, routes_health, routes_operations, routes_twilio
 from app.calls import CallRegistry
-from app.db import make_engine, resolve_database_url
+from app.db import make_engine, plain_url, resolve_database_url
 from app.errors import install_error_handlers
 from app.event_writer import EventWriter
 from app.runtime import Runtime
@@ -70,6 +70,19 @@ def _console_password(settings: Settings) -> str:
     return password
 
 
+async def _start_worker(settings: Settings, engine: AsyncEngine, url: str | None) -> Any:
+    """The in-process operation worker; calls still run (tools queue up) if it cannot start."""
+    from app.worker import start_inprocess_worker
+
+    try:
+        return await start_inprocess_worker(
+            settings, engine, database_url=plain_url(url) if url else None
+        )
+    except Exception:
+        log.exception("the in-process operation worker did not start")
+        return None
+
+
 def create_app(
     settings: Settings,
     *,
@@ -77,6 +90,7 @@ def create_app(
     openai_client: AsyncOpenAI | None = None,
     gateway: ToolGateway | None = None,
     bridge_config: BridgeConfig | None = None,
+    with_worker: bool = False,
 ) -> FastAPI:
     """The service. Anything not passed in is built from `settings` and owned by the app.
 
@@ -86,6 +100,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own_engine = engine is None
+        url = settings.database_url
         if engine is None:
             url = await asyncio.to_thread(
                 resolve_database_url, settings.database_url, settings.data_dir
@@ -110,11 +125,14 @@ def create_app(
             console_password=_console_password(settings),
         )
         app.state.runtime = runtime
+        worker = await _start_worker(settings, db, url) if with_worker else None
         try:
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
             await runtime.drain_tasks(5.0)
+            if worker is not None:
+                await worker.stop()
             await events.close()
             await close_twilio_client(runtime.twilio)
             if own_client:

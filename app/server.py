@@ -69,10 +69,8 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             "no OPENAI_API_KEY: calls talk to the local Realtime simulator at %s",
             simulator.base_url,
         )
-    if with_worker:
-        # The durable tool pipeline's worker is wired here once it lands (tools/).
-        log.info("no in-process operation worker yet")
-    server = ServiceServer(uvicorn_config(create_app(settings), settings))
+    app = create_app(settings, with_worker=with_worker)
+    server = ServiceServer(uvicorn_config(app, settings))
     try:
         await server.serve()
     finally:
