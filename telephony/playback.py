@@ -49,21 +49,29 @@ class PlaybackTracker:
         item = self._items.get(item_id)
         if item is None:
             return False
+        now = self._clock()
         if upto_ms > item.played_ms:
             item.played_ms = min(upto_ms, item.queued_ms)
-            item.confirmed_at = self._clock()
+            item.confirmed_at = now
         # Earlier items are finished once a later item plays.
         for other_id in self._order:
             if other_id == item_id:
                 break
             other = self._items[other_id]
             other.played_ms = other.queued_ms
+        if item.played_ms >= item.queued_ms:
+            # The next item queued behind this one starts playing now, not when it was queued.
+            following = self.current_item()
+            if following is not None and self._items[following].played_ms == 0:
+                self._items[following].confirmed_at = now
         return True
 
     def cleared(self) -> None:
         """All unconfirmed audio was dropped; freeze each item at what was heard."""
-        for item in self._items.values():
-            heard = self._estimate(item)
+        current = self.current_item()
+        for item_id, item in self._items.items():
+            # Only the item at the head of playout was audible; the ones behind it were not.
+            heard = self._estimate(item) if item_id == current else item.played_ms
             item.played_ms = heard
             item.queued_ms = heard
         self.epoch += 1

@@ -272,3 +272,38 @@ def test_mark_names_round_trip_item_ids_with_separators():
     assert parse_mark_name(mark_name(3, "item:with:colons", 120.4)) == (3, 120, "item:with:colons")
     assert parse_mark_name("greeting") is None
     assert parse_mark_name("x:1:item") is None
+
+
+async def test_an_item_queued_behind_another_starts_counting_when_that_one_ends(make_pair):
+    pair = await make_pair()
+    await pair.leg.play("item_a", b"\x7f" * 8 * 100)
+    await pair.leg.play("item_b", b"\x7f" * 8 * 200)
+    frames = [await pair.recv() for _ in range(30)]
+    names = [f["mark"]["name"] for f in frames if f["event"] == "mark"]
+    assert [parse_mark_name(n)[2] for n in names] == ["item_a"] * 5 + ["item_b"] * 10  # type: ignore[index]
+    await asyncio.sleep(0.15)  # Twilio plays item_a meanwhile (and the caller waits for b)
+    for name in names[:5]:
+        await pair.send(mark(name))
+    await pair.sync()
+    playback = pair.leg.playback
+    assert playback.confirmed_ms("item_a") == 100
+    assert playback.current_item() == "item_b"
+    # item_b began when item_a's last mark came back, not when it was queued 150 ms ago.
+    assert playback.heard_ms("item_b") < 60
+
+
+async def test_clear_counts_nothing_of_items_that_had_not_started(make_pair):
+    pair = await make_pair()
+    await pair.leg.play("item_a", b"\x7f" * 8 * 300)
+    await pair.leg.play("item_b", b"\x7f" * 8 * 300)
+    frames = [await pair.recv() for _ in range(60)]
+    first_mark = next(f["mark"]["name"] for f in frames if f["event"] == "mark")
+    await pair.send(mark(first_mark))
+    await pair.sync()
+    await asyncio.sleep(0.1)  # the caller hears more of item_a
+    await pair.leg.clear()
+    playback = pair.leg.playback
+    assert 20 <= playback.heard_ms("item_a") < 300
+    assert playback.heard_ms("item_b") == 0
+    assert playback.queued_ms("item_b") == 0
+    assert not playback.is_playing()
