@@ -220,3 +220,21 @@ async def test_reconcile_leaves_settled_operations_alone(
     op = await _running(engine, executor, started_ago=LONG_AGO)
     after = await executor.reconciler.reconcile(op.operation_id)
     assert after is not None and after.status is S.RUNNING
+
+
+async def test_sweeper_requeues_a_runnable_operation_whose_job_was_lost(
+    engine: AsyncEngine, executor: Executor, clean_db: str
+) -> None:
+    async def lost(conn: object, operation_id: uuid.UUID) -> None:
+        return None  # as if the job died with a worker before anyone claimed it
+
+    op_id = await admit(engine, lost)
+    queued = await admit(engine, executor.enqueue)  # has its job: not an orphan
+    sweeper = Sweeper(engine=engine, reconciler=executor.reconciler, orphan_grace_s=0)
+    later = datetime.now(UTC) + timedelta(seconds=1)
+    report = await sweeper.sweep_once(now=later)
+    assert report.requeued == [op_id]
+    assert queued not in report.requeued
+    assert await count_jobs(clean_db) == 2
+    again = await sweeper.sweep_once(now=later)
+    assert again.requeued == []  # it has a live job now

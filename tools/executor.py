@@ -17,6 +17,7 @@ A worker that dies between 2 and 3 leaves the operation `running`; the sweeper m
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import socket
@@ -74,6 +75,16 @@ async def enqueue_operation(
     pg = raw.driver_connection
     deferrer = app.configure_task(TASK_NAME, queue=QUEUE, connection=pg, schedule_at=schedule_at)
     return await deferrer.defer_async(operation_id=str(operation_id))
+
+
+def make_enqueue(app: procrastinate.App) -> ledger.Enqueue:
+    """The gateway's `enqueue(conn, operation_id)` hook for a process that only admits
+    (the app need not be opened: deferral runs on the admitting connection)."""
+
+    async def enqueue(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
+        await enqueue_operation(app, conn, operation_id)
+
+    return enqueue
 
 
 def _now() -> datetime:
@@ -153,12 +164,17 @@ class Executor:
             # Another worker won, it is finished, or the claim cancelled/failed it.
             return None
         try:
-            result = await self.provider.perform(
-                running,
-                spec,
-                timeout_s=spec.deadline_s,
-                callback_url=self.callback_url(operation_id),
-            )
+            # The client's own timeouts are per read/write; this bounds the whole attempt,
+            # well inside the sweeper's deadline (deadline_s + margin).
+            async with asyncio.timeout(spec.deadline_s + self.deadline_margin_s / 2):
+                result = await self.provider.perform(
+                    running,
+                    spec,
+                    timeout_s=spec.deadline_s,
+                    callback_url=self.callback_url(operation_id),
+                )
+        except TimeoutError:
+            result = ActionResult(Outcome.unknown, error="no answer within the deadline")
         except ToolError as exc:
             # The provider adapter could not even tell; treat as sent-and-lost.
             result = ActionResult(Outcome.unknown, error=f"provider error: {exc}")

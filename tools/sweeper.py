@@ -6,7 +6,9 @@ Each sweep:
 2. `running` operations past their attempt deadline go to `unknown` (a dead worker is not
    the only way to hang);
 3. `unknown` operations due for a check are reconciled with the provider;
-4. confirmations whose window passed are cancelled.
+4. runnable operations (`admitted`, `failed_retryable` and due) with no live job, which
+   only a job lost with a dead worker leaves behind, are enqueued again;
+5. confirmations whose window passed are cancelled.
 
 Several sweepers may run at once (one per worker): every move is a conditional transition.
 """
@@ -18,7 +20,7 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import procrastinate
 import sqlalchemy as sa
@@ -41,6 +43,7 @@ class SweepReport:
     timed_out: list[uuid.UUID] = field(default_factory=list)
     reconciled: dict[uuid.UUID, str] = field(default_factory=dict)  # id -> status after
     expired: list[uuid.UUID] = field(default_factory=list)
+    requeued: list[uuid.UUID] = field(default_factory=list)
     stalled_jobs: int = 0
 
 
@@ -60,6 +63,7 @@ class Sweeper:
         task_name: str | None = None,
         interval_s: float = 5.0,
         stalled_after_s: float = 30.0,
+        orphan_grace_s: float = 60.0,
         batch: int = 100,
         actor: str = "sweeper",
     ) -> None:
@@ -69,6 +73,7 @@ class Sweeper:
         self.task_name = task_name
         self.interval_s = interval_s
         self.stalled_after_s = stalled_after_s
+        self.orphan_grace_s = orphan_grace_s
         self.batch = batch
         self.actor = actor
 
@@ -94,9 +99,39 @@ class Sweeper:
             after = await self.reconciler.reconcile(op_id, now=now)
             if after is not None:
                 report.reconciled[op_id] = after.status.value
+        report.requeued = await self._requeue_orphans(now)
         async with self.engine.begin() as conn:
             report.expired = await ledger.expire_confirmations(conn, now, actor=self.actor)
         return report
+
+    async def _requeue_orphans(self, now: datetime) -> list[uuid.UUID]:
+        """Enqueue runnable operations that no queued or running job will pick up."""
+        cutoff = now - timedelta(seconds=self.orphan_grace_s)
+        requeued = []
+        async with self.engine.begin() as conn:
+            rows = await conn.execute(
+                sa.text(
+                    "SELECT o.operation_id FROM operations o "
+                    "WHERE o.status IN ('admitted', 'failed_retryable') "
+                    "AND coalesce(o.next_attempt_at, o.updated_at) < :cutoff "
+                    "AND NOT EXISTS (SELECT 1 FROM procrastinate_jobs j "
+                    "  WHERE j.status IN ('todo', 'doing') "
+                    "  AND j.args->>'operation_id' = o.operation_id::text) "
+                    "ORDER BY o.updated_at LIMIT :n FOR UPDATE OF o SKIP LOCKED"
+                ),
+                {"cutoff": cutoff, "n": self.batch},
+            )
+            for (op_id,) in rows.all():
+                await self.reconciler.enqueue(conn, op_id, None)
+                await ledger.record_event(
+                    conn,
+                    op_id,
+                    kind="note",
+                    actor=self.actor,
+                    reason="no job would run it (lost with a worker); enqueued again",
+                )
+                requeued.append(op_id)
+        return requeued
 
     async def _unknown_due(self, now: datetime) -> list[uuid.UUID]:
         async with self.engine.connect() as conn:
