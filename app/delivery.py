@@ -1,0 +1,197 @@
+"""Late results: when an operation finishes, tell the call that asked for it.
+
+Every status change is NOTIFYed on `operation_status` in the transaction that made it (see
+`tools.ledger.transition`), so whichever replica holds the live call hears it. The outcome
+is already durable when the notification arrives; this step only decides how the caller
+learns it, and records that decision on the operation's trail.
+
+Decisions made here:
+- the call is live on this replica: speak the outcome at the bridge's next safe moment
+  ("announced in call");
+- the call is not live here: nothing (the replica that holds it decides), unless the call
+  has ended everywhere, in which case the outcome is recorded as "awaiting out-of-call
+  delivery" exactly once (SMS delivery is the next capability to land on this seam).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from telephony.tool_gateway import LateResult, LiveCall
+from tools import ledger
+from tools.ledger import OperationRecord
+from tools.registry import Registry
+from tools.results import status_message
+from tools.states import OperationStatus
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "operation_status"
+FINAL = {OperationStatus.COMMITTED, OperationStatus.FAILED_FINAL, OperationStatus.CANCELLED}
+ACTOR = "delivery"
+ANNOUNCED = "announced in call"
+DEFERRED = "call ended: awaiting out-of-call delivery"
+
+
+class ResultDelivery:
+    """Listens for finished operations and hands each outcome to the call that asked."""
+
+    def __init__(
+        self,
+        database_url: str,
+        engine: AsyncEngine,
+        registry: Registry,
+        find_live: Callable[[str], LiveCall | None],
+        *,
+        reconnect_s: float = 1.0,
+    ) -> None:
+        self._url = database_url
+        self._engine = engine
+        self._registry = registry
+        self._find_live = find_live
+        self._reconnect_s = reconnect_s
+        self._task: asyncio.Task[None] | None = None
+        self._work: set[asyncio.Task[Any]] = set()
+        self._listening = asyncio.Event()
+        self.delivered: set[uuid.UUID] = set()
+
+    async def start(self) -> None:
+        """Start listening; returns once LISTEN is in place (or after a short wait)."""
+        self._task = asyncio.create_task(self._listen(), name="result-delivery")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self._listening.wait()
+
+    async def stop(self) -> None:
+        tasks: list[asyncio.Task[Any]] = [t for t in [self._task, *self._work] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._task = None
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url, autocommit=True, connect_timeout=10
+                ) as conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    self._listening.set()
+                    async for note in conn.notifies():
+                        self._on_notify(note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("result delivery lost its listener (%s); reconnecting", exc)
+                await asyncio.sleep(self._reconnect_s)
+
+    def _on_notify(self, payload: str) -> None:
+        try:
+            data = json.loads(payload)
+            status = OperationStatus(data["status"])
+            operation_id = uuid.UUID(str(data["operation_id"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring malformed %s notification", CHANNEL)
+            return
+        if status not in FINAL or not data.get("call_id"):
+            return
+        task = asyncio.create_task(self.deliver(operation_id), name=f"deliver-{operation_id}")
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+
+    async def deliver(self, operation_id: uuid.UUID) -> str | None:
+        """Decide how the outcome of `operation_id` reaches the caller; returns the decision."""
+        try:
+            return await self._deliver(operation_id)
+        except Exception:
+            log.exception("delivering the outcome of operation %s failed", operation_id)
+            return None
+
+    async def _deliver(self, operation_id: uuid.UUID) -> str | None:
+        async with self._engine.connect() as conn:
+            op = await ledger.get_operation(conn, operation_id)
+        if op is None or op.status not in FINAL or op.call_id is None:
+            return None
+        live = self._find_live(op.call_id)
+        if live is not None:
+            return await self._announce(live, op)
+        return await self._defer_if_call_ended(op)
+
+    def _text(self, op: OperationRecord) -> str:
+        if op.tool in self._registry:
+            return status_message(self._registry.get(op.tool), op)
+        return f"The request {op.tool} ended as {op.status.value}."
+
+    async def _announce(self, live: LiveCall, op: OperationRecord) -> str | None:
+        if not await self._claim(op, ANNOUNCED):
+            return None
+        result = LateResult(
+            operation_id=str(op.operation_id),
+            text=self._text(op),
+            data={"status": op.status.value, "tool": op.tool, "reference": op.provider_ref},
+        )
+        accepted = await live.deliver_result(result)
+        if not accepted:
+            # The call is ending as we speak; it becomes an out-of-call delivery.
+            await self._note(op, DEFERRED, {"why": "call ending"})
+            return DEFERRED
+        self.delivered.add(op.operation_id)
+        return ANNOUNCED
+
+    async def _defer_if_call_ended(self, op: OperationRecord) -> str | None:
+        assert op.call_id is not None
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    sa.text("SELECT status, ended_at FROM calls WHERE id::text = :c"),
+                    {"c": op.call_id},
+                )
+            ).first()
+        if row is not None and row.ended_at is None:
+            return None  # live on another replica: that one decides
+        if await self._claim(op, DEFERRED):
+            return DEFERRED
+        return None
+
+    async def _claim(self, op: OperationRecord, decision: str) -> bool:
+        """Record `decision` once per operation across replicas; False if already decided."""
+        async with self._engine.begin() as conn:
+            await ledger.lock_scope(conn, "delivery", str(op.operation_id))
+            done = (
+                await conn.execute(
+                    sa.text(
+                        "SELECT 1 FROM operation_events WHERE operation_id = :o "
+                        "AND kind = 'decision' AND actor = :a"
+                    ),
+                    {"o": op.operation_id, "a": ACTOR},
+                )
+            ).first()
+            if done is not None:
+                return False
+            await ledger.record_event(
+                conn,
+                op.operation_id,
+                kind="decision",
+                actor=ACTOR,
+                reason=decision,
+                data={"status": op.status.value},
+            )
+        return True
+
+    async def _note(self, op: OperationRecord, reason: str, data: dict[str, Any]) -> None:
+        async with self._engine.begin() as conn:
+            await ledger.record_event(
+                conn, op.operation_id, kind="note", actor=ACTOR, reason=reason, data=data
+            )
