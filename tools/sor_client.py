@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from tools.errors import ProviderError
 from tools.provider import Outcome
 from tools.sor_protocol import (
     CALLBACK_URL_HEADER,
@@ -42,7 +43,7 @@ class ProviderResult:
         return self.booking.id if self.booking else None
 
 
-class SorClientError(Exception):
+class SorClientError(ProviderError):
     """A read against the SOR failed; reads have no `unknown`, they just fail."""
 
     retryable = True
