@@ -10,7 +10,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.worker import OperationWorker
+from app.settings import Settings
+from app.worker import OperationWorker, start_inprocess_worker
 from tests.sor_support import (
     admit,
     count_jobs,
@@ -24,7 +25,7 @@ from tests.sor_support import (
 )
 from tools import ledger
 from tools.compensation import compensate
-from tools.executor import Executor, make_app
+from tools.executor import Executor, make_app, make_enqueue
 from tools.registry import Registry
 from tools.sor import Faults, SystemOfRecord
 from tools.sor_client import SorClient
@@ -322,3 +323,18 @@ async def test_provider_refusal_fails_for_good(
 
 
 _ARGS = {"date": "2026-12-05", "time": "21:00", "party_size": 4, "name": "Ada"}
+
+
+async def test_inprocess_worker_from_settings_runs_operations_and_stops(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    settings = Settings(database_url=clean_db, sor_base_url=sor.url, worker_concurrency=1)
+    worker = await start_inprocess_worker(
+        settings, engine, database_url=clean_db, registry=exec_registry()
+    )
+    try:
+        op_id = await admit(engine, make_enqueue(make_app(clean_db)))
+        await wait_status(engine, op_id, S.COMMITTED)
+    finally:
+        await worker.stop()
+    assert (await sor.side_effects()).bookings_inserted == 1
