@@ -139,6 +139,12 @@ async def test_barge_in_mid_playback_clears_first_and_truncates_at_the_heard_aud
     assert clear_sent < t_truncate
     assert abs(truncate["audio_end_ms"] - heard_of_item) <= FRAME_MS, (truncate, heard_of_item)
     assert clear.dropped_ms > 1000  # most of the reply was still queued at the caller
+    marks_after_clear = [
+        parse_mark_name(m.data["mark"]["name"])
+        for m in caller.received
+        if m.t > clear.t and m.event == "mark" and m.data is not None
+    ]
+    assert truncate["item_id"] not in {m[2] for m in marks_after_clear if m is not None}
     barge_ins = [e["data"] for e in events if e["kind"] == "barge_in"]
     assert len(barge_ins) == 1
     assert barge_ins[0]["truncated"] is True

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
 import xml.etree.ElementTree as ET
 
+import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.stream_token import StreamTokens
 from tests.e2e_support import (
     AUTH_TOKEN,
+    CONSOLE,
     call_row,
     event_kinds,
     post_signed,
@@ -164,3 +167,35 @@ async def test_status_callback_for_an_unfinished_status_changes_nothing(
         row = await call_row(engine, "CAring")
     assert response.status_code == 204
     assert row is not None and row["status"] == "ringing"
+
+
+async def test_health_readiness_and_metrics_answer(engine: AsyncEngine) -> None:
+    async with running_service(engine, max_live_calls=1) as service:
+        await post_signed(service, "/twilio/voice", _voice_params("CAm1"))
+        await post_signed(service, "/twilio/voice", _voice_params("CAm2"))  # busy
+        async with httpx.AsyncClient(base_url=service.url) as http:
+            health = await http.get("/healthz")
+            ready = await http.get("/readyz")
+            metrics = (await http.get("/metrics")).text
+    assert health.json() == {"status": "ok"}
+    assert ready.status_code == 200
+    samples = dict(
+        line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#")
+    )
+    assert samples["voice_agent_calls_total"] == "1"
+    assert samples["voice_agent_calls_rejected_busy_total"] == "1"
+    assert samples["voice_agent_live_calls"] == "0"
+    assert {"voice_agent_barge_ins_total", "voice_agent_event_queue_depth"} <= samples.keys()
+    assert "voice_agent_events_dropped_total" in samples
+
+
+async def test_console_api_needs_the_console_password(engine: AsyncEngine) -> None:
+    async with running_service(engine) as service:
+        async with httpx.AsyncClient(base_url=service.url) as http:
+            anonymous = await http.get("/api/calls")
+            wrong = await http.get("/api/calls", auth=("admin", "guess"))
+            unknown = await http.get(f"/api/calls/{uuid.uuid4()}/timeline", auth=CONSOLE)
+            listing = await http.get("/api/calls", auth=CONSOLE)
+    assert (anonymous.status_code, wrong.status_code) == (401, 401)
+    assert unknown.status_code == 404
+    assert listing.json()["calls"] == []
