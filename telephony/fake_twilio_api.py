@@ -65,7 +65,7 @@ class InProcessServer:
 
     async def start(self, timeout: float = 10.0) -> str:  # noqa: ASYNC109
         """Bind, serve, and return the base URL once the server accepts connections."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
