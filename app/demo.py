@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from app.call_store import find_by_sid
 from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
@@ -131,11 +133,11 @@ async def demo(settings: Settings, out: Path) -> int:
                 "openai_base_url": sim.base_url,
                 "twilio_api_base_url": twilio_api.base_url,
                 "twilio_account_sid": twilio_api.account_sid,
-                "twilio_auth_token": type(settings.twilio_auth_token)(twilio_api.auth_token),
+                "twilio_auth_token": SecretStr(twilio_api.auth_token),
                 "public_base_url": f"http://127.0.0.1:{port}",
                 "host": "127.0.0.1",
                 "port": port,
-                "console_password": type(settings.twilio_auth_token)(secrets.token_urlsafe(12)),
+                "console_password": SecretStr(secrets.token_urlsafe(12)),
             }
         )
         app = create_app(settings)
