@@ -72,6 +72,13 @@ RECHECK_S = 0.25  # how often queued response work looks for a safe moment
 AUTO_RESPONSE_WAIT_S = 2.0  # after speech stopped, how long the server's own response may take
 
 
+SESSION_UPDATE_EVENT_ID = "bridge_session_update"
+
+
+class _SessionRejected(TelephonyError):
+    """The server refused the session configuration."""
+
+
 class IllegalTransition(TelephonyError):
     """A bridge state change that the state machine does not allow."""
 
@@ -417,13 +424,22 @@ class Bridge:
                     conn = await self._client.realtime.connect(model=self.config.model).enter()
                     history = list(self._history) if resumed else []
                     await conn.session.update(
+                        event_id=SESSION_UPDATE_EVENT_ID,
                         session=session_update(
                             self.config,
                             self.leg.audio_format,
                             self._gateway.definitions(),
                             history,
-                        )
+                        ),
                     )
+                    await self._await_session_updated(conn)
+            except _SessionRejected as exc:
+                # The server refuses our configuration: retrying cannot help.
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(1.0):
+                            await conn.close()
+                return None, attempts, str(exc)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"[:200]
                 log.info(
@@ -441,6 +457,25 @@ class Bridge:
                 return _Session(conn, self._generation), attempts, None
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)
+
+    async def _await_session_updated(self, conn: AsyncRealtimeConnection) -> None:
+        """Until the server confirms the configuration: audio in another codec is noise."""
+        while True:
+            event = await conn.recv()
+            if event.type == "session.updated":
+                return
+            if isinstance(event, RealtimeErrorEvent) and event.type == "error":
+                error = event.error
+                self._emit(
+                    CallEventKind.REALTIME_ERROR,
+                    code=error.code,
+                    type=error.type,
+                    message=error.message[:200],
+                    param=error.param,
+                    event_id=error.event_id,
+                )
+                if error.event_id == SESSION_UPDATE_EVENT_ID:
+                    raise _SessionRejected(f"session.update rejected: {error.message}"[:200])
 
     async def _read(self, session: _Session) -> str:
         """Handle server events until the socket drops; returns why it dropped."""

@@ -105,6 +105,7 @@ class ScriptedRealtime:
     def __init__(self, log: list[tuple[str, Any]]) -> None:
         self.connections: list[ScriptedConnection] = []
         self.reject_connects = 0
+        self.reject_session = False
         self.handshakes = 0
         self._log = log
         self._server: Server | None = None
@@ -137,6 +138,20 @@ class ScriptedRealtime:
             conn.received.append(event)
             if event.get("type") != "input_audio_buffer.append":
                 self._log.append(("server_got", event["type"]))
+            if event.get("type") == "session.update":
+                if self.reject_session:
+                    await conn.send(
+                        "error",
+                        error={
+                            "type": "invalid_request_error",
+                            "code": "invalid_value",
+                            "message": "Invalid value: 'audio/pcmx'.",
+                            "param": "session.audio.input.format.type",
+                            "event_id": event.get("event_id"),
+                        },
+                    )
+                else:
+                    await conn.send("session.updated", session=event["session"])
 
     async def connection(self, index: int = 0) -> ScriptedConnection:
         await wait_until(lambda: len(self.connections) > index, what=f"connection {index}")
@@ -325,9 +340,12 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
     servers: list[ScriptedRealtime] = []
     baseline = asyncio.all_tasks()
 
-    async def make(simulator: RealtimeSimulator | None = None, **config: Any) -> Call:
+    async def make(
+        simulator: RealtimeSimulator | None = None, reject_session: bool = False, **config: Any
+    ) -> Call:
         log: list[tuple[str, Any]] = []
         server = ScriptedRealtime(log)
+        server.reject_session = reject_session
         await server.start()
         servers.append(server)
         base_url = simulator.base_url if simulator is not None else server.base_url
@@ -686,6 +704,7 @@ async def test_dtmf_is_recorded_and_offered_to_the_tool_layer(make_call):
 async def test_realtime_drop_reconnects_and_resends_the_session(make_call):
     call = await make_call()
     first = await call.server.connection(0)
+    await call.event(CallEventKind.REALTIME_CONNECTED)
     await first.send(
         "conversation.item.input_audio_transcription.completed",
         item_id="user_1",
@@ -712,6 +731,7 @@ async def test_realtime_drop_reconnects_and_resends_the_session(make_call):
 async def test_reconnect_retries_refused_handshakes_within_the_budget(make_call):
     call = await make_call(reconnect_budget_s=5.0)
     first = await call.server.connection(0)
+    await call.event(CallEventKind.REALTIME_CONNECTED)
     call.server.reject_connects = 2
     await first.ws.close(1011, "gone")
     await call.server.connection(1)
@@ -722,6 +742,7 @@ async def test_reconnect_retries_refused_handshakes_within_the_budget(make_call)
 async def test_reconnect_failure_plays_the_apology_then_calls_on_fatal(make_call):
     call = await make_call(reconnect_budget_s=0.5)
     first = await call.server.connection(0)
+    await call.event(CallEventKind.REALTIME_CONNECTED)
     call.server.reject_connects = 1000
     await first.ws.close(1011, "gone")
     async with asyncio.timeout(WAIT_S):
@@ -886,7 +907,7 @@ async def test_simulated_function_call_round_trip(make_call, simulator):
 async def test_simulated_drop_reconnects_and_the_call_goes_on(make_call, simulator):
     sim = await simulator({"steps": [{"reply": {"text": "Yes?", "audio_ms": 600}}]})
     call = await make_call(simulator=sim)
-    await sim.wait_for_session(0)
+    await call.event(CallEventKind.REALTIME_CONNECTED)
     await sim.drop_all()
     second = await sim.wait_for_session(1)
     await second.wait_for_received("session.update")
@@ -899,7 +920,7 @@ async def test_simulated_drop_reconnects_and_the_call_goes_on(make_call, simulat
 async def test_simulated_reconnect_failure_apologises_and_hangs_up(make_call, simulator):
     sim = await simulator({})
     call = await make_call(simulator=sim, reconnect_budget_s=0.5)
-    await sim.wait_for_session(0)
+    await call.event(CallEventKind.REALTIME_CONNECTED)
     sim.fail_next_connects(1000)
     await sim.drop_all()
     async with asyncio.timeout(WAIT_S):
@@ -920,3 +941,15 @@ async def test_an_odd_server_event_is_recorded_and_the_call_goes_on(make_call):
     await conn.audio("resp_1", "agent_2", 100)
     await wait_until(lambda: call.leg.plays)
     assert not call.run.done()
+
+
+async def test_a_rejected_session_config_is_not_retried_and_ends_the_call(make_call):
+    call = await make_call(reject_session=True, reconnect_budget_s=5.0)
+    async with asyncio.timeout(WAIT_S):
+        await call.run
+    assert call.server.handshakes == 1
+    error = call.events(CallEventKind.REALTIME_ERROR)[0]
+    assert error.data["param"] == "session.audio.input.format.type"
+    failed = call.events(CallEventKind.REALTIME_FAILED)[0]
+    assert failed.data["reason"].startswith("session.update rejected")
+    assert len(call.fatal) == 1
