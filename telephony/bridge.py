@@ -64,6 +64,7 @@ EXPECTED_ERROR_CODES = frozenset(
 # Errors after which the session cannot continue; treated like a dropped socket.
 FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
 HISTORY_LINES = 20
+MAX_PLAYED_CHECKS = 20  # looks at an agent item's playout before its transcript is recorded
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
 # Caller audio kept while the session is (re)connecting, sent once it is up (2 s of frames).
@@ -130,6 +131,7 @@ class _AgentItem:
     cut_at_ms: int | None = None  # heard ms when a barge-in cut it
     recorded: bool = False
     timer: asyncio.TimerHandle | None = None
+    checks: int = 0
 
 
 @dataclass(slots=True)
@@ -945,7 +947,9 @@ class Bridge:
         if item.recorded or self._ended.is_set():
             return
         remaining_ms = item.received_ms - self.leg.playback.heard_ms(item_id)
-        if remaining_ms <= 1 or item.cut_at_ms is not None:
+        item.checks += 1
+        # A leg that stops confirming playout must not keep this polling for the whole call.
+        if remaining_ms <= 1 or item.cut_at_ms is not None or item.checks > MAX_PLAYED_CHECKS:
             self._record_agent_transcript(item_id, item)
             return
         loop = asyncio.get_running_loop()
