@@ -19,11 +19,18 @@ from websockets.http11 import Request, Response
 from telephony import audio
 from telephony.bridge import Bridge, BridgeConfig, apology_clip
 from telephony.call_events import CallEvent, CallEventKind, MemorySink
-from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 from telephony.scenario import Scenario
 from telephony.simulator import RealtimeSimulator
-from telephony.tool_gateway import CallContext, FunctionCallRequest, LateResult, ToolReply
+from telephony.tool_gateway import (
+    CallContext,
+    FunctionCallRequest,
+    LateResult,
+    LiveCall,
+    ToolGateway,
+    ToolReply,
+)
 
 FRAME = 160  # 20 ms of G.711
 WAIT_S = 5.0
@@ -352,6 +359,7 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
         leg = FakeLeg(log)
         sink = MemorySink()
         gateway = FakeGateway()
+        _gateway: ToolGateway = gateway
         fatal: list[str] = []
 
         async def on_fatal(reason: str) -> None:
@@ -361,6 +369,7 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
         client = AsyncOpenAI(api_key="test-key", base_url=base_url)
         settings = {"greeting": False, "reconnect_budget_s": 2.0, **config}
         bridge = Bridge(leg, CTX, gateway, sink, BridgeConfig(**settings), client, on_fatal)
+        _typed: tuple[LiveCall, CallLeg] = (bridge, leg)  # mypy checks both protocols
         run = asyncio.create_task(bridge.run())
         call = Call(bridge, leg, server, sink, gateway, log, run, fatal)
         started.append(call)

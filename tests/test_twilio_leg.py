@@ -14,7 +14,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from telephony.call_events import CallEventKind, MemorySink
-from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.leg import AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
 from telephony.twilio_events import StartInfo
 from telephony.twilio_leg import CHUNK_BYTES, TwilioLeg, mark_name, parse_mark_name
 
@@ -118,6 +118,7 @@ async def make_pair() -> AsyncIterator[Callable[..., Any]]:
         async def handler(ws: ServerConnection) -> None:
             socket = ServerSocket(ws, send_delay_s)
             leg = TwilioLeg(socket, START, sink, "call-1")
+            _typed: CallLeg = leg  # mypy checks the protocol
             events: list[LegEvent] = []
             ready.set_result((leg, socket, events))
             async for event in leg.events():
