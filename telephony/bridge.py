@@ -111,6 +111,14 @@ class ResponseState(StrEnum):
     ACTIVE = "active"
 
 
+# We may only ask for a response from IDLE; the server's own facts (created, done) always apply.
+_RESPONSE_TRANSITIONS: dict[ResponseState, frozenset[ResponseState]] = {
+    ResponseState.IDLE: frozenset({ResponseState.REQUESTED, ResponseState.ACTIVE}),
+    ResponseState.REQUESTED: frozenset({ResponseState.ACTIVE, ResponseState.IDLE}),
+    ResponseState.ACTIVE: frozenset({ResponseState.ACTIVE, ResponseState.IDLE}),
+}
+
+
 @dataclass(slots=True)
 class _CreateRequest:
     """A response.create waiting for a safe moment."""
@@ -145,6 +153,12 @@ class _Session:
     active_response_id: str | None = None
     requested: _CreateRequest | None = None
     requested_event_id: str | None = None
+
+    def move(self, new: ResponseState) -> None:
+        """Apply a response-slot transition; asking while a response is active is refused."""
+        if new not in _RESPONSE_TRANSITIONS[self.response]:
+            raise IllegalTransition(f"response slot cannot go from {self.response} to {new}")
+        self.response = new
 
 
 def apology_clip(audio_format: AudioFormat, duration_ms: int = 1200) -> bytes:
@@ -672,7 +686,7 @@ class Bridge:
     def _on_response_created(self, session: _Session, event: ResponseCreatedEvent) -> None:
         response_id = event.response.id or ""
         request = session.requested
-        session.response = ResponseState.ACTIVE
+        session.move(ResponseState.ACTIVE)
         session.active_response_id = response_id
         session.requested = None
         session.requested_event_id = None
@@ -693,8 +707,12 @@ class Bridge:
 
     async def _on_response_done(self, session: _Session, event: ResponseDoneEvent) -> None:
         response = event.response
-        if session.active_response_id in (None, response.id):
-            session.response = ResponseState.IDLE
+        # A late or duplicate done of another response leaves the slot as it is.
+        if session.response is ResponseState.ACTIVE and session.active_response_id in (
+            None,
+            response.id,
+        ):
+            session.move(ResponseState.IDLE)
             session.active_response_id = None
         self._emit(
             CallEventKind.RESPONSE_DONE,
@@ -716,7 +734,7 @@ class Bridge:
             session.requested = None
             session.requested_event_id = None
             if session.response is ResponseState.REQUESTED:
-                session.response = ResponseState.IDLE
+                session.move(ResponseState.IDLE)
             self._schedule_recheck()
         if error.code in EXPECTED_ERROR_CODES:
             log.debug("call %s: expected Realtime error %s", self.ctx.call_id, error.code)
@@ -887,7 +905,7 @@ class Bridge:
     async def _create_response(self, session: _Session, request: _CreateRequest) -> None:
         self._event_seq += 1
         event_id = f"bridge_rc_{self._event_seq}"
-        session.response = ResponseState.REQUESTED
+        session.move(ResponseState.REQUESTED)
         session.requested = request
         session.requested_event_id = event_id
         if request.instructions is not None:
@@ -897,7 +915,7 @@ class Bridge:
         else:
             send = session.conn.response.create(event_id=event_id)
         if not await self._guarded(session, send):
-            session.response = ResponseState.IDLE
+            session.move(ResponseState.IDLE)
             session.requested = None
             session.requested_event_id = None
 

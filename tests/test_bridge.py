@@ -962,3 +962,17 @@ async def test_a_rejected_session_config_is_not_retried_and_ends_the_call(make_c
     failed = call.events(CallEventKind.REALTIME_FAILED)[0]
     assert failed.data["reason"].startswith("session.update rejected")
     assert len(call.fatal) == 1
+
+
+async def test_a_stray_response_done_does_not_free_the_slot_of_the_active_response(make_call):
+    call = await make_call()
+    conn = await call.server.connection()
+    await conn.response_created("resp_2")
+    await conn.response_done("resp_old")  # late, from before
+    await conn.response_done("resp_old")  # and duplicated
+    await call.event(CallEventKind.RESPONSE_DONE, 2)
+    assert await call.bridge.deliver_result(LateResult("op-1", "Booked."))
+    assert not conn.of_type("response.create")
+    await conn.response_done("resp_2")
+    await conn.wait_for("response.create")
+    assert not call.events(CallEventKind.ERROR)
