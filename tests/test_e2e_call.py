@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.demo import demo
+from app.settings import Settings
 from telephony.fake_caller import FakeTwilioCaller
 from telephony.scenario import Scenario
 from telephony.twilio_leg import parse_mark_name
@@ -297,3 +305,59 @@ async def test_nothing_outlives_the_server(engine: AsyncEngine) -> None:
     row = await call_row(engine, caller.call_sid)
     assert row is not None and row["status"] == "completed"
     assert row["end_reason"] == "server shutdown"
+
+
+async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
+    clean_db: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "heard.wav"
+    settings = Settings(database_url=clean_db, openai_api_key=None, console_password="x")
+    assert await demo(settings, out) == 0
+    printed = capsys.readouterr().out
+    table = printed[printed.index("t ms") :]
+    for kind in ("call_started", "stream_started", "barge_in", "caller_transcript", "call_ended"):
+        assert kind in table, kind
+    assert "truncated=true" in table
+    assert out.stat().st_size > 44  # a WAV with audio in it
+
+
+async def test_voice_agent_serve_answers_calls_with_the_local_simulator(
+    clean_db: str, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TWILIO_"))},
+        "DATABASE_URL": clean_db,
+        "PORT": str(port),
+        "PUBLIC_BASE_URL": base,
+        "CONSOLE_PASSWORD": "pw",
+        "LOG_LEVEL": "WARNING",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app.cli", "serve", "--no-worker",
+        env=env, cwd=tmp_path, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=base) as http:
+
+            async def ready() -> bool:
+                try:
+                    return (await http.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_until(ready, 30, "service ready")
+            async with FakeTwilioCaller(base) as caller:
+                await caller.dial()
+                await caller.wait_for(lambda c: c.heard_ms >= 1000, 15)
+                await caller.hangup()
+            calls = (await http.get("/api/calls", auth=("admin", "pw"))).json()["calls"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(20):
+            _, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert [c["call_sid"] for c in calls] == [caller.call_sid]
