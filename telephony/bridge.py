@@ -667,6 +667,24 @@ class Bridge:
             item.cut_at_ms = audio_end_ms
             if item.transcript is not None and not item.recorded:
                 self._record_agent_transcript(item_id, item)
+        # Items queued behind the head were cleared before a word of them was heard.
+        for other_id, other in self._items.items():
+            if other_id == item_id or other.cut_at_ms is not None or other.recorded:
+                continue
+            heard = playback.heard_ms(other_id)
+            if heard + 1 >= other.received_ms:
+                continue
+            other.cut_at_ms = min(heard, int(other.received_ms))
+            self._muted_responses.add(other.response_id)
+            if other_id in session.items:
+                await self._guarded(
+                    session,
+                    session.conn.conversation.item.truncate(
+                        item_id=other_id, content_index=0, audio_end_ms=other.cut_at_ms
+                    ),
+                )
+            if other.transcript is not None:
+                self._record_agent_transcript(other_id, other)
         cancelled = False
         if session.response is ResponseState.ACTIVE and session.active_response_id:
             self._muted_responses.add(session.active_response_id)

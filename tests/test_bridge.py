@@ -976,3 +976,34 @@ async def test_a_stray_response_done_does_not_free_the_slot_of_the_active_respon
     await conn.response_done("resp_2")
     await conn.wait_for("response.create")
     assert not call.events(CallEventKind.ERROR)
+
+
+async def test_barge_in_also_cuts_an_item_queued_behind_the_one_playing(make_call):
+    call = await make_call()
+    conn = await call.server.connection()
+    await conn.response_created("resp_1")
+    await conn.audio("resp_1", "agent_1", 600)
+    await conn.audio("resp_1", "agent_2", 600)
+    for item_id, text in (("agent_1", "First part."), ("agent_2", "Second part.")):
+        await conn.send(
+            "response.output_audio_transcript.done",
+            response_id="resp_1",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            transcript=text,
+        )
+    await conn.response_done("resp_1")
+    await wait_until(lambda: call.leg.playback.confirmed_ms("agent_1") >= 200)
+    await conn.speech_started("user_2")
+    await call.event(CallEventKind.BARGE_IN)
+    await wait_until(lambda: len(conn.of_type("conversation.item.truncate")) == 2)
+    truncates = {
+        t["item_id"]: t["audio_end_ms"] for t in conn.of_type("conversation.item.truncate")
+    }
+    assert 200 <= truncates["agent_1"] < 600
+    assert truncates["agent_2"] == 0
+    transcripts = {e.data["item_id"]: e.data for e in call.events(CallEventKind.AGENT_TRANSCRIPT)}
+    assert transcripts["agent_2"]["cut"] is True
+    assert transcripts["agent_2"]["text"] == ""
+    assert transcripts["agent_1"]["cut"] is True
