@@ -132,7 +132,12 @@ class EventWriter:
                     stop = True
                     break
                 batch.append(nxt)
-            await self._write_with_retry(self._ours(batch))
+            try:
+                await self._write_with_retry(self._ours(batch))
+            except Exception:
+                # A bug must not kill the writer: every later event would be lost with it.
+                self.dropped += len(batch)
+                log.exception("dropping %d call events after an unexpected error", len(batch))
             async with self._progress:
                 self._done += len(batch)
                 self._progress.notify_all()

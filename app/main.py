@@ -130,7 +130,6 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
-            await runtime.drain_tasks(5.0)
             if worker is not None:
                 await worker.stop()
             await events.close()

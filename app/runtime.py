@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -18,8 +14,6 @@ from app.settings import Settings
 from app.stream_token import StreamTokens
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,23 +30,3 @@ class Runtime:
     bridge_config: BridgeConfig
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
     console_password: str
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run a side job (a REST hang-up) owned by the process, awaited at shutdown."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def drain_tasks(self, wait_s: float) -> None:
-        """Let side jobs finish, cancelling whatever is still running after `wait_s`."""
-        tasks = list(self._tasks)
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=wait_s)
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
