@@ -269,6 +269,23 @@ async def test_realtime_lost_for_good_apologises_and_hangs_up_through_twilio(
     assert "realtime failed" in row["end_reason"]
 
 
+async def test_failed_rest_hang_up_still_ends_the_call_and_says_so(engine: AsyncEngine) -> None:
+    async with call_stack(engine, scenario(), realtime_reconnect_budget_s=1.0) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear_greeting(caller)
+        stack.api.fail_next(10)
+        stack.sim.fail_next_connects(1000)
+        await stack.sim.drop_all()
+        await caller.wait_closed(20)
+        events = await stack.events(caller)
+        row = await call_row(engine, caller.call_sid)
+    assert caller.closed_by == "server"  # we closed the stream ourselves
+    errors = [e["data"] for e in events if e["kind"] == "error"]
+    assert [e["where"] for e in errors] == ["twilio_rest"]
+    assert row is not None and row["status"] == "completed"
+
+
 async def test_status_callback_completed_ends_a_call_whose_media_socket_is_open(
     engine: AsyncEngine,
 ) -> None:
