@@ -73,10 +73,21 @@ class FunctionCallStep(BaseModel):
     def _text_is_enough(cls, value: object) -> object:
         return {"text": value} if isinstance(value, str) else value
 
-    def rendered_arguments(self, today: dt.date | None = None) -> str:
-        """The arguments as the JSON string the model streams, with date placeholders filled."""
+    def rendered_arguments(self, today: dt.date | None = None, output: str | None = None) -> str:
+        """The arguments as the JSON string the model streams, with placeholders filled:
+        `{today}`/`{tomorrow}`, and `{output[key]}` from the latest function output (so a
+        scripted `confirm_operation` can name the operation it was just given)."""
         day = today or dt.datetime.now(dt.UTC).date()
-        values = {"today": day.isoformat(), "tomorrow": (day + dt.timedelta(days=1)).isoformat()}
+        values: dict[str, Any] = {
+            "today": day.isoformat(),
+            "tomorrow": (day + dt.timedelta(days=1)).isoformat(),
+        }
+        if output:
+            try:
+                parsed: Any = json.loads(output)
+            except ValueError:
+                parsed = output
+            values["output"] = _Field(parsed, raw=output)
 
         def fill(value: Any) -> Any:
             if isinstance(value, str):
@@ -178,7 +189,7 @@ def _render(template: str, values: dict[str, Any]) -> str:
 
     try:
         return Lenient().format(template)
-    except (ValueError, IndexError, AttributeError, KeyError):
+    except (ValueError, IndexError, AttributeError, KeyError, TypeError):
         return template
 
 

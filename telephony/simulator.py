@@ -1442,7 +1442,7 @@ class SimulatedSession:
             call_id=new_id("call"),
         )
         output_index = await self._add_output_item(response, item)
-        arguments = call.rendered_arguments()
+        arguments = call.rendered_arguments(output=self._latest_output)
         pieces = max(1, min(4, len(arguments) // 12))
         size = math.ceil(len(arguments) / pieces)
         for start in range(0, len(arguments), size):

@@ -707,3 +707,16 @@ async def test_speech_does_not_cancel_when_interrupt_response_is_off(
     await conn.response.cancel()
     events = await _recv_until(conn, "response.done")
     assert events[-1].response.status_details.reason == "client_cancelled"
+
+
+def test_function_call_arguments_can_name_a_field_of_the_latest_output() -> None:
+    from telephony.scenario import FunctionCallStep
+
+    step = FunctionCallStep(
+        name="confirm_operation",
+        arguments={"operation_id": "{output[operation_id]}", "confirmed": True},
+    )
+    rendered = step.rendered_arguments(output='{"operation_id": "op-123", "status": "x"}')
+    assert json.loads(rendered) == {"operation_id": "op-123", "confirmed": True}
+    # Without an output the placeholder stays visible instead of silently becoming "".
+    assert "{output[operation_id]}" in step.rendered_arguments()
