@@ -94,6 +94,13 @@ class CallRegistry:
     def get(self, call_sid: str) -> LiveCallEntry | None:
         return self._live.get(call_sid)
 
+    def live_by_call_id(self, call_id: str) -> LiveCall | None:
+        """The live call whose `calls.id` is `call_id`, if it runs in this process."""
+        for entry in self._live.values():
+            if entry.call_id == call_id and entry.end_reason is None:
+                return entry.live
+        return None
+
     def live_count(self) -> int:
         return len(self._live)
 

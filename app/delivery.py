@@ -27,7 +27,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from telephony.tool_gateway import LateResult, LiveCall
+from telephony.tool_gateway import CallContext, LateResult, LiveCall
 from tools import ledger
 from tools.ledger import OperationRecord
 from tools.registry import Registry
@@ -124,6 +124,9 @@ class ResultDelivery:
             op = await ledger.get_operation(conn, operation_id)
         if op is None or op.status not in FINAL or op.call_id is None:
             return None
+        if op.status is OperationStatus.CANCELLED and op.attempts == 0:
+            # Never reached the provider (unconfirmed, declined, withdrawn): nothing to tell.
+            return None
         live = self._find_live(op.call_id)
         if live is not None:
             return await self._announce(live, op)
@@ -195,3 +198,15 @@ class ResultDelivery:
             await ledger.record_event(
                 conn, op.operation_id, kind="note", actor=ACTOR, reason=reason, data=data
             )
+
+    async def call_ended(self, ctx: CallContext, pending: list[OperationRecord]) -> None:
+        """The call ended with operations still in flight: their outcomes go out of call."""
+        for op in pending:
+            try:
+                await self._note(
+                    op,
+                    "call ended while in flight: the outcome will be delivered out of call",
+                    {"call_id": ctx.call_id, "status": op.status.value},
+                )
+            except Exception:
+                log.exception("could not note the pending outcome of %s", op.operation_id)

@@ -17,15 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import routes_api, routes_health, routes_operations, routes_twilio
 from app.calls import CallRegistry
 from app.db import make_engine, plain_url, resolve_database_url
+from app.delivery import ResultDelivery
 from app.errors import install_error_handlers
 from app.event_writer import EventWriter
 from app.runtime import Runtime
 from app.settings import Settings
 from app.stream_token import StreamTokens
-from app.tool_wiring import build_gateway
+from app.tool_wiring import build_tools
 from app.twilio_rest import close_twilio_client, make_twilio_client
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
+from tools.catalog import restaurant_catalog
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +110,29 @@ def create_app(
             db = make_engine(url)
         else:
             db = engine
+        db_url = plain_url(url) if url else db.url.render_as_string(hide_password=False)
         own_client = openai_client is None
         client = openai_client or make_openai_client(settings)
         events = EventWriter(db)
         events.start()
+        calls = CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s)
+        tools = build_tools(settings, db, plain_url(db_url)) if gateway is None else None
+        delivery = ResultDelivery(
+            plain_url(db_url),
+            db,
+            tools.registry if tools is not None else restaurant_catalog(),
+            calls.live_by_call_id,
+        )
+        if tools is not None:
+            tools.pipeline.pending_results = delivery.call_ended
+        await delivery.start()
         runtime = Runtime(
             settings=settings,
             engine=db,
             events=events,
-            registry=CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s),
+            registry=calls,
             tokens=StreamTokens(settings.stream_secret(), settings.stream_token_ttl_s),
-            gateway=gateway or build_gateway(settings, db),
+            gateway=tools.pipeline if tools is not None else gateway,  # type: ignore[arg-type]
             openai=client,
             bridge_config=bridge_config or bridge_config_from(settings),
             twilio=_make_twilio_client(settings),
@@ -130,6 +144,9 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await delivery.stop()
+            if tools is not None:
+                await tools.aclose()
             if worker is not None:
                 await worker.stop()
             await events.close()

@@ -69,11 +69,24 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             "no OPENAI_API_KEY: calls talk to the local Realtime simulator at %s",
             simulator.base_url,
         )
+    sor: Any = None
+    if settings.sor_base_url is None:
+        from tools.sor import SystemOfRecord
+
+        callback = settings.sor_callback_secret
+        sor = SystemOfRecord(
+            url, host="127.0.0.1", callback_secret=callback.get_secret_value() if callback else None
+        )
+        await sor.start()
+        settings = settings.model_copy(update={"sor_base_url": sor.url})
+        log.warning("no SOR_BASE_URL: bookings go to the demo system of record at %s", sor.url)
     app = create_app(settings, with_worker=with_worker)
     server = ServiceServer(uvicorn_config(app, settings))
     try:
         await server.serve()
     finally:
+        if sor is not None:
+            await sor.stop()
         if simulator is not None:
             await simulator.stop()
     return 0

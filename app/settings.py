@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     sip_rtp_ports: str = "20000-20999"
 
     tenant_id: str = "default"
+    # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
+    accounts_file: Path | None = None
 
     # Staff console login.
     console_user: str = "admin"
@@ -68,7 +70,8 @@ class Settings(BaseSettings):
 
     # The system of record workers act on (`voice-agent sor`), and the shared secret that
     # signs its reports to POST /operations/{id}/callback.
-    sor_base_url: str = "http://127.0.0.1:8766"
+    # The system of record. Unset: `serve` and `demo` run the demo one in-process.
+    sor_base_url: str | None = None
     sor_callback_secret: SecretStr | None = None
     # How often each worker's sweeper looks for stuck, unknown and expired operations.
     sweep_interval_s: float = Field(default=5.0, gt=0)
@@ -80,6 +83,10 @@ class Settings(BaseSettings):
         return hmac.new(
             self.twilio_auth_token.get_secret_value().encode(), b"stream-token", hashlib.sha256
         ).digest()
+
+    def sor_url(self) -> str:
+        """The system of record's base URL (the standalone `voice-agent sor` default)."""
+        return self.sor_base_url or "http://127.0.0.1:8766"
 
     def public_ws_base(self) -> str:
         """The public base URL with a WebSocket scheme."""

@@ -1,82 +1,74 @@
-"""Which tool layer the bridge talks to.
+"""Which tool layer the bridge talks to: the durable pipeline over the ledger.
 
-Until the durable pipeline (tools/gateway.py) is wired, calls get a small read-only gateway
-with one tool, `check_availability`, answered from a deterministic in-memory table. The
-switch is the one line in `build_gateway`.
+Calls get `tools.gateway.ToolPipeline` with the restaurant catalog: policy first, then the
+Postgres ledger; mutations are admitted and enqueued (Procrastinate) in one transaction,
+reads run inline against the system of record. Finished operations reach the live call
+through `app.delivery.ResultDelivery`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import zlib
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.settings import Settings
-from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolGateway, ToolReply
+from tools.catalog import RestaurantReads, restaurant_catalog
+from tools.executor import make_app, make_enqueue
+from tools.gateway import ToolPipeline
+from tools.identity import Account, StaticIdentityStore
+from tools.registry import Registry
+from tools.sor_client import SorClient
 
 log = logging.getLogger(__name__)
 
 
-def build_gateway(settings: Settings, engine: AsyncEngine) -> ToolGateway:
-    """The ToolGateway every call of this process uses."""
-    return ReadOnlyDemoGateway()
+@dataclass
+class ToolWiring:
+    """The pipeline and what it owns (closed at shutdown)."""
+
+    pipeline: ToolPipeline
+    registry: Registry
+    sor: SorClient
+
+    async def aclose(self) -> None:
+        await self.sor.aclose()
 
 
-class CheckAvailabilityArgs(BaseModel):
-    date: str = Field(description="The date, YYYY-MM-DD.")
-    time: str = Field(description="The time, HH:MM, 24-hour clock.")
-    party_size: int = Field(ge=1, le=20, description="How many people.")
+def load_accounts(path: Path | None, tenant_id: str) -> StaticIdentityStore:
+    """Customer accounts from a JSON file: [{"account_id", "phones": [...], "pin", "name"}]."""
+    if path is None:
+        return StaticIdentityStore()
+    raw = json.loads(path.read_text("utf-8"))
+    accounts = [
+        Account(
+            account_id=str(item["account_id"]),
+            tenant_id=str(item.get("tenant_id", tenant_id)),
+            phones=frozenset(str(p) for p in item.get("phones", [])),
+            pin=str(item["pin"]) if item.get("pin") is not None else None,
+            name=item.get("name"),
+            role=str(item.get("role", "customer")),
+        )
+        for item in raw
+    ]
+    log.info("loaded %d customer accounts", len(accounts))
+    return StaticIdentityStore(accounts)
 
 
-_SLOTS = ("18:00", "18:30", "19:00", "19:30", "20:00", "20:30", "21:00", "21:30")
-
-
-def availability(date: str, time: str, party_size: int) -> dict[str, Any]:
-    """Deterministic: whether a table is free, and nearby free times, from a hash of the date."""
-    seed = zlib.crc32(f"{date}|{party_size}".encode())
-    free = [slot for i, slot in enumerate(_SLOTS) if (seed >> i) & 1 or party_size <= 2]
-    if time in free:
-        return {"available": True, "date": date, "time": time, "party_size": party_size}
-    return {
-        "available": False,
-        "date": date,
-        "time": time,
-        "party_size": party_size,
-        "alternatives": free[:3],
-    }
-
-
-class ReadOnlyDemoGateway:
-    """One read-only tool, enough to prove the function-call loop end to end."""
-
-    def definitions(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "type": "function",
-                "name": "check_availability",
-                "description": (
-                    "Check whether the restaurant has a free table for a date, time and party "
-                    "size. Call it when the caller asks about availability or wants to book."
-                ),
-                "parameters": CheckAvailabilityArgs.model_json_schema(),
-            }
-        ]
-
-    async def handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
-        if request.name != "check_availability":
-            return ToolReply(output={"error": "That action is not available on this line."})
-        try:
-            args = CheckAvailabilityArgs.model_validate(json.loads(request.arguments or "{}"))
-        except (ValueError, ValidationError):
-            return ToolReply(output={"error": "I need a date, a time and the party size."})
-        return ToolReply(output=availability(args.date, args.time, args.party_size))
-
-    async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
-        return None
-
-    async def on_call_end(self, ctx: CallContext) -> None:
-        return None
+def build_tools(settings: Settings, engine: AsyncEngine, database_url: str) -> ToolWiring:
+    """The ToolGateway every call of this process uses, and its resources."""
+    registry = restaurant_catalog()
+    # Deferral runs on the admitting connection, so this app is never opened here.
+    enqueue = make_enqueue(make_app(database_url, max_pool_size=1))
+    sor = SorClient(settings.sor_url())
+    pipeline = ToolPipeline(
+        engine,
+        registry,
+        enqueue=enqueue,
+        read_executor=RestaurantReads(sor),
+        identities=load_accounts(settings.accounts_file, settings.tenant_id),
+    )
+    return ToolWiring(pipeline=pipeline, registry=registry, sor=sor)

@@ -130,7 +130,7 @@ class OperationWorker:
 
 def build_provider(settings: Settings) -> tuple[Provider, SorClient]:
     """The SOR provider of this deployment (and its client, which the caller closes)."""
-    client = SorClient(settings.sor_base_url)
+    client = SorClient(settings.sor_url())
     return SorProvider(client), client
 
 
