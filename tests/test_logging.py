@@ -1,0 +1,58 @@
+"""Secrets never reach logs; phone numbers are masked."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from app.logging import RedactingFilter, redact
+
+
+@pytest.mark.parametrize(
+    ("line", "secret"),
+    [
+        ("Authorization: Bearer sk-live-abcdef0123456789", "sk-live-abcdef0123456789"),
+        ("auth_token=9f8e7d6c5b4a", "9f8e7d6c5b4a"),
+        ('{"api_key": "sk-proj-XYZ123"}', "sk-proj-XYZ123"),
+        ("password=hunter2&user=admin", "hunter2"),
+        ("X-Twilio-Signature: signature=abc123def456==", "abc123def456"),
+    ],
+)
+def test_credentials_are_redacted(line: str, secret: str) -> None:
+    out = redact(line)
+    assert secret not in out
+    assert "[redacted]" in out
+
+
+def test_phone_numbers_keep_only_their_last_two_digits() -> None:
+    out = redact("call from +15551234567 to +1 555 000 0042 started")
+    assert "5551234567" not in out
+    assert "555 000 0042" not in out
+    assert "[phone …67]" in out and "[phone …42]" in out
+
+
+def test_ordinary_text_is_left_alone() -> None:
+    line = "operation 3f2a committed after 2 attempts in 120 ms"
+    assert redact(line) == line
+
+
+def test_filter_redacts_formatted_arguments_of_a_record() -> None:
+    logger = logging.getLogger("test.redaction")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    handler.addFilter(RedactingFilter())
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("caller %s sent token=%s", "+15557654321", "tok_SECRET_1")
+    finally:
+        logger.removeHandler(handler)
+    message = records[0].getMessage()
+    assert "tok_SECRET_1" not in message
+    assert "7654321" not in message
