@@ -1,9 +1,13 @@
-"""`voice-agent demo`: one scripted call end to end, offline, in one process.
+"""`voice-agent demo`: one scripted booking call end to end, offline, in one process.
 
-Embedded PostgreSQL (or DATABASE_URL), the Realtime simulator, the service on a free port and
-a fake Twilio caller: the caller asks for a table, interrupts the agent's long answer, gets an
-answer to the interruption and hangs up. Then the call's timeline is printed from the database
-and what the caller heard is written to a WAV file.
+Embedded PostgreSQL (or DATABASE_URL), the Realtime simulator playing the built-in scenario
+(telephony/scenarios/default.json), the demo system of record, the service with its
+in-process operation worker, and a fake Twilio caller. The caller asks for a table (a read,
+answered inline from the system of record), interrupts the agent's long answer to ask for a
+booking, hears the readback and confirms; the booking is admitted and enqueued, a worker
+commits it at the system of record, and the confirmed outcome is announced in the call. Then
+the call's timeline (conversation, tool calls, policy decisions, operation transitions,
+delivery) is printed from the database and what the caller heard is written to a WAV file.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -26,83 +32,70 @@ from app.settings import Settings, get_settings
 from app.timeline import format_table, load_timeline
 from telephony.fake_caller import FakeTwilioCaller
 from telephony.fake_twilio_api import FakeTwilioApi
-from telephony.scenario import Scenario
+from telephony.scenario import Scenario, Step, load_scenario
 from telephony.simulator import RealtimeSimulator
+from tools.sor import Faults, SystemOfRecord
 
-GREETING_MS = 2600
-PREAMBLE_MS = 1300
-LONG_REPLY_MS = 7000
-DEMO_SCENARIO = Scenario.model_validate(
-    {
-        "name": "demo-barge-in",
-        "greeting": {
-            "text": "Thanks for calling Luigi's. How can I help you today?",
-            "audio_ms": GREETING_MS,
-        },
-        "steps": [
-            {
-                "caller_transcript": "Hi, do you have a table for four tomorrow at eight?",
-                "function_call": {
-                    "name": "check_availability",
-                    "arguments": {"date": "{tomorrow}", "time": "20:00", "party_size": 4},
-                    "preamble": {"text": "Let me check that for you.", "audio_ms": PREAMBLE_MS},
-                },
-            },
-            {
-                "reply": {
-                    "text": (
-                        "Good news, we have a table for four tomorrow at eight. We also have "
-                        "a lovely terrace, and tomorrow's specials are a wild mushroom risotto, "
-                        "grilled sea bass with lemon, and our famous tiramisu."
-                    ),
-                    "audio_ms": LONG_REPLY_MS,
-                }
-            },
-            {
-                "caller_transcript": "Sorry, could we make it half past eight instead?",
-                "reply": {
-                    "text": "Of course, half past eight works too. Anything else?",
-                    "audio_ms": 2800,
-                },
-            },
-            {
-                "caller_transcript": "No, that's all. Thank you, bye!",
-                "reply": {"text": "Thank you for calling, goodbye!", "audio_ms": 1600},
-            },
-        ],
-        "fallback": {"text": "Is there anything else I can help you with?", "audio_ms": 2000},
-    }
-)
-
+# The restaurant's system takes a moment, so the booking is visibly "requested, not yet
+# confirmed" before the worker's commit is announced.
+SOR_LATENCY_S = 1.0
+# Repeated demo runs on one data directory must not fill tomorrow's 20:00 slot.
+SOR_SEATS_PER_SLOT = 100_000
 WAIT_S = 20.0
+FRAME_MS = 20
+
+Say = Callable[[str], None]
 
 
-async def _script(caller: FakeTwilioCaller) -> None:
-    """What the caller does: ask, interrupt the long answer, ask again, say goodbye."""
-    say = print
-    await caller.dial()
+def _spoken_ms(step: Step) -> int:
+    spoken = step.spoken()
+    return spoken.duration_ms() if spoken is not None else 0
+
+
+def _transcript(step: Step) -> str:
+    return step.caller_transcript or "(caller speech)"
+
+
+async def _heard(caller: FakeTwilioCaller, at_least_ms: float, timeout: float = WAIT_S) -> None:  # noqa: ASYNC109
+    """Until the caller has heard `at_least_ms` of agent audio and nothing more is queued."""
     await caller.wait_for(
-        lambda c: c.media_received_ms >= GREETING_MS and c.buffered_ms == 0, WAIT_S
+        lambda c: c.heard_ms >= at_least_ms - 2 * FRAME_MS and c.buffered_ms == 0, timeout
     )
-    say("  caller heard the greeting; asks for a table")
+
+
+async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> None:
+    """What the caller does, turn by turn, following the built-in booking scenario."""
+    steps = scenario.steps
+    await caller.dial()
+    greeting = scenario.greeting.duration_ms() if scenario.greeting else 0
+    await caller.wait_for(lambda c: c.media_received_ms >= greeting and c.buffered_ms == 0, WAIT_S)
+    say("  agent greets the caller")
     start = caller.heard_ms
+    say(f'  caller: "{_transcript(steps[0])}"')
     await caller.play_speech(1800)
-    # The preamble, then ~1.5 s into the long answer: the caller cuts in.
-    await caller.wait_for(lambda c: c.heard_ms >= start + PREAMBLE_MS + 1500, WAIT_S)
-    say("  caller interrupts the agent mid-sentence")
-    await caller.play_speech(1400)
+    # The preamble, then ~1.5 s into the long answer (read from the system of record).
+    await caller.wait_for(lambda c: c.heard_ms >= start + _spoken_ms(steps[0]) + 1500, WAIT_S)
+    say(f'  caller interrupts the agent: "{_transcript(steps[2])}"')
+    await caller.play_speech(1600)
     await caller.wait_for(lambda c: len(c.clears) >= 1, WAIT_S)
     say(f"  agent was cut off: {caller.clears[0].dropped_ms:.0f} ms of its audio never played")
     after_clear = caller.heard_ms
-    await caller.wait_for(
-        lambda c: c.heard_ms >= after_clear + 2800 - 40 and c.buffered_ms == 0, WAIT_S
-    )
-    say("  caller heard the answer to the interruption; says goodbye")
+    await _heard(caller, after_clear + _spoken_ms(steps[2]) + _spoken_ms(steps[3]))
+    say("  agent read the booking back and asked for a yes")
+    before_yes = caller.heard_ms
+    say(f'  caller: "{_transcript(steps[4])}"')
+    await caller.play_speech(1000)
+    # The announcement may queue right behind this answer, so no "nothing queued" here.
+    told = before_yes + _spoken_ms(steps[4]) + _spoken_ms(steps[5])
+    await caller.wait_for(lambda c: c.heard_ms >= told - 2 * FRAME_MS, WAIT_S)
+    say("  agent said the booking is requested, not yet confirmed; a worker sends it")
+    # The late result: spoken once the worker has committed the booking at the SOR.
+    await _heard(caller, told + _spoken_ms(steps[6]), timeout=30)
+    say("  agent announced the confirmed booking")
     before_bye = caller.heard_ms
+    say(f'  caller: "{_transcript(steps[7])}"')
     await caller.play_speech(1200)
-    await caller.wait_for(
-        lambda c: c.heard_ms >= before_bye + 1600 - 40 and c.buffered_ms == 0, WAIT_S
-    )
+    await _heard(caller, before_bye + _spoken_ms(steps[7]))
     await caller.hangup()
     say("  caller hung up")
 
@@ -116,16 +109,32 @@ def _free_socket() -> socket.socket:
 
 async def demo(settings: Settings, out: Path) -> int:
     began = time.monotonic()
-    print("voice-agent demo: one simulated call, offline")
+    print("voice-agent demo: one simulated booking call, offline")
     where = (
         "DATABASE_URL" if settings.database_url else f"embedded PostgreSQL in {settings.data_dir}"
     )
     print(f"- database: {where}")
     url = await prepare_database(settings)
+    scenario = load_scenario(None)
     sock = _free_socket()
     port = sock.getsockname()[1]
-    async with RealtimeSimulator(DEMO_SCENARIO) as sim, FakeTwilioApi() as twilio_api:
-        print(f"- Realtime simulator at {sim.base_url}")
+    sor: SystemOfRecord | None = None
+    timeline: dict[str, Any] | None = None
+    failure: str | None = None
+    effects: Any = None
+    async with RealtimeSimulator(scenario) as sim, FakeTwilioApi() as twilio_api:
+        print(f"- Realtime simulator at {sim.base_url} (scenario {scenario.name!r})")
+        sor_url = settings.sor_base_url
+        if sor_url is None:
+            sor = SystemOfRecord(
+                url,
+                host="127.0.0.1",
+                faults=Faults(latency_s=SOR_LATENCY_S),
+                seats_per_slot=SOR_SEATS_PER_SLOT,
+            )
+            await sor.start()
+            sor_url = sor.url
+            print(f"- system of record at {sor_url} (answers after {SOR_LATENCY_S:.1f} s)")
         settings = settings.model_copy(
             update={
                 "database_url": url,
@@ -138,11 +147,13 @@ async def demo(settings: Settings, out: Path) -> int:
                 "host": "127.0.0.1",
                 "port": port,
                 "console_password": SecretStr(secrets.token_urlsafe(12)),
+                "sor_base_url": sor_url,
             }
         )
-        app = create_app(settings)
+        app = create_app(settings, with_worker=True)
         server = ServiceServer(uvicorn_config(app, settings, log_level="warning", access_log=False))
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="demo-server")
+        caller: FakeTwilioCaller | None = None
         try:
             async with asyncio.timeout(30):
                 while not server.started:
@@ -150,7 +161,7 @@ async def demo(settings: Settings, out: Path) -> int:
                         serving.result()
                         return 1
                     await asyncio.sleep(0.02)
-            print(f"- service at {settings.public_base_url}")
+            print(f"- service at {settings.public_base_url}, with an in-process operation worker")
             print("- call:")
             caller = FakeTwilioCaller(
                 settings.public_base_url,
@@ -159,7 +170,9 @@ async def demo(settings: Settings, out: Path) -> int:
             )
             twilio_api.attach(caller)
             try:
-                await _script(caller)
+                await _script(caller, scenario, print)
+            except TimeoutError:
+                failure = "the call did not go as scripted (timed out waiting for the agent)"
             finally:
                 await caller.aclose()
             runtime = app.state.runtime
@@ -173,25 +186,45 @@ async def demo(settings: Settings, out: Path) -> int:
                 print("the call was not recorded", file=sys.stderr)
                 return 1
             timeline = await load_timeline(runtime.engine, row.id)
-            assert timeline is not None
+            effects = await sor.side_effects() if sor is not None else None
         finally:
             server.should_exit = True
             await serving
             sock.close()
+            if sor is not None:
+                await sor.stop()
+    assert timeline is not None and caller is not None
     await caller.write_heard_wav(out)
     call = timeline["call"]
     print()
     print(f"Timeline of call {call['id']} ({call['status']}, ended by: {call['end_reason']})")
     print(format_table(timeline))
     print()
+    for op in timeline["operations"]:
+        ref = f", reference {op['reference']}" if op["reference"] else ""
+        print(f"Operation {op['tool']} {op['operation_id']}: {op['status']}{ref}")
+    if effects is not None:
+        print(f"System of record: {effects.bookings_inserted} booking(s) made")
     print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
     print(f"Done in {time.monotonic() - began:.1f} s.")
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Entry point of `voice-agent demo`."""
-    for noisy in ("httpx", "websockets", "telephony.simulator", "uvicorn", "alembic"):
+    for noisy in (
+        "httpx",
+        "websockets",
+        "telephony.simulator",
+        "uvicorn",
+        "alembic",
+        "procrastinate",
+        "app.worker",
+        "tools",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("app.db").setLevel(logging.WARNING)
     return asyncio.run(demo(get_settings(), Path(args.out)))

@@ -1,10 +1,24 @@
-"""A call and its events, shaped for the staff console (and the demo's table)."""
+"""A call as one timeline: what was said, what the model asked for, what policy decided,
+what the workers and the system of record did, and what the caller was told.
+
+Three sources are merged by time into one ordered list of entries, each tagged with its
+`source`:
+- `call`: the call's events (`call_events`, in `seq` order), as before;
+- `tool_call`: every function call the model made (`tool_calls`) and the policy decision;
+- `operation`: every row of the trail of the call's operations (`operation_events`):
+  transitions (`op_transition`), decisions (`op_decision`, e.g. how the outcome reached the
+  caller) and notes (`op_note`).
+
+Every entry has `source, seq, kind, at, t_ms, data`; `seq` is the call event's sequence
+number (None for the other sources).
+"""
 
 from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -12,10 +26,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import call_store
 from app.call_store import call_events
+from tools.ledger_models import operation_events_table as op_events
+from tools.ledger_models import operations_table as operations
+from tools.ledger_models import tool_calls_table as tool_calls
 
 # When both clocks disagree by more than this, the events came from different processes
 # (monotonic clocks are per process) and wall-clock differences are used instead.
 _CLOCK_SKEW_NS = 1_000_000_000
+
+# Which source comes first when two entries share a timestamp (a tool call and the
+# admission it caused are written in one transaction, so they share `now()`).
+_RANK = {"call": 0, "tool_call": 1, "operation": 2}
 
 
 def _t_ms(mono_ns: int, at: datetime, origin_mono: int, origin_at: datetime) -> float:
@@ -25,38 +46,158 @@ def _t_ms(mono_ns: int, at: datetime, origin_mono: int, origin_at: datetime) -> 
     return round(best / 1e6, 1)
 
 
+def _wall_ms(at: datetime, origin_at: datetime) -> float:
+    return round((at - origin_at).total_seconds() * 1000, 1)
+
+
 async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | None:
-    """{"call": {...}, "events": [{seq, kind, at, t_ms, data}]} in seq order; None if unknown."""
+    """{"call", "events", "operations"}: `events` is every entry of the call in time order;
+    None if the call is unknown."""
     call = await call_store.get_call(engine, call_id)
     if call is None:
         return None
-    stmt = (
-        sa.select(
-            call_events.c.seq,
-            call_events.c.kind,
-            call_events.c.at,
-            call_events.c.mono_ns,
-            call_events.c.data,
-        )
-        .where(call_events.c.call_id == uuid.UUID(call.id))
-        .order_by(call_events.c.seq)
-    )
+    call_uuid = uuid.UUID(call.id)
     async with engine.connect() as conn:
-        rows = (await conn.execute(stmt)).all()
-    events: list[dict[str, Any]] = []
-    if rows:
-        origin_mono, origin_at = rows[0].mono_ns, rows[0].at
-        for row in rows:
-            events.append(
-                {
-                    "seq": row.seq,
-                    "kind": row.kind,
-                    "at": row.at.isoformat(),
-                    "t_ms": _t_ms(row.mono_ns, row.at, origin_mono, origin_at),
-                    "data": row.data,
-                }
+        rows = (
+            await conn.execute(
+                sa.select(
+                    call_events.c.seq,
+                    call_events.c.kind,
+                    call_events.c.at,
+                    call_events.c.mono_ns,
+                    call_events.c.data,
+                )
+                .where(call_events.c.call_id == call_uuid)
+                .order_by(call_events.c.seq)
             )
-    return {"call": call.as_json(), "events": events}
+        ).all()
+        tc_rows = (
+            await conn.execute(
+                sa.select(tool_calls)
+                .where(tool_calls.c.call_id == call.id)
+                .order_by(tool_calls.c.id)
+            )
+        ).all()
+        op_rows = (
+            await conn.execute(
+                sa.select(operations)
+                .where(operations.c.call_id == call.id)
+                .order_by(operations.c.created_at, operations.c.operation_id)
+            )
+        ).all()
+        ev_rows = (
+            await conn.execute(
+                sa.select(op_events, operations.c.tool, operations.c.provider_ref)
+                .join(operations, operations.c.operation_id == op_events.c.operation_id)
+                .where(operations.c.call_id == call.id)
+                .order_by(op_events.c.id)
+            )
+        ).all()
+
+    origin_at = rows[0].at if rows else _earliest(tc_rows, ev_rows)
+    keyed: list[tuple[float, int, int, dict[str, Any]]] = []
+    if rows:
+        origin_mono = rows[0].mono_ns
+        for row in rows:
+            entry = {
+                "source": "call",
+                "seq": row.seq,
+                "kind": row.kind,
+                "at": row.at.isoformat(),
+                "t_ms": _t_ms(row.mono_ns, row.at, origin_mono, origin_at),
+                "data": row.data,
+            }
+            keyed.append((entry["t_ms"], _RANK["call"], row.seq, entry))
+    for tc in tc_rows:
+        entry = _tool_call_entry(tc, origin_at)
+        keyed.append((entry["t_ms"], _RANK["tool_call"], tc.id, entry))
+    for ev in ev_rows:
+        entry = _operation_entry(ev, origin_at)
+        keyed.append((entry["t_ms"], _RANK["operation"], ev.id, entry))
+    keyed.sort(key=lambda k: k[:3])
+    return {
+        "call": call.as_json(),
+        "events": [k[3] for k in keyed],
+        "operations": [_operation_summary(op) for op in op_rows],
+    }
+
+
+def _earliest(*groups: Sequence[Any]) -> datetime:
+    stamps = [
+        getattr(row, "created_at", None) or getattr(row, "at", None)
+        for group in groups
+        for row in group
+    ]
+    found = [s for s in stamps if s is not None]
+    return min(found) if found else datetime.fromtimestamp(0, UTC)
+
+
+def _tool_call_entry(tc: Any, origin_at: datetime) -> dict[str, Any]:
+    output = tc.output or {}
+    return {
+        "source": "tool_call",
+        "seq": None,
+        "kind": "tool_call",
+        "at": tc.created_at.isoformat(),
+        "t_ms": _wall_ms(tc.created_at, origin_at),
+        "data": {
+            "tool": tc.tool,
+            "provider_call_id": tc.provider_call_id,
+            "turn_id": tc.turn_id,
+            "response_id": tc.response_id,
+            "decision": tc.decision,
+            "reason": tc.decision_reason,
+            "operation_id": str(tc.operation_id) if tc.operation_id else None,
+            "arguments": tc.arguments if tc.arguments is not None else tc.raw_arguments,
+            "status": output.get("status"),
+            "message": output.get("message"),
+            "completed_at": tc.completed_at.isoformat() if tc.completed_at else None,
+        },
+    }
+
+
+def _operation_entry(ev: Any, origin_at: datetime) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "operation_id": str(ev.operation_id),
+        "tool": ev.tool,
+        "from": ev.from_status,
+        "to": ev.to_status,
+        "actor": ev.actor,
+        "reason": ev.reason,
+    }
+    if ev.to_status == "committed" and ev.provider_ref:
+        data["reference"] = ev.provider_ref
+    if ev.data:
+        data["details"] = ev.data
+    return {
+        "source": "operation",
+        "seq": None,
+        "kind": f"op_{ev.kind}",
+        "at": ev.at.isoformat(),
+        "t_ms": _wall_ms(ev.at, origin_at),
+        "data": data,
+    }
+
+
+def _operation_summary(op: Any) -> dict[str, Any]:
+    def iso(value: datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+    return {
+        "operation_id": str(op.operation_id),
+        "tool": op.tool,
+        "status": op.status,
+        "arguments": op.args,
+        "attempts": op.attempts,
+        "reference": op.provider_ref,
+        "error": op.error,
+        "compensates_operation_id": (
+            str(op.compensates_operation_id) if op.compensates_operation_id else None
+        ),
+        "created_at": iso(op.created_at),
+        "committed_at": iso(op.committed_at),
+        "finished_at": iso(op.finished_at),
+    }
 
 
 # What the table shows per kind (everything else, ids included, stays in the JSON).
@@ -73,6 +214,7 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "response_done": ("status",),
     "function_call": ("name", "arguments"),
     "function_output": ("sent", "response", "output"),
+    "result_announced": ("operation_ids",),
     "call_ended": ("reason",),
 }
 _IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
@@ -82,12 +224,40 @@ def format_table(timeline: dict[str, Any], width: int = 120) -> str:
     """The timeline as a plain-text table: t ms, kind, details."""
     lines = [f"{'t ms':>9}  {'kind':<20}  details", f"{'-' * 9}  {'-' * 20}  {'-' * 50}"]
     for event in timeline["events"]:
-        data: dict[str, Any] = event["data"]
-        keys = _DETAILS.get(event["kind"]) or tuple(k for k in data if k not in _IDS)
-        details = ", ".join(f"{k}={_short(data[k])}" for k in keys if k in data)
-        line = f"{event['t_ms']:>9.1f}  {event['kind']:<20}  {details}"
+        kind, details = _row(event)
+        line = f"{event['t_ms']:>9.1f}  {kind:<20}  {details}"
         lines.append(line if len(line) <= width else line[: width - 1] + "…")
     return "\n".join(lines)
+
+
+def _row(event: dict[str, Any]) -> tuple[str, str]:
+    data: dict[str, Any] = event["data"]
+    source = event.get("source", "call")
+    if source == "tool_call":
+        # e.g. `book_table -> needs_confirmation (awaiting the caller's confirmation) op 1a2b3c4d`
+        text = f"{data['tool']} -> {data['decision']}"
+        if data.get("reason"):
+            text += f" ({data['reason']})"
+        if data.get("operation_id"):
+            text += f" op {data['operation_id'][:8]}"
+        return "tool_call", text
+    if source == "operation":
+        # e.g. `op book_table: admitted (policy)`, `op: committed (worker:…) ref BK…`
+        who = data["actor"]
+        if event["kind"] == "op_transition":
+            text = f"{data['tool']}: {data['to']} ({who})"
+            if data.get("reference"):
+                text += f" ref {data['reference']}"
+            elif data.get("reason"):
+                text += f": {data['reason']}"
+            return "op", text
+        label = "decision" if event["kind"] == "op_decision" else "note"
+        return label, f"{data['tool']}: {data.get('reason') or ''} ({who})"
+    kind = event["kind"]
+    keys = _DETAILS.get(kind)
+    if keys is None:
+        keys = tuple(k for k in data if k not in _IDS)
+    return kind, ", ".join(f"{k}={_short(data[k])}" for k in keys if k in data)
 
 
 def _short(value: Any) -> str:

@@ -73,6 +73,7 @@ async def running_service(
     engine: AsyncEngine,
     *,
     bridge_config: BridgeConfig | None = None,
+    with_worker: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[Service]:
     """create_app(...) served by uvicorn on a free port until the block exits."""
@@ -81,7 +82,7 @@ async def running_service(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     settings = make_settings(port, **overrides)
-    app = create_app(settings, engine=engine, bridge_config=bridge_config)
+    app = create_app(settings, engine=engine, bridge_config=bridge_config, with_worker=with_worker)
     server = ServiceServer(
         uvicorn_config(app, settings, log_level="warning", access_log=False,
                        timeout_graceful_shutdown=10)
@@ -216,6 +217,7 @@ async def call_stack(
     scenario: Scenario | None = None,
     *,
     bridge_config: BridgeConfig | None = None,
+    with_worker: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
     """Everything a simulated call needs, in this loop, torn down in order."""
@@ -225,6 +227,7 @@ async def call_stack(
         running_service(
             engine,
             bridge_config=bridge_config,
+            with_worker=with_worker,
             openai_base_url=sim.base_url,
             twilio_api_base_url=api.base_url,
             **overrides,

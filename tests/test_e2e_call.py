@@ -335,6 +335,17 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
     for kind in ("call_started", "stream_started", "barge_in", "caller_transcript", "call_ended"):
         assert kind in table, kind
     assert "truncated=true" in table
+    # The booking story: requested, read back, confirmed, committed by a worker, announced.
+    for shown in (
+        "book_table -> needs_confirmation",
+        "book_table: admitted",
+        "book_table: running (worker:",
+        "book_table: committed (worker:",
+        "announced in call (delivery)",
+        "result_announced",
+    ):
+        assert shown in table, shown
+    assert "System of record: 1 booking(s) made" in printed
     assert out.stat().st_size > 44  # a WAV with audio in it
 
 
