@@ -344,6 +344,7 @@ class FakeTwilioCaller:
         self._mark_received_at: dict[str, deque[float]] = {}
         self._ws: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
+        self._stop_sent = False
         self._sequence = 0
         self._changed = asyncio.Event()
         self._playout_wake = asyncio.Event()
@@ -739,9 +740,14 @@ class FakeTwilioCaller:
         ws = self._require_ws()
         text = json.dumps(message, separators=(",", ":"))
         async with self._send_lock:
+            # Twilio sends nothing after `stop`; a frame queued behind it is dropped.
+            if self._stop_sent:
+                raise CallerError("stream already stopped")
             # Sequence numbers were taken in call order; sends keep that order (FIFO lock).
             self.sent.append(SentMessage(self._now(), text, message["event"]))
             await ws.send(text)
+            if message["event"] == "stop":
+                self._stop_sent = True
 
     async def _media_loop(self) -> None:
         frame_s = FRAME_S / self.speed
