@@ -1,0 +1,493 @@
+"""Booking calls end to end over real sockets: fake caller -> service (pipeline, in-process
+worker, late-result delivery) -> Realtime simulator, with the demo system of record.
+
+The model proposes (scripted function calls), policy admits, the worker commits at the SOR,
+and the conversation communicates (the late result is announced, or deferred after hang-up).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.delivery import ANNOUNCED, DEFERRED
+from telephony.fake_caller import FakeTwilioCaller
+from telephony.scenario import Scenario
+from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
+from tests.sor_support import start_sor
+from tools.sor import Faults, SystemOfRecord
+from tools.sor_client import SorClient
+from tools.sor_protocol import BookingRequest
+
+GREETING_MS = 800
+PREAMBLE_MS = 600
+READBACK_MS = 1500
+FRAME_MS = 20
+WAIT_S = 15.0
+
+BOOK = {
+    "name": "book_table",
+    "arguments": {"date": "{tomorrow}", "time": "20:00", "party_size": 4, "name": "Alex"},
+}
+CONFIRM = {
+    "name": "confirm_operation",
+    "arguments": {"operation_id": "{output[operation_id]}", "confirmed": True},
+}
+REQUESTED = "I've requested it; it is not confirmed yet."
+CONFIRMED = "The restaurant has confirmed your table."
+
+
+def booking_scenario(
+    *,
+    duplicate: bool = False,
+    requested_ms: int = 1200,
+    after_requested: list[dict[str, Any]] | None = None,
+) -> Scenario:
+    """Book -> readback -> yes -> confirm -> "requested" -> (more) -> late "confirmed"."""
+    book: dict[str, Any] = {**BOOK, "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS}}
+    steps: list[dict[str, Any]] = [
+        {
+            "caller_transcript": "Please book a table for four tomorrow at eight.",
+            "function_call": book,
+        }
+    ]
+    if duplicate:
+        steps.append({"function_call": BOOK})  # the model asks again for the same intent
+    steps += [
+        {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
+        {"caller_transcript": "Yes.", "function_call": CONFIRM},
+    ]
+    if duplicate:
+        steps.append({"function_call": CONFIRM})  # and confirms twice
+    steps.append({"reply": {"text": REQUESTED, "audio_ms": requested_ms}})
+    steps += after_requested or []
+    steps.append({"reply": {"text": CONFIRMED, "audio_ms": 1200}})
+    return Scenario.model_validate(
+        {
+            "name": "e2e-booking",
+            "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
+            "steps": steps,
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+
+
+@pytest.fixture
+async def sor(clean_db: str) -> AsyncIterator[SystemOfRecord]:
+    sor = await start_sor(clean_db)
+    try:
+        yield sor
+    finally:
+        await sor.stop()
+
+
+def booking_stack(engine: AsyncEngine, db: str, sor: SystemOfRecord, scenario: Scenario) -> Any:
+    """The service with its in-process worker, talking to `sor` and the simulator."""
+    return call_stack(
+        engine,
+        scenario,
+        with_worker=True,
+        database_url=db,
+        sor_base_url=sor.url,
+        sweep_interval_s=1.0,
+    )
+
+
+# --- observing the database -----------------------------------------------------------------
+
+
+async def rows(engine: AsyncEngine, sql: str, **params: Any) -> list[dict[str, Any]]:
+    async with engine.connect() as conn:
+        result = await conn.execute(sa.text(sql), params)
+        return [dict(r) for r in result.mappings().all()]
+
+
+async def operations_of(engine: AsyncEngine, call_id: str) -> list[dict[str, Any]]:
+    return await rows(
+        engine, "SELECT * FROM operations WHERE call_id = :c ORDER BY created_at", c=call_id
+    )
+
+
+async def tool_calls_of(engine: AsyncEngine, call_id: str) -> list[dict[str, Any]]:
+    return await rows(engine, "SELECT * FROM tool_calls WHERE call_id = :c ORDER BY id", c=call_id)
+
+
+async def trail(engine: AsyncEngine, operation_id: uuid.UUID) -> list[dict[str, Any]]:
+    return await rows(
+        engine,
+        "SELECT * FROM operation_events WHERE operation_id = :o ORDER BY id",
+        o=operation_id,
+    )
+
+
+async def call_events_at(engine: AsyncEngine, call_id: str) -> list[dict[str, Any]]:
+    return await rows(
+        engine,
+        "SELECT seq, kind, at, data FROM call_events WHERE call_id = :c ORDER BY seq",
+        c=uuid.UUID(call_id),
+    )
+
+
+async def wait_for_operation(
+    engine: AsyncEngine, call_id: str, status: str, within: float = WAIT_S
+) -> dict[str, Any]:
+    """Until the call's (only) operation has `status`; returns its row."""
+    found: list[dict[str, Any]] = []
+
+    async def reached() -> bool:
+        ops = await operations_of(engine, call_id)
+        found[:] = ops
+        return bool(ops) and ops[-1]["status"] == status
+
+    await wait_until(reached, within, f"operation {status}")
+    return found[-1]
+
+
+async def wait_for_decision(
+    engine: AsyncEngine, operation_id: uuid.UUID, reason: str
+) -> dict[str, Any]:
+    async def decided() -> bool:
+        return any(
+            e["kind"] == "decision" and e["actor"] == "delivery" and e["reason"] == reason
+            for e in await trail(engine, operation_id)
+        )
+
+    await wait_until(decided, WAIT_S, f"delivery decision {reason!r}")
+    return next(
+        e
+        for e in await trail(engine, operation_id)
+        if e["actor"] == "delivery" and e["kind"] == "decision"
+    )
+
+
+def to_statuses(events: list[dict[str, Any]]) -> list[str]:
+    return [e["to_status"] for e in events if e["kind"] == "transition"]
+
+
+# --- driving the caller ---------------------------------------------------------------------
+
+
+async def hear(caller: FakeTwilioCaller, at_least_ms: float) -> None:
+    """Until the caller has heard `at_least_ms` of agent audio and nothing more is queued."""
+    await caller.wait_for(
+        lambda c: c.heard_ms >= at_least_ms - 2 * FRAME_MS and c.buffered_ms == 0, WAIT_S
+    )
+
+
+async def ask_to_book_and_confirm(stack: Stack, caller: FakeTwilioCaller) -> str:
+    """Greeting, "book it", the readback, "yes". Returns the call's id."""
+    await caller.dial()
+    await hear(caller, GREETING_MS)
+    before = caller.heard_ms
+    await caller.play_speech(700)
+    await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+    call_id = await stack.call_id(caller)
+    ops = await operations_of(stack.engine, call_id)
+    assert [op["status"] for op in ops] == ["awaiting_confirmation"]  # nothing runs unconfirmed
+    await caller.play_speech(500)
+    return call_id
+
+
+async def heard_text(engine: AsyncEngine, call_id: str) -> list[str]:
+    """What the agent said, as recorded once played (cut to what was heard)."""
+    return [
+        e["data"]["text"]
+        for e in await call_events_at(engine, call_id)
+        if e["kind"] == "agent_transcript"
+    ]
+
+
+async def wait_spoken(engine: AsyncEngine, call_id: str, text: str) -> None:
+    """Until the agent has said `text` in full and the caller has heard it."""
+
+    async def spoken() -> bool:
+        return text in await heard_text(engine, call_id)
+
+    await wait_until(spoken, WAIT_S, f"agent saying {text!r}")
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admission_execution_commit(  # noqa: E501
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    # A restaurant that takes a moment: the commit comes after "requested, not confirmed yet".
+    sor.set_faults(Faults(latency_s=0.5))
+    async with booking_stack(engine, clean_db, sor, booking_scenario()) as stack:
+        caller = stack.caller()
+        call_id = await ask_to_book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "committed")
+        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_spoken(engine, call_id, CONFIRMED)
+        await caller.hangup()
+        events = await stack.events(caller)
+        async with httpx.AsyncClient(base_url=stack.service.url) as http:
+            response = await http.get(f"/api/calls/{call_id}/timeline", auth=CONSOLE)
+        effects = await sor.side_effects()
+        ops = await operations_of(engine, call_id)
+        calls = await tool_calls_of(engine, call_id)
+        op_events = await trail(engine, op["operation_id"])
+        at_events = await call_events_at(engine, call_id)
+        spoken = await heard_text(engine, call_id)
+
+    operation_id = op["operation_id"]
+    # Exactly one booking at the system of record, owned by one committed operation.
+    assert effects.bookings_inserted == 1
+    assert [o["status"] for o in ops] == ["committed"]
+    assert ops[0]["provider_ref"].startswith("BK")
+    assert ops[0]["caller"] == caller.from_number
+    # The trail in causal order: requested (awaiting the caller), admitted, run, committed.
+    assert to_statuses(op_events) == ["awaiting_confirmation", "admitted", "running", "committed"]
+    actors = [e["actor"] for e in op_events if e["kind"] == "transition"]
+    assert actors[:2] == ["policy", "model"]
+    assert all(a.startswith("worker:") for a in actors[2:]), actors
+    delivery = [e for e in op_events if e["actor"] == "delivery"]
+    assert [(e["kind"], e["reason"]) for e in delivery] == [("decision", ANNOUNCED)]
+    assert delivery[0]["id"] > op_events[3]["id"]
+    # Both function calls are on record and map to the one operation.
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        ("book_table", "needs_confirmation"),
+        ("confirm_operation", "allow"),
+    ]
+    assert {c["operation_id"] for c in calls} == {operation_id}
+    # The call announced the result after the commit, and the caller heard it.
+    committed_at = next(e["at"] for e in op_events if e["to_status"] == "committed")
+    announced = [e for e in at_events if e["kind"] == "result_announced"]
+    assert len(announced) == 1
+    assert announced[0]["data"]["operation_ids"] == [str(operation_id)]
+    assert announced[0]["at"] >= committed_at
+    assert REQUESTED in spoken and CONFIRMED in spoken
+    assert spoken.index(REQUESTED) < spoken.index(CONFIRMED)
+    assert [e["kind"] for e in events][-1] == "call_ended"
+
+    # The timeline API tells the same story, merged in order.
+    assert response.status_code == 200
+    timeline = response.json()
+    entries = timeline["events"]
+    assert {e["source"] for e in entries} == {"call", "tool_call", "operation"}
+    assert [e["kind"] for e in entries if e["source"] == "call"] == [e["kind"] for e in events]
+    story = [
+        (
+            e["source"],
+            e["kind"],
+            e["data"].get("tool") or e["data"].get("name"),
+            e["data"].get("to"),
+        )
+        for e in entries
+        if e["source"] != "call" or e["kind"] in ("function_call", "result_announced")
+    ]
+    assert story == [
+        ("call", "function_call", "book_table", None),
+        ("tool_call", "tool_call", "book_table", None),
+        ("operation", "op_transition", "book_table", "awaiting_confirmation"),
+        ("call", "function_call", "confirm_operation", None),
+        ("tool_call", "tool_call", "confirm_operation", None),
+        ("operation", "op_transition", "book_table", "admitted"),
+        ("operation", "op_transition", "book_table", "running"),
+        ("operation", "op_transition", "book_table", "committed"),
+        ("operation", "op_decision", "book_table", None),
+        ("call", "result_announced", None, None),
+    ], story
+    committed = next(e for e in entries if e["data"].get("to") == "committed")
+    assert committed["data"]["operation_id"] == str(operation_id)
+    assert committed["data"]["reference"] == ops[0]["provider_ref"]
+    assert committed["data"]["actor"].startswith("worker:")
+    assert [e["t_ms"] for e in entries] == sorted(e["t_ms"] for e in entries)
+    assert [o["status"] for o in timeline["operations"]] == ["committed"]
+
+
+async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_completes(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    # The restaurant is slow: the booking is still running while the agent talks about it.
+    sor.set_faults(Faults(latency_s=3.0))
+    scenario = booking_scenario(
+        requested_ms=6000,
+        after_requested=[
+            {
+                "caller_transcript": "Will you let me know?",
+                "reply": {"text": "Yes, as soon as it is confirmed.", "audio_ms": 1000},
+            }
+        ],
+    )
+    async with booking_stack(engine, clean_db, sor, scenario) as stack:
+        caller = stack.caller()
+        call_id = await ask_to_book_and_confirm(stack, caller)
+        before_yes = caller.heard_ms
+        op = await wait_for_operation(engine, call_id, "running")
+        # Well into the "requested, not confirmed yet" answer, the caller cuts in.
+        await caller.wait_for(lambda c: c.heard_ms >= before_yes + 800, WAIT_S)
+        await caller.play_speech(600)
+        await caller.wait_for(lambda c: len(c.clears) == 1, WAIT_S)
+        session = stack.sim.sessions[0]
+        truncate = await session.wait_for_received("conversation.item.truncate", within=5)
+        status_at_barge_in = (await operations_of(engine, call_id))[0]["status"]
+        # The barge-in stopped speech, not the booking.
+        await wait_for_operation(engine, call_id, "committed")
+        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_spoken(engine, call_id, CONFIRMED)
+        await caller.hangup()
+        events = await stack.events(caller)
+        effects = await sor.side_effects()
+        op_events = await trail(engine, op["operation_id"])
+        spoken = await heard_text(engine, call_id)
+
+    assert status_at_barge_in == "running"
+    assert truncate["audio_end_ms"] > 0
+    barge_ins = [e for e in events if e["kind"] == "barge_in"]
+    assert len(barge_ins) == 1 and barge_ins[0]["data"]["truncated"] is True
+    cut = [e["data"] for e in events if e["kind"] == "agent_transcript" and e["data"]["cut"]]
+    assert len(cut) == 1 and REQUESTED.startswith(cut[0]["text"])  # "requested..." was cut
+    # Committed exactly once, recorded, and announced after the interruption.
+    assert effects.bookings_inserted == 1
+    assert to_statuses(op_events) == ["awaiting_confirmation", "admitted", "running", "committed"]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("result_announced") == 1
+    assert kinds.index("result_announced") > kinds.index("barge_in")
+    assert spoken[-1] == CONFIRMED
+
+
+async def test_duplicate_function_calls_in_one_call_make_one_booking(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    # The commit lands after the model's repeated calls (so the script stays in step).
+    sor.set_faults(Faults(latency_s=1.0))
+    async with booking_stack(engine, clean_db, sor, booking_scenario(duplicate=True)) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        before = caller.heard_ms
+        await caller.play_speech(700)
+        await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+        call_id = await stack.call_id(caller)
+        await caller.play_speech(500)
+        op = await wait_for_operation(engine, call_id, "committed")
+        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_spoken(engine, call_id, CONFIRMED)
+        await caller.hangup()
+        await stack.events(caller)
+        ops = await operations_of(engine, call_id)
+        calls = await tool_calls_of(engine, call_id)
+        effects = await sor.side_effects()
+        op_events = await trail(engine, op["operation_id"])
+
+    assert len(ops) == 1
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        ("book_table", "needs_confirmation"),
+        ("book_table", "duplicate"),
+        ("confirm_operation", "allow"),
+        ("confirm_operation", "duplicate"),
+    ]
+    assert len({c["provider_call_id"] for c in calls}) == 4  # four distinct function calls
+    assert {c["operation_id"] for c in calls} == {ops[0]["operation_id"]}
+    assert effects.bookings_inserted == 1
+    assert to_statuses(op_events).count("running") == 1
+    assert ops[0]["attempts"] == 1
+
+
+async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    sor.set_faults(Faults(latency_s=2.0))
+    async with booking_stack(engine, clean_db, sor, booking_scenario()) as stack:
+        caller = stack.caller()
+        call_id = await ask_to_book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "running")
+        await caller.hangup()
+        events = await stack.events(caller)
+        ended = next(e for e in await call_events_at(engine, call_id) if e["kind"] == "call_ended")
+        committed = await wait_for_operation(engine, call_id, "committed")
+        decision = await wait_for_decision(engine, op["operation_id"], DEFERRED)
+        effects = await sor.side_effects()
+        op_events = await trail(engine, op["operation_id"])
+
+    assert effects.bookings_inserted == 1
+    assert committed["provider_ref"].startswith("BK")
+    commit_event = next(e for e in op_events if e["to_status"] == "committed")
+    assert commit_event["at"] > ended["at"]  # the commit landed after the hang-up
+    assert decision["kind"] == "decision" and decision["id"] > commit_event["id"]
+    assert [e["reason"] for e in op_events if e["actor"] == "delivery"] == [
+        "call ended while in flight: the outcome will be delivered out of call",
+        DEFERRED,
+    ]
+    kinds = [e["kind"] for e in events]
+    assert "result_announced" not in kinds  # nothing was spoken about it
+    assert "late_result" not in [e["data"].get("reason") for e in events]
+    assert kinds[-1] == "call_ended"
+
+
+async def test_unverified_caller_cannot_cancel_someone_elses_booking(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    async with SorClient(sor.url) as client:
+        day = dt.datetime.now(dt.UTC).date() + dt.timedelta(days=2)
+        made = await client.book_table(
+            f"other-{uuid.uuid4().hex}",
+            BookingRequest(date=day, time="19:00", party_size=2, name="Someone Else"),
+        )
+    booking_id = made.reference
+    assert booking_id is not None
+    scenario = Scenario.model_validate(
+        {
+            "name": "e2e-cancel",
+            "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
+            "steps": [
+                {
+                    "caller_transcript": f"Please cancel booking {booking_id}.",
+                    "function_call": {
+                        "name": "cancel_booking",
+                        "arguments": {"booking_id": booking_id},
+                    },
+                },
+                {"reply": {"text": "{output[message]}", "audio_ms": 1000}},
+            ],
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+    refusals: dict[str, dict[str, Any]] = {}
+    async with booking_stack(engine, clean_db, sor, scenario) as stack:
+        for number in ("anonymous", "+15559990000"):  # withheld; a number that isn't the owner
+            caller = stack.caller(from_number=number)
+            await caller.dial()
+            await hear(caller, GREETING_MS)
+            await caller.play_speech(700)
+            call_id = await stack.call_id(caller)
+
+            async def answered(call_id: str = call_id) -> bool:
+                calls = await tool_calls_of(engine, call_id)
+                return bool(calls) and calls[0]["output"] is not None
+
+            await wait_until(answered, WAIT_S, "cancel_booking answered")
+            message = (await tool_calls_of(engine, call_id))[0]["output"]["message"]
+            await wait_spoken(engine, call_id, message)
+            await caller.hangup()
+            await stack.events(caller)
+            calls = await tool_calls_of(engine, call_id)
+            assert await operations_of(engine, call_id) == []
+            assert [(c["tool"], c["decision"]) for c in calls] == [("cancel_booking", "deny")]
+            refusals[number] = {
+                "output": calls[0]["output"],
+                "spoken": await heard_text(engine, call_id),
+            }
+        effects = await sor.side_effects()
+        async with SorClient(sor.url) as client:
+            booking = await client.get_booking(booking_id)
+
+    withheld, stranger = refusals["anonymous"], refusals["+15559990000"]
+    assert withheld["output"]["status"] == "denied"
+    assert "withheld number" in withheld["output"]["message"]
+    assert stranger["output"]["status"] == "denied"
+    assert "number the booking was made from" in stranger["output"]["message"]
+    # The refusal is what the agent said (the reason is speakable), and nothing changed.
+    for refusal in (withheld, stranger):
+        assert refusal["output"]["message"] in refusal["spoken"]
+    assert effects.cancellations == 0
+    assert booking is not None and booking.status == "confirmed"
