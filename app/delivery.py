@@ -23,10 +23,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.pg_listener import PgListener
 from telephony.tool_gateway import CallContext, LateResult, LiveCall
 from tools import ledger
 from tools.ledger import OperationRecord
@@ -48,54 +48,28 @@ class ResultDelivery:
 
     def __init__(
         self,
-        database_url: str,
         engine: AsyncEngine,
         registry: Registry,
         find_live: Callable[[str], LiveCall | None],
-        *,
-        reconnect_s: float = 1.0,
     ) -> None:
-        self._url = database_url
         self._engine = engine
         self._registry = registry
         self._find_live = find_live
-        self._reconnect_s = reconnect_s
-        self._task: asyncio.Task[None] | None = None
         self._work: set[asyncio.Task[Any]] = set()
-        self._listening = asyncio.Event()
         self.delivered: set[uuid.UUID] = set()
 
-    async def start(self) -> None:
-        """Start listening; returns once LISTEN is in place (or after a short wait)."""
-        self._task = asyncio.create_task(self._listen(), name="result-delivery")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(5):
-                await self._listening.wait()
+    def subscribe(self, listener: PgListener) -> None:
+        """Hear every operation status change through the process's listener."""
+        listener.subscribe(CHANNEL, self._on_notify)
 
     async def stop(self) -> None:
-        tasks: list[asyncio.Task[Any]] = [t for t in [self._task, *self._work] if t is not None]
+        """Cancel deliveries still under way (the calls they were for are ending too)."""
+        tasks = list(self._work)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._task = None
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True, connect_timeout=10
-                ) as conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
-                    self._listening.set()
-                    async for note in conn.notifies():
-                        self._on_notify(note.payload)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("result delivery lost its listener (%s); reconnecting", exc)
-                await asyncio.sleep(self._reconnect_s)
 
     def _on_notify(self, payload: str) -> None:
         try:

@@ -15,11 +15,13 @@ from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import routes_api, routes_health, routes_operations, routes_twilio
+from app.call_control import CallControl
 from app.calls import CallRegistry
 from app.db import make_engine, plain_url, resolve_database_url
 from app.delivery import ResultDelivery
 from app.errors import install_error_handlers
 from app.event_writer import EventWriter
+from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
 from app.stream_token import StreamTokens
@@ -118,14 +120,17 @@ def create_app(
         calls = CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s)
         tools = build_tools(settings, db, plain_url(db_url)) if gateway is None else None
         delivery = ResultDelivery(
-            plain_url(db_url),
             db,
             tools.registry if tools is not None else restaurant_catalog(),
             calls.live_by_call_id,
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended
-        await delivery.start()
+        control = CallControl(calls)
+        listener = PgListener(plain_url(db_url))
+        delivery.subscribe(listener)
+        control.subscribe(listener)
+        await listener.start()
         runtime = Runtime(
             settings=settings,
             engine=db,
@@ -144,7 +149,9 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await listener.stop()
             await delivery.stop()
+            await control.stop()
             if tools is not None:
                 await tools.aclose()
             if worker is not None:

@@ -15,6 +15,7 @@ from starlette.websockets import WebSocketDisconnect
 from twilio.request_validator import RequestValidator
 
 from app import call_store, twiml
+from app.call_control import publish_end
 from app.call_store import CallStatus
 from app.deps import RuntimeDep
 from app.errors import (
@@ -145,8 +146,13 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
     try:
         row = await call_store.find_by_sid(runtime.engine, call_sid)
         if row is not None:
+            streaming = row.status == CallStatus.IN_PROGRESS
             ended = await call_store.transition(runtime.engine, row.id, target, end_reason=reason)
-            if ended is not None:
+            if streaming:
+                # The stream runs on another replica: that one ends it and records the end
+                # on the timeline (one writer per call keeps its events in order).
+                await publish_end(runtime.engine, call_sid, reason)
+            elif ended is not None:
                 runtime.events.emit(
                     CallEvent(
                         row.id, CallEventKind.CALL_ENDED, {"reason": reason, "source": "status"}

@@ -1,0 +1,79 @@
+"""One LISTEN connection per process, dispatching Postgres notifications to handlers.
+
+NOTIFY is how replicas reach each other: the one holding a call hears about an operation
+that finished on a worker elsewhere, or a status callback that landed on another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str], None]
+
+
+class PgListener:
+    """LISTENs on every channel that has a handler; reconnects after a lost connection.
+
+    Handlers run on the event loop and must not block: they schedule their own work.
+    """
+
+    def __init__(self, database_url: str, *, reconnect_s: float = 1.0) -> None:
+        self._url = database_url
+        self._reconnect_s = reconnect_s
+        self._handlers: dict[str, list[Handler]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+
+    def subscribe(self, channel: str, handler: Handler) -> None:
+        """Call `handler(payload)` for each notification on `channel` (before `start`)."""
+        if self._task is not None:
+            raise RuntimeError("subscribe before start()")
+        self._handlers.setdefault(channel, []).append(handler)
+
+    async def start(self) -> None:
+        """Start listening; returns once LISTEN is in place (or after a short wait)."""
+        self._task = asyncio.create_task(self._run(), name="pg-listener")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self._listening.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url, autocommit=True, connect_timeout=10
+                ) as conn:
+                    for channel in self._handlers:
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    self._listening.set()
+                    async for note in conn.notifies():
+                        self._dispatch(note.channel, note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Notifications sent while reconnecting are lost; the sweeper and the call's
+                # own end path cover what they would have triggered.
+                log.warning("notification listener lost its connection (%s); reconnecting", exc)
+                await asyncio.sleep(self._reconnect_s)
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        for handler in self._handlers.get(channel, []):
+            try:
+                handler(payload)
+            except Exception:
+                log.exception("handler for %s notification failed", channel)
