@@ -28,7 +28,7 @@ async def list_calls(
 
 @router.get("/calls/{call_id}/timeline")
 async def call_timeline(call_id: str, engine: EngineDep, _staff: StaffDep) -> dict[str, Any]:
-    """The call and every event of it in order."""
+    """The call, its operations, and its events, tool calls and operation trail in time order."""
     timeline = await load_timeline(engine, call_id)
     if timeline is None:
         raise NotFound(call_id)

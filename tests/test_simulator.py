@@ -597,12 +597,15 @@ def test_default_scenario_tells_the_booking_story() -> None:
     scenario = load_scenario()
     assert scenario.greeting is not None
     calls = [s.function_call for s in scenario.steps if s.function_call]
-    assert [c.name for c in calls] == ["check_availability", "book_table"]
+    assert [c.name for c in calls] == ["check_availability", "book_table", "confirm_operation"]
     assert calls[0].preamble is not None
     assert calls[0].preamble.text == "Let me check that for you."
     assert set(json.loads(calls[0].rendered_arguments())) == {"date", "time", "party_size"}
+    # The confirmation names the operation the booking request returned.
+    confirm = json.loads(calls[2].rendered_arguments(output='{"operation_id": "op-1"}'))
+    assert confirm == {"operation_id": "op-1", "confirmed": True}
     spoken = [s.spoken() for s in scenario.steps] + [scenario.greeting]
-    assert all(r is not None and 1000 <= r.duration_ms() <= 4000 for r in spoken)
+    assert all(r is not None and 500 <= r.duration_ms() <= 8000 for r in spoken)
 
 
 def test_scenario_rejects_a_step_that_does_nothing() -> None:
@@ -624,7 +627,7 @@ async def test_default_scenario_runs_the_booking_story_through_the_sdk(
     await _recv_until(conn, "response.done")  # greeting
     spoken: list[str] = []
     calls: list[str] = []
-    for _turn in range(2):
+    for _turn in range(3):
         await _append(conn, _speech(800) + _silence(600))
         events = await _recv_until(conn, "response.done")
         done = events[-1]
@@ -640,14 +643,15 @@ async def test_default_scenario_runs_the_booking_story_through_the_sdk(
         spoken += [
             e.transcript for e in events if e.type == "response.output_audio_transcript.done"
         ]
-    assert calls == ["check_availability", "book_table"]
-    assert len(spoken) == 2
+    assert calls == ["check_availability", "book_table", "confirm_operation"]
+    assert len(spoken) == 3
     session = await sim.wait_for_session()
     transcripts = [
         e["transcript"]
         for e in session.sent_events("conversation.item.input_audio_transcription.completed")
     ]
-    assert transcripts == [s.caller_transcript for s in load_scenario().steps[::2]]
+    said = [s.caller_transcript for s in load_scenario().steps if s.caller_transcript]
+    assert transcripts == said[:3]
     _assert_sdk_shapes(session)
 
 
