@@ -94,6 +94,10 @@ class CallRegistry:
     def get(self, call_sid: str) -> LiveCallEntry | None:
         return self._live.get(call_sid)
 
+    def live_call_ids(self) -> list[str]:
+        """`calls.id` of every call live in this process."""
+        return [e.call_id for e in self._live.values() if e.end_reason is None]
+
     def live_by_call_id(self, call_id: str) -> LiveCall | None:
         """The live call whose `calls.id` is `call_id`, if it runs in this process."""
         for entry in self._live.values():

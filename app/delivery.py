@@ -51,16 +51,49 @@ class ResultDelivery:
         engine: AsyncEngine,
         registry: Registry,
         find_live: Callable[[str], LiveCall | None],
+        live_call_ids: Callable[[], list[str]] = list,
     ) -> None:
         self._engine = engine
         self._registry = registry
         self._find_live = find_live
+        self._live_call_ids = live_call_ids
         self._work: set[asyncio.Task[Any]] = set()
         self.delivered: set[uuid.UUID] = set()
 
     def subscribe(self, listener: PgListener) -> None:
         """Hear every operation status change through the process's listener."""
         listener.subscribe(CHANNEL, self._on_notify)
+        listener.on_listen(self._schedule_catch_up)
+
+    def _schedule_catch_up(self) -> None:
+        self._spawn(self.catch_up(), "delivery-catch-up")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+
+    async def catch_up(self) -> int:
+        """Deliver finished operations of this process's live calls that no replica has
+        decided on yet (their notification was missed while the listener was down)."""
+        call_ids = self._live_call_ids()
+        if not call_ids:
+            return 0
+        async with self._engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    sa.text(
+                        "SELECT o.operation_id FROM operations o WHERE o.call_id = ANY(:calls) "
+                        "AND o.status = ANY(:final) AND NOT EXISTS (SELECT 1 FROM "
+                        "operation_events e WHERE e.operation_id = o.operation_id "
+                        "AND e.kind = 'decision' AND e.actor = :actor)"
+                    ),
+                    {"calls": call_ids, "final": [s.value for s in FINAL], "actor": ACTOR},
+                )
+            ).all()
+        for row in rows:
+            await self.deliver(row.operation_id)
+        return len(rows)
 
     async def stop(self) -> None:
         """Cancel deliveries still under way (the calls they were for are ending too)."""
@@ -81,9 +114,7 @@ class ResultDelivery:
             return
         if status not in FINAL or not data.get("call_id"):
             return
-        task = asyncio.create_task(self.deliver(operation_id), name=f"deliver-{operation_id}")
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        self._spawn(self.deliver(operation_id), f"deliver-{operation_id}")
 
     async def deliver(self, operation_id: uuid.UUID) -> str | None:
         """Decide how the outcome of `operation_id` reaches the caller; returns the decision."""

@@ -123,6 +123,7 @@ def create_app(
             db,
             tools.registry if tools is not None else restaurant_catalog(),
             calls.live_by_call_id,
+            calls.live_call_ids,
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended

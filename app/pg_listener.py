@@ -29,6 +29,7 @@ class PgListener:
         self._url = database_url
         self._reconnect_s = reconnect_s
         self._handlers: dict[str, list[Handler]] = {}
+        self._on_listen: list[Callable[[], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._listening = asyncio.Event()
 
@@ -37,6 +38,11 @@ class PgListener:
         if self._task is not None:
             raise RuntimeError("subscribe before start()")
         self._handlers.setdefault(channel, []).append(handler)
+
+    def on_listen(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` each time LISTEN is (re)established: notifications sent while
+        the connection was down are lost, so subscribers catch up from the database."""
+        self._on_listen.append(callback)
 
     async def start(self) -> None:
         """Start listening; returns once LISTEN is in place (or after a short wait)."""
@@ -61,13 +67,18 @@ class PgListener:
                     for channel in self._handlers:
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     self._listening.set()
+                    for callback in self._on_listen:
+                        try:
+                            callback()
+                        except Exception:
+                            log.exception("catch-up after LISTEN failed")
                     async for note in conn.notifies():
                         self._dispatch(note.channel, note.payload)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # Notifications sent while reconnecting are lost; the sweeper and the call's
-                # own end path cover what they would have triggered.
+                # Notifications sent while reconnecting are lost; `on_listen` subscribers
+                # catch up from the database once the connection is back.
                 log.warning("notification listener lost its connection (%s); reconnecting", exc)
                 await asyncio.sleep(self._reconnect_s)
 
