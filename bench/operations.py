@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
@@ -27,9 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.db import make_engine, plain_url, start_embedded_postgres, upgrade
 from app.worker import OperationWorker
+from telephony.tool_gateway import CallContext, FunctionCallRequest
 from tools import ledger
 from tools.catalog import restaurant_catalog
 from tools.executor import enqueue_operation, make_app
+from tools.gateway import ToolPipeline
+from tools.identity import StaticIdentityStore
+from tools.policy import PolicyConfig
 from tools.sor import SystemOfRecord
 from tools.sor_client import SorClient
 from tools.sor_protocol import BookingRequest
@@ -123,6 +129,96 @@ class Bench:
                 )
             )
             await conn.execute(sa.text("TRUNCATE sor.bookings, sor.idempotency, sor.effects"))
+
+
+class PipelinePath:
+    """The whole path of a model's function call through `ToolPipeline.handle`.
+
+    Per operation: `book_table` (parse, validate, policy, tool_calls row, operation awaiting
+    confirmation; not timed), then the timed part: the caller's `confirm_operation` call
+    until the operation is admitted and its job enqueued in the same transaction.
+    """
+
+    def __init__(self, b: Bench) -> None:
+        self.b = b
+        self.pipeline = ToolPipeline(
+            b.engine,
+            restaurant_catalog(),
+            enqueue=b.enqueue,
+            read_executor=_no_reads,
+            identities=StaticIdentityStore(),
+            # The bench admits thousands of bookings an hour for one tenant.
+            policy=PolicyConfig(max_mutations_per_tenant=10**9),
+        )
+
+    def _ctx(self, i: int) -> CallContext:
+        return CallContext(
+            call_id=f"bench-call-{i}",
+            call_sid=f"CA{i:032d}",
+            tenant_id=TENANT,
+            from_number=f"+1555{i:07d}",
+            to_number="+15550000000",
+        )
+
+    def _request(self, i: int, name: str, args: dict[str, object]) -> FunctionCallRequest:
+        return FunctionCallRequest(
+            call_id=f"fc-{name}-{i}-{uuid.uuid4().hex[:8]}",
+            name=name,
+            arguments=json.dumps(args),
+            item_id=f"item-{i}",
+            response_id=f"resp-{i}",
+            turn_id=1,
+        )
+
+    async def book_then_time_confirm(self, i: int) -> float:
+        ctx = self._ctx(i)
+        day = datetime.now(UTC).date() + timedelta(days=1 + i % 50)
+        args = {**_args(i), "date": day.isoformat()}
+        reply = await self.pipeline.handle(ctx, self._request(i, "book_table", args))
+        op_id = reply.output.get("operation_id")
+        if reply.output.get("status") != "awaiting_confirmation" or not op_id:
+            raise RuntimeError(f"book_table was not held for confirmation: {reply.output}")
+        t0 = time.perf_counter()
+        reply = await self.pipeline.handle(
+            ctx,
+            self._request(i, "confirm_operation", {"operation_id": op_id, "confirmed": True}),
+        )
+        elapsed = time.perf_counter() - t0
+        if reply.output.get("status") != "admitted":
+            raise RuntimeError(f"confirm_operation did not admit: {reply.output}")
+        return elapsed
+
+
+async def _no_reads(spec: object, args: object) -> dict[str, object]:
+    raise RuntimeError("the bench makes no reads")
+
+
+async def pipeline_rows(b: Bench) -> list[tuple[str, ...]]:
+    path = PipelinePath(b)
+    rows = []
+    counter = iter(range(10**9))
+    for callers, per in ((1, 50 if b.quick else 200), (50, 2 if b.quick else 6)):
+        await b.reset()
+        latencies: list[float] = []
+
+        async def caller(per: int = per, latencies: list[float] = latencies) -> None:
+            for _ in range(per):
+                latencies.append(await path.book_then_time_confirm(next(counter)))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        wall = time.perf_counter() - t0
+        rows.append(
+            (
+                "confirm_operation call (pipeline)*",
+                str(callers),
+                str(len(latencies)),
+                fmt_ms(pct(latencies, 50)),
+                fmt_ms(pct(latencies, 99)),
+                f"{len(latencies) / wall:9.0f}",
+            )
+        )
+    return rows
 
 
 async def admission_table(b: Bench) -> list[tuple[str, ...]]:
@@ -291,6 +387,7 @@ async def main(quick: bool) -> None:
         try:
             t0 = time.perf_counter()
             adm = await admission_table(b)
+            adm += await pipeline_rows(b)
             pick, tp = await pipeline_tables(b, sor)
             took = time.perf_counter() - t0
         finally:
@@ -304,6 +401,11 @@ async def main(quick: bool) -> None:
             "Admission latency: function call -> operation persisted and enqueued (ms)",
             ("path", "callers", "n", "p50", "p99", "per s"),
             adm,
+        )
+        print(
+            "* the model's confirm_operation call through ToolPipeline.handle (arguments, "
+            "policy, tool_calls row, transition, enqueue) until admitted and enqueued; its "
+            "'per s' counts whole book_table + confirm_operation pairs."
         )
         table("Time to worker pickup and execution (ms)", ("interval", "n", "p50", "p99"), pick)
         table(
