@@ -67,7 +67,7 @@ async def run_media_session(
     async def hang_up(reason: str) -> None:
         await _hang_up_via_rest(runtime, sink, call, reason)
 
-    leg = TwilioLeg(ws, start, sink, call.id)
+    leg = TwilioLeg(ws, start, sink, call.id, chunk_ms=runtime.settings.twilio_media_chunk_ms)
     bridge = Bridge(
         leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai, on_fatal=hang_up
     )

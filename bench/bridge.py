@@ -151,7 +151,12 @@ def start_target(target: str, port: int, sim_url: str, workdir: Path) -> subproc
     db = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
     if db:
         env["DATABASE_URL"] = db
-    if target == "bridge":
+    if target.startswith("bridge"):
+        # "bridge" runs the default settings; "bridge-20ms" sends agent audio in 20 ms chunks
+        # (a mark each), "bridge-100ms" in 100 ms chunks.
+        chunk = target.removeprefix("bridge").strip("-").removesuffix("ms")
+        if chunk:
+            env["TWILIO_MEDIA_CHUNK_MS"] = chunk
         cmd = [str(Path(PY).parent / "voice-agent"), "serve", "--no-worker", "--port", str(port)]
     else:
         cmd = [PY, str(ROOT / "bench" / "bare_relay.py"), str(port)]
@@ -284,15 +289,19 @@ def table(results: list[LevelResult]) -> str:
         )
     by = {(r.target, r.calls): r for r in results}
     lines.append("")
-    lines.append("| calls | added up p50 ms (bridge - relay) | added down p50 ms | CPU ratio |")
-    lines.append("|---|---|---|---|")
+    lines.append(
+        "| target | calls | added up p50 ms (vs relay) | added down p50 ms | "
+        "added speech_started->clear p50 ms | CPU ratio |"
+    )
+    lines.append("|---|---|---|---|---|---|")
     for r in results:
-        if r.target != "bridge" or ("relay", r.calls) not in by:
+        if not r.target.startswith("bridge") or ("relay", r.calls) not in by:
             continue
         b = by[("relay", r.calls)]
         lines.append(
-            f"| {r.calls} | {pct(r.up_ms, 50) - pct(b.up_ms, 50):.1f} "
+            f"| {r.target} | {r.calls} | {pct(r.up_ms, 50) - pct(b.up_ms, 50):.1f} "
             f"| {pct(r.down_ms, 50) - pct(b.down_ms, 50):.1f} "
+            f"| {pct(r.clear_ms, 50) - pct(b.clear_ms, 50):.1f} "
             f"| {r.cpu_per_call / b.cpu_per_call if b.cpu_per_call else float('nan'):.2f}x |"
         )
     return "\n".join(lines)
@@ -301,12 +310,13 @@ def table(results: list[LevelResult]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--levels", default="1,50,200")
+    parser.add_argument("--targets", default="relay,bridge,bridge-20ms")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     results: list[LevelResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for target in ("relay", "bridge"):
+        for target in args.targets.split(","):
             sim = Simulator(workdir)
             port = free_port()
             proc = start_target(target, port, sim.base_url, workdir)

@@ -30,10 +30,10 @@ from telephony.twilio_events import (
 log = logging.getLogger(__name__)
 
 BYTES_PER_MS = 8  # 8 kHz G.711: one byte per sample
-# One Twilio frame. Every chunk is followed by a mark, so confirmations come every 20 ms and
-# the tracker never has to interpolate across more than one frame.
+# One Twilio frame by default. Every chunk is followed by a mark, so at 20 ms confirmations
+# come every frame and the tracker never interpolates across more than one frame. Larger
+# chunks send fewer messages (bench/bridge.py compares them) at the price of coarser marks.
 CHUNK_MS = 20
-CHUNK_BYTES = CHUNK_MS * BYTES_PER_MS
 # A Twilio frame is ~300 bytes; anything near this is not a media stream talking.
 MAX_FRAME_CHARS = 64 * 1024
 EXCERPT_CHARS = 120
@@ -68,7 +68,7 @@ def parse_mark_name(name: str) -> tuple[int, int, str] | None:
 class TwilioLeg:
     """Caller audio in, agent audio out over a Twilio Media Stream.
 
-    Outbound audio is cut into 20 ms `media` frames, each followed by a `mark` named
+    Outbound audio is cut into `chunk_ms` (20 ms) `media` frames, each followed by a `mark` named
     `epoch:end_ms:item_id`; Twilio echoes the mark once the audio before it has played, which
     the PlaybackTracker turns into heard milliseconds. Frames wait in a local queue drained by
     one sender task, so `play` never blocks and a slow socket never stalls the receive side;
@@ -87,7 +87,11 @@ class TwilioLeg:
         playback: PlaybackTracker | None = None,
         idle_timeout_s: float = 15.0,
         send_timeout_s: float = 5.0,
+        chunk_ms: int = CHUNK_MS,
     ) -> None:
+        if chunk_ms < 20 or chunk_ms % 20:
+            raise ValueError("chunk_ms must be a positive multiple of 20 ms")
+        self._chunk_bytes = chunk_ms * BYTES_PER_MS
         self._ws = ws
         self.start = start
         self.stream_sid = start.stream_sid
@@ -179,19 +183,21 @@ class TwilioLeg:
     # Send side.
 
     async def play(self, item_id: str, audio: bytes) -> None:
-        """Queue agent audio as 20 ms frames, each followed by a mark; never waits on the socket."""
+        """Queue agent audio in chunks, each followed by a mark; never waits on the socket."""
         if self._closed or not audio:
             return
         if self._pending_item != item_id:
             self._flush_pending()
             self._pending_item = item_id
         data = self._pending + audio
-        whole = len(data) - len(data) % CHUNK_BYTES
-        for offset in range(0, whole, CHUNK_BYTES):
-            self._enqueue(item_id, data[offset : offset + CHUNK_BYTES])
+        size = self._chunk_bytes
+        whole = len(data) - len(data) % size
+        for offset in range(0, whole, size):
+            self._enqueue(item_id, data[offset : offset + size])
         self._pending = data[whole:]
-        if self._pending and not self.playback.is_playing():
-            # Nothing else is queued: a short tail must not wait for audio that may never come.
+        if self._pending and (not self._outbox or not self.playback.is_playing()):
+            # Nothing is waiting to be sent (or played): a short tail must not wait for audio
+            # that may never come (the last delta of a response).
             self._flush_pending()
         self._ensure_sender()
 

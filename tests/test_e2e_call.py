@@ -117,10 +117,13 @@ async def test_a_normal_turn_is_heard_and_its_timeline_persisted_in_order(
     assert [c["id"] for c in listing["calls"]] == [call_id]
 
 
+# Marks every 20 ms, or every 100 ms with the tracker interpolating between them: either way
+# the truncation lands within one frame of what the caller heard.
+@pytest.mark.parametrize("chunk_ms", [20, 100])
 async def test_barge_in_mid_playback_clears_first_and_truncates_at_the_heard_audio(
-    engine: AsyncEngine,
+    engine: AsyncEngine, chunk_ms: int
 ) -> None:
-    async with call_stack(engine, scenario(reply_ms=4000)) as stack:
+    async with call_stack(engine, scenario(reply_ms=4000), twilio_media_chunk_ms=chunk_ms) as stack:
         caller = stack.caller()
         await caller.dial()
         before = await hear_greeting(caller)

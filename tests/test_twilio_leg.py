@@ -16,7 +16,9 @@ from websockets.asyncio.server import ServerConnection, serve
 from telephony.call_events import CallEventKind, MemorySink
 from telephony.leg import AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
 from telephony.twilio_events import StartInfo
-from telephony.twilio_leg import CHUNK_BYTES, TwilioLeg, mark_name, parse_mark_name
+from telephony.twilio_leg import BYTES_PER_MS, CHUNK_MS, TwilioLeg, mark_name, parse_mark_name
+
+CHUNK_BYTES = CHUNK_MS * BYTES_PER_MS
 
 WAIT_S = 5.0
 SID = "MZ00000000000000000000000000000001"
@@ -108,7 +110,7 @@ async def make_pair() -> AsyncIterator[Callable[..., Any]]:
     baseline = asyncio.all_tasks()
     cleanups: list[Any] = []
 
-    async def make(send_delay_s: float = 0.0) -> Pair:
+    async def make(send_delay_s: float = 0.0, chunk_ms: int = CHUNK_MS) -> Pair:
         ready: asyncio.Future[tuple[TwilioLeg, ServerSocket, list[LegEvent]]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -117,7 +119,7 @@ async def make_pair() -> AsyncIterator[Callable[..., Any]]:
 
         async def handler(ws: ServerConnection) -> None:
             socket = ServerSocket(ws, send_delay_s)
-            leg = TwilioLeg(socket, START, sink, "call-1")
+            leg = TwilioLeg(socket, START, sink, "call-1", chunk_ms=chunk_ms)
             _typed: CallLeg = leg  # mypy checks the protocol
             events: list[LegEvent] = []
             ready.set_result((leg, socket, events))
@@ -197,6 +199,31 @@ async def test_play_sends_20ms_media_frames_each_followed_by_its_mark(make_pair)
     marks = [parse_mark_name(f["mark"]["name"]) for f in frames[1::2]]
     assert marks == [(0, 20, "item:a"), (0, 40, "item:a"), (0, 50, "item:a")]
     assert pair.leg.playback.queued_ms("item:a") == 50
+
+
+async def test_a_response_ending_in_a_short_tail_is_sent_whole_with_larger_chunks(make_pair):
+    # 60 ms chunks; a 150 ms delta leaves a tail, and the response's last delta is shorter
+    # than a chunk: neither may wait for audio that never comes.
+    pair = await make_pair(chunk_ms=60)
+    first = bytes(range(200)) * 6  # 150 ms
+    last = b"\x55" * 8 * 10  # 10 ms
+    await pair.leg.play("item:a", first)
+    await pair.sync()
+    await pair.leg.play("item:a", last)
+    frames: list[dict[str, Any]] = []
+    sent = b""
+    async with asyncio.timeout(5):
+        while len(sent) < len(first + last):
+            frame = await pair.recv()
+            frames.append(frame)
+            if frame["event"] == "media":
+                sent += base64.b64decode(frame["media"]["payload"])
+        frames.append(await pair.recv())  # the mark after the last media
+    assert sent == first + last
+    sizes = [len(base64.b64decode(f["media"]["payload"])) for f in frames if f["event"] == "media"]
+    assert sizes[:2] == [480, 480]  # whole chunks where the audio allows
+    assert parse_mark_name(frames[-1]["mark"]["name"]) == (0, 160, "item:a")
+    assert pair.leg.playback.queued_ms("item:a") == 160
 
 
 async def test_echoed_marks_count_as_heard_but_marks_of_cleared_audio_do_not(make_pair):
