@@ -14,6 +14,7 @@ from app.calls import CallRegistry
 from app.event_writer import EventWriter
 from app.runtime import Runtime
 from app.settings import Settings
+from tools.reconcile import Compensation
 
 
 def get_runtime(conn: HTTPConnection) -> Runtime:
@@ -40,7 +41,16 @@ def get_events(runtime: RuntimeDep) -> EventWriter:
     return runtime.events
 
 
+def get_compensation(runtime: RuntimeDep) -> Compensation | None:
+    """How this process undoes a committed operation (None without the tool pipeline)."""
+    tools = runtime.tools
+    if tools is None:
+        return None
+    return Compensation(registry=tools.registry, enqueue=tools.enqueue)
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+CompensationDep = Annotated[Compensation | None, Depends(get_compensation)]
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 RegistryDep = Annotated[CallRegistry, Depends(get_registry)]
 EventsDep = Annotated[EventWriter, Depends(get_events)]

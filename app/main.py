@@ -143,6 +143,7 @@ def create_app(
             bridge_config=bridge_config or bridge_config_from(settings),
             twilio=_make_twilio_client(settings),
             console_password=_console_password(settings),
+            tools=tools,
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url) if with_worker else None

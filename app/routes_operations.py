@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from app.deps import EngineDep, SettingsDep, StaffDep
+from app.deps import CompensationDep, EngineDep, SettingsDep, StaffDep
 from app.errors import BadRequest, BadSignature, NotFound, PayloadTooLarge
 from tools import ledger
 from tools.errors import IdempotencyConflict, OperationNotFound
@@ -25,7 +25,11 @@ MAX_CALLBACK_BYTES = 64 * 1024
 
 @router.post("/operations/{operation_id}/callback")
 async def operation_callback(
-    operation_id: uuid.UUID, request: Request, engine: EngineDep, settings: SettingsDep
+    operation_id: uuid.UUID,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    compensation: CompensationDep,
 ) -> dict[str, Any]:
     """The system of record reports an outcome (HMAC-signed, idempotent, order-safe)."""
     body = await request.body()
@@ -50,6 +54,7 @@ async def operation_callback(
             result=report.booking.model_dump(mode="json") if report.booking else None,
             reference=report.booking.id if report.booking else None,
             error=report.error,
+            compensation=compensation,
         )
     except OperationNotFound as exc:
         raise NotFound(str(operation_id)) from exc

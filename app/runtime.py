@@ -30,3 +30,4 @@ class Runtime:
     bridge_config: BridgeConfig
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
     console_password: str
+    tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired

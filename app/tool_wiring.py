@@ -20,6 +20,7 @@ from tools.catalog import RestaurantReads, restaurant_catalog
 from tools.executor import make_app, make_enqueue
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
+from tools.ledger import Enqueue
 from tools.registry import Registry
 from tools.sor_client import SorClient
 
@@ -33,6 +34,7 @@ class ToolWiring:
     pipeline: ToolPipeline
     registry: Registry
     sor: SorClient
+    enqueue: Enqueue
 
     async def aclose(self) -> None:
         await self.sor.aclose()
@@ -71,4 +73,4 @@ def build_tools(settings: Settings, engine: AsyncEngine, database_url: str) -> T
         read_executor=RestaurantReads(sor),
         identities=load_accounts(settings.accounts_file, settings.tenant_id),
     )
-    return ToolWiring(pipeline=pipeline, registry=registry, sor=sor)
+    return ToolWiring(pipeline=pipeline, registry=registry, sor=sor, enqueue=enqueue)

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import routes_operations
-from app.deps import get_engine, get_settings_dep, require_staff
+from app.deps import get_compensation, get_engine, get_settings_dep, require_staff
 from app.errors import install_error_handlers
 from app.settings import Settings
 from app.worker import OperationWorker
@@ -28,6 +28,8 @@ from tests.sor_support import (
     wait_status,
 )
 from tools import ledger
+from tools.catalog import restaurant_catalog
+from tools.reconcile import Compensation
 from tools.sor import Faults, SystemOfRecord
 from tools.sor_client import SorClient
 from tools.sor_protocol import SIGNATURE_HEADER, Booking, CallbackReport, sign
@@ -39,7 +41,11 @@ BOOKING = Booking(
 )  # type: ignore[arg-type]
 
 
-def service(engine: AsyncEngine, secret: str | None = CALLBACK_SECRET) -> FastAPI:
+def service(
+    engine: AsyncEngine,
+    secret: str | None = CALLBACK_SECRET,
+    compensation: Compensation | None = None,
+) -> FastAPI:
     """Just the operation routes, with the service's error mapping."""
     app = FastAPI()
     install_error_handlers(app)
@@ -47,6 +53,7 @@ def service(engine: AsyncEngine, secret: str | None = CALLBACK_SECRET) -> FastAP
     settings = Settings(sor_callback_secret=SecretStr(secret) if secret else None)
     app.dependency_overrides[get_engine] = lambda: engine
     app.dependency_overrides[get_settings_dep] = lambda: settings
+    app.dependency_overrides[get_compensation] = lambda: compensation
     app.dependency_overrides[require_staff] = lambda: "staff"
     return app
 
@@ -102,6 +109,37 @@ async def test_signed_commit_report_moves_a_running_operation_to_committed(
     assert resp.status_code == 200 and resp.json()["applied"] is True
     after = await get_op(engine, op.operation_id)
     assert after.status is S.COMMITTED and after.provider_ref == BOOKING.id
+
+
+async def test_commit_reported_after_a_cancel_request_is_compensated_by_a_linked_cancel(
+    engine: AsyncEngine,
+) -> None:
+    enqueued: list[uuid.UUID] = []
+
+    async def enqueue(conn: object, operation_id: uuid.UUID) -> None:
+        enqueued.append(operation_id)
+
+    op = await _running(engine)
+    async with engine.begin() as conn:
+        await ledger.request_cancel(
+            conn, op.operation_id, actor="model", reason="caller changed mind"
+        )
+    app = service(engine, compensation=Compensation(restaurant_catalog(), enqueue))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        resp = await _post(http, op.operation_id, _report(op, "committed"))
+        again = await _post(http, op.operation_id, _report(op, "committed"))
+    assert resp.status_code == 200 and resp.json()["applied"] is True
+    assert again.json()["applied"] is False
+    # What happened stays true: the booking committed. Undoing it is a new operation.
+    after = await get_op(engine, op.operation_id)
+    assert after.status is S.COMMITTED
+    assert len(enqueued) == 1
+    comp = await get_op(engine, enqueued[0])
+    assert comp.tool == "cancel_booking"
+    assert comp.compensates_operation_id == op.operation_id
+    assert comp.args == {"booking_id": BOOKING.id}
+    assert comp.status is S.ADMITTED
 
 
 async def test_signed_failure_report_moves_an_unknown_operation_to_failed_final(

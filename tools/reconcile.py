@@ -214,6 +214,14 @@ class Reconciler:
 
 
 @dataclass(frozen=True, slots=True)
+class Compensation:
+    """What undoing a committed operation needs: the catalog and a transactional enqueue."""
+
+    registry: Registry
+    enqueue: ledger.Enqueue
+
+
+@dataclass(frozen=True, slots=True)
 class ReportOutcome:
     """What a provider's report did to the operation."""
 
@@ -232,11 +240,14 @@ async def apply_report(
     reference: str | None = None,
     error: str | None = None,
     actor: str = "provider-callback",
+    compensation: Compensation | None = None,
 ) -> ReportOutcome:
     """Apply a provider's own report (e.g. an async completion callback) to an operation.
 
     Idempotent and order-safe: only `running`/`unknown` operations move (to `committed` or
     `failed_final`); a duplicate or stale report about a settled operation changes nothing.
+    A commit of an operation whose cancel was requested is compensated in the same
+    transaction when `compensation` is given, as the worker and reconciler do.
     Raises `OperationNotFound`, or `IdempotencyConflict` for a report about another key.
     """
     async with engine.begin() as conn:
@@ -263,6 +274,15 @@ async def apply_report(
                 provider_ref=reference,
                 error=None,
             )
+            if moved is not None and moved.cancel_requested and compensation is not None:
+                await compensate(
+                    conn,
+                    compensation.registry,
+                    moved,
+                    enqueue=compensation.enqueue,
+                    actor=actor,
+                    reason="cancel requested; the provider reported it committed",
+                )
         else:
             moved = await ledger.transition(
                 conn,
