@@ -100,6 +100,9 @@ class LevelResult:
     clear_ms: list[float] = field(default_factory=list)
     heard_after_ms: list[float] = field(default_factory=list)
     cpu_per_call: float = float("nan")
+    # The bridge's own measure (BARGE_IN events): from handling speech_started to `clear`
+    # written to the socket; excludes time the event waited behind earlier ones.
+    server_clear_ms: list[float] = field(default_factory=list)
 
 
 class Simulator:
@@ -270,22 +273,52 @@ async def run_level(target: str, url: str, calls: int, sim: Simulator, pid: int)
         for c in callers.values():
             print(len(c.sent), len(c.received), file=sys.stderr)
     analyse(result, callers, sessions)
+    if target.startswith("bridge"):
+        result.server_clear_ms = await server_clear_latencies(
+            [c.call_sid for c in callers.values()]
+        )
     return result
+
+
+async def server_clear_latencies(call_sids: list[str]) -> list[float]:
+    """clear_latency_ms of the service's persisted barge-ins for these calls."""
+    import psycopg
+
+    from app.db import plain_url
+
+    url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    if not url or not call_sids:
+        return []
+    await asyncio.sleep(1.0)  # the event writer flushes at call end; give it a moment
+    async with await psycopg.AsyncConnection.connect(plain_url(url)) as conn:
+        cur = await conn.execute(
+            "SELECT (e.data->>'clear_latency_ms')::float FROM call_events e "
+            "JOIN calls c ON c.id = e.call_id WHERE e.kind = 'barge_in' AND c.call_sid = ANY(%s)",
+            (call_sids,),
+        )
+        return [row[0] for row in await cur.fetchall() if row[0] is not None]
+
+
+def _pair(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{pct(values, 50):.2f} / {pct(values, 99):.2f}"
 
 
 def table(results: list[LevelResult]) -> str:
     head = (
         "| target | calls | ok | up p50 ms | up p99 ms | down p50 ms | down p99 ms | "
         "speech_started->clear p50 ms | p99 ms | heard after barge-in p50 ms | p99 ms | "
-        "CPU per call (% of a core) |"
+        "CPU per call (% of a core) | in-bridge speech_started->clear sent p50/p99 ms |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         lines.append(
             f"| {r.target} | {r.calls} | {r.ok} | {pct(r.up_ms, 50):.1f} | {pct(r.up_ms, 99):.1f} "
             f"| {pct(r.down_ms, 50):.1f} | {pct(r.down_ms, 99):.1f} | {pct(r.clear_ms, 50):.1f} "
             f"| {pct(r.clear_ms, 99):.1f} | {pct(r.heard_after_ms, 50):.0f} "
-            f"| {pct(r.heard_after_ms, 99):.0f} | {r.cpu_per_call:.2f} |"
+            f"| {pct(r.heard_after_ms, 99):.0f} | {r.cpu_per_call:.2f} "
+            f"| {_pair(r.server_clear_ms)} |"
         )
     by = {(r.target, r.calls): r for r in results}
     lines.append("")
