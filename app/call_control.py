@@ -7,16 +7,14 @@ call ends it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import CallRegistry
+from app.owned_tasks import OwnedTasks
 from app.pg_listener import PgListener
 
 log = logging.getLogger(__name__)
@@ -36,7 +34,7 @@ class CallControl:
 
     def __init__(self, registry: CallRegistry) -> None:
         self._registry = registry
-        self._work: set[asyncio.Task[Any]] = set()
+        self._work = OwnedTasks()
 
     def subscribe(self, listener: PgListener) -> None:
         listener.subscribe(CHANNEL, self._on_notify)
@@ -51,14 +49,7 @@ class CallControl:
             return
         if action != "end" or self._registry.get(call_sid) is None:
             return
-        task = asyncio.create_task(self._registry.end(call_sid, reason), name=f"end-{call_sid}")
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        self._work.spawn(self._registry.end(call_sid, reason), f"end-{call_sid}")
 
     async def stop(self) -> None:
-        tasks = list(self._work)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._work.cancel_all()

@@ -15,8 +15,6 @@ Decisions made here:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -26,6 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.owned_tasks import OwnedTasks
 from app.pg_listener import PgListener
 from telephony.tool_gateway import CallContext, LateResult, LiveCall
 from tools import ledger
@@ -57,7 +56,7 @@ class ResultDelivery:
         self._registry = registry
         self._find_live = find_live
         self._live_call_ids = live_call_ids
-        self._work: set[asyncio.Task[Any]] = set()
+        self._work = OwnedTasks()
         self.delivered: set[uuid.UUID] = set()
 
     def subscribe(self, listener: PgListener) -> None:
@@ -66,12 +65,7 @@ class ResultDelivery:
         listener.on_listen(self._schedule_catch_up)
 
     def _schedule_catch_up(self) -> None:
-        self._spawn(self.catch_up(), "delivery-catch-up")
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
+        self._work.spawn(self.catch_up(), "delivery-catch-up")
 
     async def catch_up(self) -> int:
         """Deliver finished operations of this process's live calls that no replica has
@@ -97,12 +91,7 @@ class ResultDelivery:
 
     async def stop(self) -> None:
         """Cancel deliveries still under way (the calls they were for are ending too)."""
-        tasks = list(self._work)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._work.cancel_all()
 
     def _on_notify(self, payload: str) -> None:
         try:
@@ -114,7 +103,7 @@ class ResultDelivery:
             return
         if status not in FINAL or not data.get("call_id"):
             return
-        self._spawn(self.deliver(operation_id), f"deliver-{operation_id}")
+        self._work.spawn(self.deliver(operation_id), f"deliver-{operation_id}")
 
     async def deliver(self, operation_id: uuid.UUID) -> str | None:
         """Decide how the outcome of `operation_id` reaches the caller; returns the decision."""

@@ -113,29 +113,38 @@ class ToolPipeline:
         self, ctx: CallContext, request: FunctionCallRequest, out: dict[str, Any]
     ) -> None:
         """Best effort: the failed call's transaction rolled back, so record it afresh."""
-        spec = self._registry.get(request.name) if request.name in self._registry else None
-        raw = (
-            json.dumps({"redacted": True}) if spec and spec.redact_arguments else request.arguments
-        )
         try:
             async with self._engine.begin() as conn:
-                tc, created = await ledger.record_tool_call(
-                    conn,
-                    call_id=ctx.call_id,
-                    provider_call_id=request.call_id,
-                    tenant_id=ctx.tenant_id,
-                    tool=request.name,
-                    raw_arguments=raw,
-                    turn_id=request.turn_id,
-                    response_id=request.response_id,
-                    item_id=request.item_id,
-                )
+                tc, created = await self._record_call(conn, ctx, request)
                 if created:
                     await ledger.complete_tool_call(
                         conn, tc.id, decision="error", reason="internal error", output=out
                     )
         except Exception:
             log.exception("could not record failed tool call %s", request.call_id)
+
+    def _spec(self, name: str) -> ToolSpec | None:
+        return self._registry.get(name) if name in self._registry else None
+
+    async def _record_call(
+        self, conn: AsyncConnection, ctx: CallContext, request: FunctionCallRequest
+    ) -> tuple[ToolCallRecord, bool]:
+        """The `tool_calls` row of this provider call (arguments redacted where declared)."""
+        spec = self._spec(request.name)
+        raw = request.arguments
+        if spec is not None and spec.redact_arguments:
+            raw = json.dumps({"redacted": True})
+        return await ledger.record_tool_call(
+            conn,
+            call_id=ctx.call_id,
+            provider_call_id=request.call_id,
+            tenant_id=ctx.tenant_id,
+            tool=request.name,
+            raw_arguments=raw,
+            turn_id=request.turn_id,
+            response_id=request.response_id,
+            item_id=request.item_id,
+        )
 
     async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
         state = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
@@ -164,24 +173,11 @@ class ToolPipeline:
     # --- dispatch ------------------------------------------------------------------------
 
     async def _handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
-        spec = self._registry.get(request.name) if request.name in self._registry else None
-        raw = request.arguments
-        if spec is not None and spec.redact_arguments:
-            raw = json.dumps({"redacted": True})
+        spec = self._spec(request.name)
         # Known before the transaction: the identity store may do its own I/O.
         verification = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
         async with self._engine.begin() as conn:
-            tc, created = await ledger.record_tool_call(
-                conn,
-                call_id=ctx.call_id,
-                provider_call_id=request.call_id,
-                tenant_id=ctx.tenant_id,
-                tool=request.name,
-                raw_arguments=raw,
-                turn_id=request.turn_id,
-                response_id=request.response_id,
-                item_id=request.item_id,
-            )
+            tc, created = await self._record_call(conn, ctx, request)
             if not created:
                 return await self._replay(conn, tc)
             if spec is None:
