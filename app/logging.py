@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import re
 
-_PHONE = re.compile(r"\+?\d[\d\-\s]{6,}\d")
+# E.164 numbers (+ and 7-15 digits, maybe spaced) and bare runs of 10-15 digits; dates,
+# times and ids with fewer digits are left readable.
+_PHONE = re.compile(r"\+\d[\d\-\s]{5,17}\d|(?<![\w-])\d{10,15}(?![\w-])")
 _SECRET = re.compile(
     r"(?i)(authorization|auth_token|api_key|password|secret|token|signature)"
     r"([\"']?\s*[:=]\s*[\"']?)([^\s\"'&,]+)"

@@ -66,7 +66,7 @@ async def serve(settings: Settings, with_worker: bool) -> int:
         await simulator.start()
         settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
         log.warning(
-            "no OPENAI_API_KEY: calls talk to the local Realtime simulator at %s",
+            "OPENAI_API_KEY is not set, so calls talk to the local Realtime simulator at %s",
             simulator.base_url,
         )
     sor: Any = None
@@ -79,7 +79,9 @@ async def serve(settings: Settings, with_worker: bool) -> int:
         )
         await sor.start()
         settings = settings.model_copy(update={"sor_base_url": sor.url})
-        log.warning("no SOR_BASE_URL: bookings go to the demo system of record at %s", sor.url)
+        log.warning(
+            "SOR_BASE_URL is not set, so bookings go to the demo system of record at %s", sor.url
+        )
     app = create_app(settings, with_worker=with_worker)
     server = ServiceServer(uvicorn_config(app, settings))
     try:

@@ -32,9 +32,21 @@ def test_phone_numbers_keep_only_their_last_two_digits() -> None:
     assert "[phone …67]" in out and "[phone …42]" in out
 
 
-def test_ordinary_text_is_left_alone() -> None:
-    line = "operation 3f2a committed after 2 attempts in 120 ms"
+@pytest.mark.parametrize(
+    "line",
+    [
+        "operation 3f2a committed after 2 attempts in 120 ms",
+        "GET /availability?date=2026-12-01&time=20%3A00&party_size=4",
+        "booking BK7QX2MHN4 at 2026-12-05 21:00 for 4",
+        "OPENAI_API_KEY is not set, so calls talk to the local simulator",
+    ],
+)
+def test_ordinary_text_is_left_alone(line: str) -> None:
     assert redact(line) == line
+
+
+def test_bare_long_digit_runs_are_treated_as_phone_numbers() -> None:
+    assert "15551234567" not in redact("caller 15551234567 verified")
 
 
 def test_filter_redacts_formatted_arguments_of_a_record() -> None:
