@@ -31,6 +31,11 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _utf8(text: str) -> bytes:
+    # surrogatepass: a lone surrogate (legal in JSON text) must be rejected, not raise.
+    return text.encode("utf-8", "surrogatepass")
+
+
 @dataclass(frozen=True, slots=True)
 class StreamClaims:
     """What a verified token says."""
@@ -62,7 +67,7 @@ class StreamTokens:
         return f"{_VERSION}.{body}.{self._sign(body)}"
 
     def _sign(self, body: str) -> str:
-        mac = hmac.new(self._secret, f"{_VERSION}.{body}".encode(), hashlib.sha256).digest()
+        mac = hmac.new(self._secret, _utf8(f"{_VERSION}.{body}"), hashlib.sha256).digest()
         return _b64(mac)
 
     def verify(self, token: str | None, call_sid: str) -> StreamClaims:
@@ -73,7 +78,9 @@ class StreamTokens:
         if len(parts) != 3 or parts[0] != _VERSION:
             raise TokenRejected("malformed")
         body, sig = parts[1], parts[2]
-        if not hmac.compare_digest(sig, self._sign(body)):
+        # Compared as bytes: compare_digest raises TypeError on non-ASCII str, and both the
+        # token and the CallSid come from the (untrusted) start frame.
+        if not hmac.compare_digest(_utf8(sig), _utf8(self._sign(body))):
             raise TokenRejected("bad_signature")
         try:
             payload = json.loads(_unb64(body))
@@ -87,7 +94,7 @@ class StreamTokens:
             raise TokenRejected("malformed") from exc
         if claims.expires_at < self._clock():
             raise TokenRejected("expired")
-        if not hmac.compare_digest(claims.call_sid, call_sid):
+        if not hmac.compare_digest(_utf8(claims.call_sid), _utf8(call_sid)):
             raise TokenRejected("wrong_call")
         return claims
 

@@ -124,6 +124,9 @@ def parse_inbound(raw: str | bytes) -> InboundMessage:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"not JSON: {exc}") from exc
+    except RecursionError as exc:
+        # `[[[[...` within the frame-size limit exhausts json's recursion: junk, not a crash.
+        raise MalformedFrame("not JSON: nested too deeply") from exc
     if not isinstance(data, dict):
         raise MalformedFrame("frame is not a JSON object")
     try:

@@ -126,6 +126,10 @@ class ToolSpec:
             data = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as exc:
             raise InvalidArguments(f"the arguments were not valid JSON ({exc.msg})") from exc
+        except (ValueError, RecursionError) as exc:
+            # Model output is untrusted: an integer over Python's digit limit (ValueError) or
+            # nesting deeper than json's recursion limit is invalid input, not an internal error.
+            raise InvalidArguments("the arguments were not valid JSON (too large or deep)") from exc
         if not isinstance(data, dict):
             raise InvalidArguments("the arguments must be a JSON object")
         try:
