@@ -53,6 +53,16 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _storable(text: str, limit: int | None = None) -> str:
+    """Model-supplied text as Postgres takes it: no NUL, no lone surrogate, within `limit`.
+
+    Without this a function call with a NUL in its arguments or an over-long name failed
+    to insert, and the recovery insert failed the same way: no tool_calls row at all.
+    """
+    clean = text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    return clean if limit is None else clean[:limit]
+
+
 def _reply(output: dict[str, Any], op: OperationRecord | None = None) -> ToolReply:
     return ToolReply(
         output=output, wants_response=True, operation_id=str(op.operation_id) if op else None
@@ -134,16 +144,17 @@ class ToolPipeline:
         raw = request.arguments
         if spec is not None and spec.redact_arguments:
             raw = json.dumps({"redacted": True})
+        # Column limits of tool_calls: tool varchar(64), ids varchar(128).
         return await ledger.record_tool_call(
             conn,
             call_id=ctx.call_id,
-            provider_call_id=request.call_id,
+            provider_call_id=_storable(request.call_id, 128),
             tenant_id=ctx.tenant_id,
-            tool=request.name,
-            raw_arguments=raw,
+            tool=_storable(request.name, 64),
+            raw_arguments=_storable(raw),
             turn_id=request.turn_id,
-            response_id=request.response_id,
-            item_id=request.item_id,
+            response_id=_storable(request.response_id, 128),
+            item_id=_storable(request.item_id, 128),
         )
 
     async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
@@ -181,26 +192,26 @@ class ToolPipeline:
             if not created:
                 return await self._replay(conn, tc)
             if spec is None:
-                out = error_output(
-                    f"There is no tool called {request.name}. Use only the tools offered."
-                )
+                name = _storable(request.name, 64)
+                out = error_output(f"There is no tool called {name}. Use only the tools offered.")
                 await ledger.complete_tool_call(
                     conn,
                     tc.id,
                     decision="invalid",
-                    reason=str(UnknownTool(request.name)),
+                    reason=str(UnknownTool(name)),
                     output=out,
                 )
                 return _reply(out)
             try:
                 args = spec.parse(request.arguments)
             except InvalidArguments as exc:
+                why = _storable(str(exc))  # may quote the model's own (unknown) keys
                 out = error_output(
-                    f"Those details didn't fit: {exc}. Ask the caller for what is missing or "
+                    f"Those details didn't fit: {why}. Ask the caller for what is missing or "
                     "wrong, then try again."
                 )
                 await ledger.complete_tool_call(
-                    conn, tc.id, decision="invalid", reason=str(exc), output=out
+                    conn, tc.id, decision="invalid", reason=why, output=out
                 )
                 return _reply(out)
             identity = verification.snapshot()
