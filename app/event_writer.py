@@ -238,5 +238,18 @@ def _as_uuid(call_id: str) -> uuid.UUID | None:
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(json.dumps(data, default=str))
+    result: dict[str, Any] = _storable(json.loads(json.dumps(data, default=str)))
     return result
+
+
+def _storable(value: Any) -> Any:
+    """JSONB refuses NUL (\\u0000) and lone surrogates in strings. Event data quotes caller
+    input (a malformed frame's excerpt), and one such string made every retry of the batch
+    fail: the writer stalled for all calls and dropped the batch at shutdown."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_storable(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
