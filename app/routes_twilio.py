@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 from starlette.websockets import WebSocketDisconnect
 from twilio.request_validator import RequestValidator
 
@@ -106,6 +106,10 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         return _xml(twiml.busy())
     try:
         row, created = await call_store.create_call(runtime.engine, **fields)
+    except DataError as exc:
+        # Fields the columns cannot hold (over-long, NUL): the request is bad, not the database.
+        runtime.registry.release_reservation(call_sid)
+        raise BadRequest("unstorable call fields") from exc
     except DBAPIError as exc:
         runtime.registry.release_reservation(call_sid)
         raise DatabaseUnavailable("calls insert failed") from exc
@@ -158,6 +162,9 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
                         row.id, CallEventKind.CALL_ENDED, {"reason": reason, "source": "status"}
                     )
                 )
+    except DataError as exc:
+        # A CallSid no column can hold (NUL, over-long) names no call of ours.
+        raise BadRequest("unstorable CallSid") from exc
     except DBAPIError as exc:
         raise DatabaseUnavailable("status update failed") from exc
     return Response(status_code=204)
