@@ -32,9 +32,17 @@ async def operation_callback(
     compensation: CompensationDep,
 ) -> dict[str, Any]:
     """The system of record reports an outcome (HMAC-signed, idempotent, order-safe)."""
-    body = await request.body()
-    if len(body) > MAX_CALLBACK_BYTES:
+    # Read at most the limit (as the Twilio webhooks do): request.body() would first buffer
+    # a body of any size in memory, declared or chunked, before refusing it.
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_CALLBACK_BYTES):
         raise PayloadTooLarge()
+    buffer = bytearray()
+    async for chunk in request.stream():
+        buffer += chunk
+        if len(buffer) > MAX_CALLBACK_BYTES:
+            raise PayloadTooLarge()
+    body = bytes(buffer)
     secret = settings.sor_callback_secret
     # No secret configured means no callback can be trusted.
     if secret is None or not verify(

@@ -26,7 +26,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, DataError
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -348,6 +348,12 @@ class SystemOfRecord:
             except _DomainError as exc:
                 status, payload = exc.status, exc.body.model_dump()
                 await self._complete_key(conn, key, status, payload)
+            except DataError as exc:
+                # Input Postgres cannot store (a NUL byte): a final 422 for this key. Raising
+                # instead answered 500 and left the key `in_progress` for good.
+                status = 422
+                payload = ErrorBody(code="invalid", message=str(exc)[:300]).model_dump()
+                await self._complete_key(conn, key, status, payload)
         return status, payload
 
     @staticmethod
@@ -457,6 +463,11 @@ class SystemOfRecord:
         app = FastAPI(title="Demo system of record", openapi_url=None)
         sor = self
 
+        @app.exception_handler(DataError)
+        async def unstorable(request: Request, exc: DataError) -> JSONResponse:
+            # A path or query value Postgres refuses (a NUL byte) is bad input, not a 500.
+            return _error(422, "invalid", str(exc)[:300])
+
         async def latency() -> None:
             if sor.faults.latency_s > 0:
                 await asyncio.sleep(sor.faults.latency_s)
@@ -471,7 +482,7 @@ class SystemOfRecord:
             try:
                 raw = await request.json()
                 req = BookingRequest.model_validate(raw)
-            except (ValueError, ValidationError) as exc:
+            except (ValueError, ValidationError, RecursionError) as exc:  # deep `[[[`: junk
                 return _error(422, "invalid", str(exc)[:300])
             return await sor._mutate(
                 idempotency_key,

@@ -109,4 +109,8 @@ def verify(secret: str | bytes, body: bytes, header: str | None) -> bool:
     """Whether `header` is a valid signature of `body` (constant-time compare)."""
     if not header:
         return False
-    return hmac.compare_digest(sign(secret, body), header.strip())
+    # Bytes, not str: compare_digest raises TypeError for a non-ASCII str, and the header is
+    # whatever the sender put there (a 500 instead of a clean 403).
+    return hmac.compare_digest(
+        sign(secret, body).encode(), header.strip().encode("utf-8", "surrogatepass")
+    )
