@@ -189,6 +189,11 @@ async def media(ws: WebSocket, runtime: RuntimeDep) -> None:
         await _record_rejection(runtime, start, exc.reason)
         await _close(ws, ws_close_code(exc), f"stream token {exc.reason}")
         return
+    except DataError:
+        # Start fields no column can hold (an over-long streamSid): a bad stream, not a retry.
+        log.warning("media stream for call %s refused: unstorable start", start.call_sid)
+        await _close(ws, WS_POLICY_VIOLATION, "bad start")
+        return
     except DBAPIError:
         log.exception("media stream admission failed")
         await _close(ws, ws_close_code(DatabaseUnavailable()), "try again")
@@ -221,13 +226,15 @@ async def _read_start(guard: FrameGuard) -> StartInfo:
 async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
     """Verify and spend the stream token; move the call to in_progress exactly once."""
     claims = runtime.tokens.verify(start.custom_parameters.get("token"), start.call_sid)
-    runtime.tokens.consume(claims)
     # Across processes: only a ringing call can start its stream, so a replayed token fails here.
     row = await call_store.transition(
         runtime.engine, claims.call_id, CallStatus.IN_PROGRESS, stream_sid=start.stream_sid
     )
     if row is None:
         raise TokenRejected("reused")
+    # Spent in memory only once the database took the stream: a start the update refused
+    # (an over-long streamSid, a database hiccup) must not burn the genuine stream's token.
+    runtime.tokens.consume(claims)
     return row
 
 

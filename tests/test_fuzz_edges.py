@@ -391,3 +391,41 @@ async def test_signed_webhooks_with_garbage_fields_are_answered_without_a_500(
             (path, (await post_signed(service, path, params)).status_code) for path, params in cases
         ]
     assert all(code < 500 for _, code in statuses), statuses
+
+
+async def test_a_frame_over_the_transport_limit_ends_the_call_cleanly(engine: AsyncEngine) -> None:
+    async with call_stack(engine, SCENARIO, max_ws_frame_bytes=FRAME_LIMIT) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await caller.wait_for(lambda c: c.media_received_ms >= 400, 10)
+        limit = max(1024 * 1024, 4 * FRAME_LIMIT)
+        try:
+            await caller.send_raw("x" * (limit + 1))
+        except ConnectionClosed:
+            pass
+        await caller.wait_closed(10)
+        events = await stack.events(caller)
+        row = await call_row(engine, caller.call_sid)
+    assert caller.close_code == 1009  # message too big: refused by the transport
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("call_ended") == 1
+    assert row is not None and row["status"] == "completed"
+
+
+async def test_a_start_whose_fields_no_column_can_hold_is_refused_cleanly(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, SCENARIO) as stack:
+        caller = stack.caller()
+        outcome = await caller.dial(open_stream=False)
+        start = _start(caller.call_sid, outcome.parameters)
+        long_sid = start.replace('"MZfuzz"', json.dumps("MZ" + "9" * 200))
+        code, _ = await _raw_stream(stack, [long_sid])
+        assert stack.service.runtime.registry.live_count() == 0
+        # The genuine stream (well-formed streamSid) is still admitted afterwards.
+        await caller.open_stream(outcome.stream_url, outcome.parameters)
+        await caller.wait_for(lambda c: c.media_received_ms >= 400, 10)
+        await caller.hangup()
+        events = await stack.events(caller)
+    assert code == POLICY_VIOLATION
+    assert [e["kind"] for e in events].count("stream_started") == 1
