@@ -213,3 +213,19 @@ async def test_the_same_garbage_twice_is_one_row_and_the_same_answer(engine: Asy
     assert first.output == second.output
     assert first.output["status"] == "error"
     assert await _count(engine, "tool_calls") == 1
+
+
+@pytest.mark.parametrize("bad", ["A\\u0000B", "\\ud800", "Ada \\udfff"])
+async def test_schema_valid_arguments_with_unstorable_text_are_invalid_not_an_internal_error(
+    engine: AsyncEngine, bad: str
+) -> None:
+    queue, reads = NoQueue(), NoReads()
+    pipe = _pipeline(engine, queue, reads)
+    raw = '{"date": "2026-12-05", "time": "21:00", "party_size": 2, "name": "' + bad + '"}'
+    reply = await _handle(pipe, 1, "book_table", raw)
+    assert reply.output["status"] == "error"
+    assert reply.output["retryable"] is False  # retrying the same text can never work
+    async with engine.connect() as conn:
+        tc = await ledger.get_tool_call(conn, CTX.call_id, "fc_1")
+    assert tc is not None and tc.decision == "invalid"
+    assert await _count(engine, "operations") == 0

@@ -132,6 +132,10 @@ class ToolSpec:
             raise InvalidArguments("the arguments were not valid JSON (too large or deep)") from exc
         if not isinstance(data, dict):
             raise InvalidArguments("the arguments must be a JSON object")
+        if _unstorable(data):
+            # The ledger stores arguments as JSONB, which refuses these: without this check a
+            # schema-valid call failed at insert and the model heard a retryable internal error.
+            raise InvalidArguments("the arguments contain a NUL or a broken unicode character")
         try:
             return self.args_model.model_validate(data)
         except ValidationError as exc:
@@ -149,6 +153,17 @@ class ToolSpec:
         if self.describe is not None:
             return self.describe(args)
         return ", ".join(f"{k} {v}" for k, v in self.normalize(args).items())
+
+
+def _unstorable(value: Any) -> bool:
+    """Whether decoded JSON holds text Postgres JSONB refuses: NUL, or a lone surrogate."""
+    if isinstance(value, str):
+        return "\x00" in value or any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_unstorable(k) or _unstorable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_unstorable(v) for v in value)
+    return False
 
 
 def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:
