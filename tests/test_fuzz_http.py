@@ -163,7 +163,13 @@ async def test_the_system_of_record_answers_garbage_with_a_4xx_and_keeps_no_stuc
         ]:
             response = await client.get("/availability", params=params)
             results.append((f"GET /availability {params}"[:60], response.status_code))
-        for headers in [{}, {IDEMPOTENCY_HEADER: ""}, {IDEMPOTENCY_HEADER: "k" * 10_000}]:
+        incompressible = "".join(random.Random(7).choices("abcdefghijklmnopqrstuvwxyz", k=8000))
+        for headers in [
+            {},
+            {IDEMPOTENCY_HEADER: ""},
+            {IDEMPOTENCY_HEADER: "k" * 10_000},
+            {IDEMPOTENCY_HEADER: incompressible},
+        ]:
             good = {"date": "2026-12-05", "time": "21:00", "party_size": 2, "name": "Ada"}
             response = await client.post("/bookings", json=good, headers=headers)
             results.append((f"POST /bookings key={str(headers)[:30]}", response.status_code))

@@ -54,6 +54,10 @@ SEATS_PER_SLOT = 40
 _REF_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 
 
+# Idempotency keys are short ids (ours are ~50 chars); the primary-key index caps entries.
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
 def new_booking_id() -> str:
     """A fresh, speakable booking reference such as `BK7QX2MHN4`."""
     return "BK" + "".join(secrets.choice(_REF_ALPHABET) for _ in range(8))
@@ -286,6 +290,9 @@ class SystemOfRecord:
     ) -> JSONResponse:
         if not key:
             return _error(400, "missing_idempotency_key", f"{IDEMPOTENCY_HEADER} is required")
+        if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+            # A key past the primary-key index's row limit failed the insert with a 500.
+            return _error(400, "invalid", f"{IDEMPOTENCY_HEADER} is too long")
         fingerprint = _fingerprint(path, body)
         async with self._conn() as conn:
             cur = await conn.execute(
