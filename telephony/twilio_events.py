@@ -90,7 +90,9 @@ class Mark(_Wire):
 
 class DtmfInfo(_Wire):
     track: str = "inbound_track"
-    digit: str
+    # One key per frame, as Twilio sends it: a frame carrying "4321" (or a non-ASCII digit)
+    # must not feed several PIN digits at once or count as a wrong PIN attempt.
+    digit: str = Field(pattern=r"^[0-9*#]$")
 
 
 class Dtmf(_Wire):

@@ -16,7 +16,7 @@ from app.errors import TokenRejected
 from app.stream_token import StreamTokens
 from telephony.errors import MalformedFrame
 from telephony.simulator import ClientEventError, parse_client_event
-from telephony.twilio_events import parse_inbound
+from telephony.twilio_events import Dtmf, parse_inbound
 from tools.catalog import restaurant_catalog
 from tools.errors import InvalidArguments
 
@@ -148,6 +148,20 @@ def test_parse_inbound_edge_cases_are_malformed_or_usable(raw: str | bytes) -> N
 def test_deeply_nested_frame_is_a_malformed_frame_not_a_recursion_error() -> None:
     with pytest.raises(MalformedFrame):
         parse_inbound("[" * 50_000 + "]" * 50_000)
+
+
+@pytest.mark.parametrize("digit", ["4321", "", "\u0661", "a", " 5", "5\n", "\x00", "**"])
+def test_a_dtmf_frame_carries_exactly_one_key(digit: str) -> None:
+    frame = json.dumps({"event": "dtmf", "dtmf": {"track": "inbound_track", "digit": digit}})
+    with pytest.raises(MalformedFrame):
+        parse_inbound(frame)
+
+
+@pytest.mark.parametrize("digit", [*"0123456789", "*", "#"])
+def test_every_keypad_key_is_a_dtmf_frame(digit: str) -> None:
+    frame = json.dumps({"event": "dtmf", "dtmf": {"digit": digit}})
+    message = parse_inbound(frame)
+    assert isinstance(message, Dtmf) and message.dtmf.digit == digit
 
 
 # Stream tokens.
