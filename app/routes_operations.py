@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from sqlalchemy.exc import DataError
 
 from app.deps import CompensationDep, EngineDep, SettingsDep, StaffDep
 from app.errors import BadRequest, BadSignature, NotFound, PayloadTooLarge
@@ -68,6 +69,10 @@ async def operation_callback(
         raise NotFound(str(operation_id)) from exc
     except IdempotencyConflict as exc:
         raise BadRequest("report for another idempotency key") from exc
+    except DataError as exc:
+        # Signed, but holding what the ledger cannot store (NUL, an over-long booking id): a
+        # 400 the sender does not retry, not a 500; reconciliation settles the operation.
+        raise BadRequest("unstorable report") from exc
     return {"applied": outcome.applied, "status": outcome.status.value, "reason": outcome.reason}
 
 

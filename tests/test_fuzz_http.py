@@ -13,9 +13,11 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.e2e_support import running_service
-from tests.sor_support import CALLBACK_SECRET, start_sor
+from tests.sor_support import CALLBACK_SECRET, admit, get_op, start_sor
+from tools import ledger
 from tools.sor import SystemOfRecord
 from tools.sor_protocol import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
+from tools.states import OperationStatus as S
 
 _GARBAGE_JSON: list[bytes] = [
     b"",
@@ -177,3 +179,57 @@ async def test_the_system_of_record_answers_garbage_with_a_4xx_and_keeps_no_stuc
     assert [r for r in results if r[1] >= 500] == []
     # Only the one well-formed booking with a long (but present) key was applied.
     assert stats["bookings_inserted"] <= 1
+
+
+async def _noop_enqueue(conn: object, operation_id: uuid.UUID) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"status": "committed", "booking": {"name": "A\u0000"}},
+        {"status": "committed", "booking": {"id": "BK" + "9" * 500}},
+        {"status": "committed", "booking": {"id": "BK\u0000"}},
+        {"status": "failed", "error": "no\u0000pe"},
+        {"status": "failed", "error": "x" * 50_000},
+        {"status": "committed", "sequence": 10**30},
+    ],
+)
+async def test_signed_reports_with_unstorable_content_are_not_a_500(
+    engine: AsyncEngine, report: dict[str, Any]
+) -> None:
+    op_id = await admit(engine, _noop_enqueue)
+    async with engine.begin() as conn:
+        op = await ledger.claim_for_execution(conn, op_id, worker_id="w", attempt_deadline_s=30)
+    assert op is not None
+    booking = {
+        "id": "BK7QX2MHN4",
+        "date": "2026-12-05",
+        "time": "21:00",
+        "party_size": 4,
+        "name": "Ada",
+        "status": "confirmed",
+        **report.get("booking", {}),
+    }
+    payload = {
+        "idempotency_key": op.idempotency_key,
+        "status": report["status"],
+        "sequence": report.get("sequence", 1),
+        "booking": booking if report["status"] == "committed" else None,
+        "error": report.get("error"),
+    }
+    body = json.dumps(payload).encode()
+    async with (
+        running_service(engine, sor_callback_secret=CALLBACK_SECRET) as service,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        status = await _post(
+            client,
+            f"{service.url}/operations/{op_id}/callback",
+            body,
+            {SIGNATURE_HEADER.encode(): sign(CALLBACK_SECRET, body).encode()},
+        )
+    after = await get_op(engine, op_id)
+    assert status < 500, status
+    assert after.status in (S.RUNNING, S.COMMITTED, S.FAILED_FINAL, S.UNKNOWN), after.status
