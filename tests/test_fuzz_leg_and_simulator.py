@@ -28,6 +28,7 @@ FAST = settings(
     max_examples=120,
     deadline=None,
     derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 

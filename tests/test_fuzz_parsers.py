@@ -8,7 +8,7 @@ import string
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -24,6 +24,7 @@ FAST = settings(
     max_examples=150,
     deadline=None,
     derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
@@ -341,7 +342,6 @@ _CLIENT_TYPES = [
         },
     )
 )
-@seed(20261130)
 def test_simulator_client_event_parsing_raises_only_client_event_errors(data: Any) -> None:
     try:
         parse_client_event(data)
