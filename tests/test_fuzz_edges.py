@@ -239,6 +239,8 @@ async def test_start_with_missing_or_garbage_custom_parameters_is_a_policy_viola
         [b"\x00binary", _start("CAnone", {})],
         [_start("CA\u00e9\ud7ff", {"token": "v1.a.b"})],
         [_start("CAnone", {"token": "x"}, mediaFormat=[1, 2])],
+        [_start("CA\u0000", {"token": "v1.a.b"})],
+        [_start("CA" + "9" * 500, {"token": "v1.a.b"})],
     ],
 )
 async def test_media_before_start_and_bad_openings_are_closed_as_policy_violation(
