@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.call_store import call_events
@@ -55,6 +55,7 @@ class EventWriter:
         self.dropped = 0
         self.written = 0
         self.retries = 0  # failed write attempts that were retried
+        self.poisoned = 0  # events the database refused as such (dropped, never retried)
         self.kind_counts: Counter[str] = Counter()
 
     # The sink side (event loop thread, audio path): never awaits, never raises.
@@ -162,6 +163,11 @@ class EventWriter:
                 # rest: write call by call and give up only on the call that fails.
                 await self._write_per_call(batch)
                 return
+            except DataError:
+                # The database refuses these rows themselves (a value out of range): retrying
+                # the batch would stall the writer for every call. Find and drop the bad ones.
+                await self._write_one_by_one(batch)
+                return
             except (DBAPIError, OSError) as exc:
                 if self._closing:
                     self.dropped += len(batch)
@@ -192,6 +198,22 @@ class EventWriter:
                     # Connection trouble again: let the outer loop's retry handle this group.
                     await self._write_with_retry(events)
                     break
+
+    async def _write_one_by_one(self, batch: list[CallEvent]) -> None:
+        for event in batch:
+            try:
+                await self._write([event])
+            except (DataError, IntegrityError) as exc:
+                self.dropped += 1
+                self.poisoned += 1
+                log.error(
+                    "dropping a %s event of %s the database refuses: %s",
+                    event.kind,
+                    event.call_id,
+                    getattr(exc, "orig", exc),
+                )
+            except (DBAPIError, OSError):
+                await self._write_with_retry([event])
 
     async def _write(self, batch: list[CallEvent]) -> None:
         rows: list[dict[str, Any]] = []

@@ -120,3 +120,25 @@ async def test_data_that_is_not_json_is_stored_as_text(engine: AsyncEngine) -> N
     await writer.close()
     rows = await event_rows(engine, call_id)
     assert rows[0]["data"] == {"id": str(marker), "n": 1}
+
+
+async def test_an_event_the_database_refuses_is_dropped_alone_and_the_writer_goes_on(
+    engine: AsyncEngine,
+) -> None:
+    a, b = await _call(engine, "CApoison"), await _call(engine, "CAfine")
+    writer = EventWriter(engine, retry_initial_s=0.01)
+    writer.start()
+    writer.emit(CallEvent(a, CallEventKind.DTMF, {"i": 1}))
+    # A value no BIGINT column holds: retrying it can never succeed.
+    writer.emit(CallEvent(a, CallEventKind.DTMF, {"i": 2}, mono_ns=2**70))
+    writer.emit(CallEvent(a, CallEventKind.DTMF, {"i": 3}))
+    writer.emit(CallEvent(b, CallEventKind.DTMF, {"i": 4}))
+    assert await writer.flush(10)
+    # Later events of any call keep flowing.
+    writer.emit(CallEvent(b, CallEventKind.CALL_ENDED, {"reason": "stop"}))
+    await writer.close()
+    rows_a, rows_b = await event_rows(engine, a), await event_rows(engine, b)
+    assert [r["data"]["i"] for r in rows_a] == [1, 3]
+    assert [r["seq"] for r in rows_a] == [1, 2]
+    assert [r["kind"] for r in rows_b] == ["dtmf", "call_ended"]
+    assert (writer.dropped, writer.poisoned, writer.written) == (1, 1, 4)
