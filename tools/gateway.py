@@ -488,40 +488,38 @@ class ToolPipeline:
             return await finish(
                 "duplicate", "not awaiting confirmation", self._state_output(spec, op)
             )
+
+        async def withdraw(
+            current: OperationRecord, decision: str, actor: str, reason: str, message: str
+        ) -> ToolReply:
+            """The unconfirmed request ends here: cancelled, nothing was sent anywhere."""
+            moved = await ledger.transition(
+                conn,
+                current.operation_id,
+                S.AWAITING_CONFIRMATION,
+                S.CANCELLED,
+                actor=actor,
+                reason=reason,
+            )
+            return await finish(decision, reason, cancelled_output(moved or current, message))
+
         now = self._clock()
         if op.confirm_by is not None and now > op.confirm_by:
-            moved = await ledger.transition(
-                conn,
-                op.operation_id,
-                S.AWAITING_CONFIRMATION,
-                S.CANCELLED,
-                actor="policy",
-                reason="confirmation expired",
-            )
-            op = moved or op
-            return await finish(
+            return await withdraw(
+                op,
                 "expired",
+                "policy",
                 "confirmation expired",
-                cancelled_output(
-                    op,
-                    "The confirmation came too late, so the request was cancelled. Offer to "
-                    "make it again.",
-                ),
+                "The confirmation came too late, so the request was cancelled. Offer to make "
+                "it again.",
             )
         if not args.confirmed:
-            moved = await ledger.transition(
-                conn,
-                op.operation_id,
-                S.AWAITING_CONFIRMATION,
-                S.CANCELLED,
-                actor="model",
-                reason="caller declined",
-            )
-            op = moved or op
-            return await finish(
+            return await withdraw(
+                op,
                 "declined",
+                "model",
                 "caller declined",
-                cancelled_output(op, "The caller said no, so it was cancelled."),
+                "The caller said no, so it was cancelled.",
             )
         # Limits are checked again now: admission happens at confirmation, not at request.
         op_args = spec.args_model.model_validate(op.args)
