@@ -50,6 +50,38 @@ def resolve_database_url(database_url: str | None, data_dir: Path) -> str:
     return start_embedded_postgres(data_dir)
 
 
+def with_database(url: str, dbname: str) -> str:
+    """The same server's URL naming another database (host/port and socket URLs alike)."""
+    import psycopg
+
+    info = psycopg.conninfo.conninfo_to_dict(plain_url(url))
+    user = info.get("user", "postgres")
+    password = info.get("password")
+    auth = f"{user}:{password}@" if password else f"{user}@"
+    host = str(info.get("host", "127.0.0.1"))
+    port = info.get("port", "5432")
+    if host.startswith("/"):
+        return f"postgresql://{auth}/{dbname}?host={host}&port={port}"
+    return f"postgresql://{auth}{host}:{port}/{dbname}"
+
+
+def create_database(server_url: str, dbname: str) -> str:
+    """Create an empty database on the server of `server_url`; returns its URL (blocking)."""
+    import psycopg
+
+    with psycopg.connect(with_database(server_url, "postgres"), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    return with_database(server_url, dbname)
+
+
+def drop_database(server_url: str, dbname: str) -> None:
+    """Drop a database made by `create_database`, closing its connections (blocking)."""
+    import psycopg
+
+    with psycopg.connect(with_database(server_url, "postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async SQLAlchemy engine over psycopg 3."""
     kwargs.setdefault("pool_size", 10)

@@ -50,7 +50,7 @@ class ResultDelivery:
         engine: AsyncEngine,
         registry: Registry,
         find_live: Callable[[str], LiveCall | None],
-        live_call_ids: Callable[[], list[str]] = list,
+        live_call_ids: Callable[[], list[str]],
     ) -> None:
         self._engine = engine
         self._registry = registry

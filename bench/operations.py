@@ -21,13 +21,14 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import psycopg
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.db import make_engine, plain_url, start_embedded_postgres, upgrade
+from _stats import pct  # bench/ is on sys.path when run as a script
+
+from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
 from app.worker import OperationWorker
 from telephony.tool_gateway import CallContext, FunctionCallRequest
 from tools import ledger
@@ -56,14 +57,6 @@ def _args(i: int) -> dict[str, object]:
         "party_size": 2,
         "name": f"Guest {i}",
     }
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
-    return s[k]
 
 
 def fmt_ms(v: float) -> str:
@@ -358,23 +351,14 @@ def table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> N
 
 def _server_url() -> str:
     url = os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL")
-    if url:
-        return plain_url(url)
-    return start_embedded_postgres(Path(tempfile.gettempdir()) / "voice-agent-bench-pg")
+    return resolve_database_url(url, Path(tempfile.gettempdir()) / "voice-agent-bench-pg")
 
 
 async def main(quick: bool) -> None:
     server = _server_url()
-    info = psycopg.conninfo.conninfo_to_dict(server)
     name = f"va_bench_{os.getpid()}"
-    admin = psycopg.conninfo.make_conninfo(
-        **{**{k: str(v) for k, v in info.items()}, "dbname": "postgres"}
-    )
-    url = psycopg.conninfo.make_conninfo(**{**{k: str(v) for k, v in info.items()}, "dbname": name})
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+    url_str = create_database(server, name)
     try:
-        url_str = _as_url(url)
         await asyncio.to_thread(upgrade, url_str)
         engine = make_engine(url_str, pool_size=60, max_overflow=10)
         async with engine.begin() as conn:
@@ -414,20 +398,7 @@ async def main(quick: bool) -> None:
             tp,
         )
     finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _as_url(conninfo: str) -> str:
-    info = psycopg.conninfo.conninfo_to_dict(conninfo)
-    user = info.get("user", "postgres")
-    password = info.get("password")
-    auth = f"{user}:{password}@" if password else f"{user}@"
-    host = str(info.get("host", "127.0.0.1"))
-    port = info.get("port", "5432")
-    if host.startswith("/"):
-        return f"postgresql://{auth}/{info['dbname']}?host={host}&port={port}"
-    return f"postgresql://{auth}{host}:{port}/{info['dbname']}"
+        drop_database(server, name)
 
 
 if __name__ == "__main__":

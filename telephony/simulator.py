@@ -1671,8 +1671,7 @@ def run_simulator(host: str, port: int, scenario: str | None) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop.set)
         async with RealtimeSimulator(loaded, host=host, port=port, record=False) as sim:
             print(f"Realtime simulator ({loaded.name}) at {sim.base_url}", flush=True)
             print(f"  export OPENAI_BASE_URL={sim.base_url}", flush=True)
