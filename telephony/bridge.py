@@ -76,6 +76,13 @@ AUTO_RESPONSE_WAIT_S = 2.0  # after speech stopped, how long the server's own re
 SESSION_UPDATE_EVENT_ID = "bridge_session_update"
 
 
+async def _close_quietly(conn: AsyncRealtimeConnection) -> None:
+    """Close a Realtime socket we are giving up on, within a second, whatever state it is in."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await conn.close()
+
+
 class _SessionRejected(TelephonyError):
     """The server refused the session configuration."""
 
@@ -449,12 +456,16 @@ class Bridge:
                         ),
                     )
                     await self._await_session_updated(conn)
+            except asyncio.CancelledError:
+                # The call ended while the session was still being configured: the socket is
+                # not `self._session` yet, so nothing else would ever close it.
+                if conn is not None:
+                    await _close_quietly(conn)
+                raise
             except _SessionRejected as exc:
                 # The server refuses our configuration: retrying cannot help.
                 if conn is not None:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(1.0):
-                            await conn.close()
+                    await _close_quietly(conn)
                 return None, attempts, str(exc)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"[:200]
@@ -465,9 +476,7 @@ class Bridge:
                     error,
                 )
                 if conn is not None:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(1.0):
-                            await conn.close()
+                    await _close_quietly(conn)
             else:
                 self._generation += 1
                 return _Session(conn, self._generation), attempts, None

@@ -113,6 +113,7 @@ class ScriptedRealtime:
         self.connections: list[ScriptedConnection] = []
         self.reject_connects = 0
         self.reject_session = False
+        self.hold_session = False  # never confirm session.update (a slow server)
         self.handshakes = 0
         self._log = log
         self._server: Server | None = None
@@ -146,6 +147,8 @@ class ScriptedRealtime:
             if event.get("type") != "input_audio_buffer.append":
                 self._log.append(("server_got", event["type"]))
             if event.get("type") == "session.update":
+                if self.hold_session:
+                    continue
                 if self.reject_session:
                     await conn.send(
                         "error",
@@ -348,11 +351,15 @@ async def make_call() -> AsyncIterator[Callable[..., Awaitable[Call]]]:
     baseline = asyncio.all_tasks()
 
     async def make(
-        simulator: RealtimeSimulator | None = None, reject_session: bool = False, **config: Any
+        simulator: RealtimeSimulator | None = None,
+        reject_session: bool = False,
+        hold_session: bool = False,
+        **config: Any,
     ) -> Call:
         log: list[tuple[str, Any]] = []
         server = ScriptedRealtime(log)
         server.reject_session = reject_session
+        server.hold_session = hold_session
         await server.start()
         servers.append(server)
         base_url = simulator.base_url if simulator is not None else server.base_url
@@ -775,12 +782,27 @@ async def test_reconnect_failure_plays_the_apology_then_calls_on_fatal(make_call
 async def test_end_from_outside_closes_the_leg_and_the_session(make_call):
     call = await make_call()
     conn = await call.server.connection()
+    st = (call.bridge.state, call.bridge._session is not None)
     await call.bridge.end("status callback: completed")
-    assert call.run.done()
+    st2 = (conn.ws.state,)
+    assert call.run.done(), (st, st2)
     assert call.leg.closed == "status callback: completed"
-    await wait_until(lambda: conn.ws.close_code is not None)
+    await wait_until(lambda: conn.ws.close_code is not None, what=repr((st, st2)))
     assert not await call.bridge.deliver_result(LateResult("op-9", "Too late."))
     assert call.gateway.ended == 1
+    ended = call.events(CallEventKind.CALL_ENDED)
+    assert [e.data["reason"] for e in ended] == ["status callback: completed"]
+
+
+async def test_end_while_the_session_is_being_configured_closes_its_socket(make_call):
+    # The socket is opened but session.updated has not come: the bridge holds no session yet,
+    # and the half-open connection must still be closed (not leaked to the server).
+    call = await make_call(hold_session=True)
+    conn = await call.server.connection()
+    assert call.bridge.state == "connecting"
+    await call.bridge.end("status callback: completed")
+    assert call.run.done()
+    await wait_until(lambda: conn.ws.close_code is not None, what="server-side close")
     ended = call.events(CallEventKind.CALL_ENDED)
     assert [e.data["reason"] for e in ended] == ["status callback: completed"]
 
