@@ -38,13 +38,13 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _simulator(args: argparse.Namespace) -> int:
-    from telephony.simulator import run_simulator
+    from telephony.sim.simulator import run_simulator
 
     return run_simulator(host=args.host, port=args.port, scenario=args.scenario)
 
 
 def _call(args: argparse.Namespace) -> int:
-    from telephony.fake_caller import main as caller_main
+    from telephony.sim.fake_caller import main as caller_main
 
     return caller_main(args)
 
@@ -56,7 +56,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sor(args: argparse.Namespace) -> int:
-    from tools.sor import run_sor
+    from tools.restaurant.sor import run_sor
 
     url = args.database_url
     if url is None:
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_simulator)
 
     p = sub.add_parser("call", help="a simulated Twilio caller: streams a WAV, records the reply")
-    from telephony.fake_caller import add_arguments as add_call_arguments
+    from telephony.sim.fake_caller import add_arguments as add_call_arguments
 
     add_call_arguments(p)
     p.set_defaults(func=_call)

@@ -1,7 +1,7 @@
 """`voice-agent demo`: one scripted booking call end to end, offline, in one process.
 
 Embedded PostgreSQL (or DATABASE_URL), the Realtime simulator playing the built-in scenario
-(telephony/scenarios/default.json), the demo system of record, the service with its
+(telephony/sim/scenarios/default.json), the demo system of record, the service with its
 in-process operation worker, and a fake Twilio caller. The caller asks for a table (a read,
 answered inline from the system of record), interrupts the agent's long answer to ask for a
 booking, hears the readback and confirms; the booking is admitted and enqueued, a worker
@@ -30,11 +30,11 @@ from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
 from app.settings import Settings, get_settings
 from app.timeline import format_table, load_timeline
-from telephony.fake_caller import FakeTwilioCaller
-from telephony.fake_twilio_api import FakeTwilioApi
-from telephony.scenario import Scenario, Step, load_scenario
-from telephony.simulator import RealtimeSimulator
-from tools.sor import Faults, SystemOfRecord
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.fake_twilio_api import FakeTwilioApi
+from telephony.sim.scenario import Scenario, Step, load_scenario
+from telephony.sim.simulator import RealtimeSimulator
+from tools.restaurant.sor import Faults, SystemOfRecord
 
 # The restaurant's system takes a moment, so the booking is visibly "requested, not yet
 # confirmed" before the worker's commit is announced.
@@ -218,7 +218,7 @@ def run_demo(args: argparse.Namespace) -> int:
     for noisy in (
         "httpx",
         "websockets",
-        "telephony.simulator",
+        "telephony.sim.simulator",
         "uvicorn",
         "alembic",
         "procrastinate",

@@ -29,7 +29,7 @@ from app.tool_wiring import build_tools
 from app.twilio_rest import close_twilio_client, make_twilio_client
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
-from tools.catalog import restaurant_catalog
+from tools.restaurant.catalog import restaurant_catalog
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from sqlalchemy.exc import DataError
 from app.deps import CompensationDep, EngineDep, SettingsDep, StaffDep
 from app.errors import BadRequest, BadSignature, NotFound, PayloadTooLarge
 from tools import ledger
+from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.reconcile import apply_report
-from tools.sor_protocol import SIGNATURE_HEADER, CallbackReport, verify
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ async def operation_callback(
             operation_id,
             idempotency_key=report.idempotency_key,
             status=report.status,
-            result=report.booking.model_dump(mode="json") if report.booking else None,
-            reference=report.booking.id if report.booking else None,
+            result=report.result,
+            reference=report.reference,
             error=report.error,
             compensation=compensation,
         )

@@ -59,8 +59,8 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     settings = settings.model_copy(update={"database_url": url})
     simulator: Any = None
     if settings.openai_api_key is None:
-        from telephony.scenario import load_scenario
-        from telephony.simulator import RealtimeSimulator
+        from telephony.sim.scenario import load_scenario
+        from telephony.sim.simulator import RealtimeSimulator
 
         simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
         await simulator.start()
@@ -71,7 +71,7 @@ async def serve(settings: Settings, with_worker: bool) -> int:
         )
     sor: Any = None
     if settings.sor_base_url is None:
-        from tools.sor import SystemOfRecord
+        from tools.restaurant.sor import SystemOfRecord
 
         callback = settings.sor_callback_secret
         sor = SystemOfRecord(

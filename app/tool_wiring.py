@@ -16,13 +16,13 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.settings import Settings
-from tools.catalog import RestaurantReads, restaurant_catalog
 from tools.executor import make_app, make_enqueue
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
 from tools.registry import Registry
-from tools.sor_client import SorClient
+from tools.restaurant.catalog import RestaurantReads, restaurant_catalog
+from tools.restaurant.client import SorClient
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
 from app.settings import Settings
-from tools.catalog import restaurant_catalog
 from tools.executor import QUEUE, TASK_NAME, Executor, make_app
 from tools.provider import Provider
 from tools.registry import Registry
-from tools.sor_client import SorClient
-from tools.sor_provider import SorProvider
+from tools.restaurant.catalog import restaurant_catalog
+from tools.restaurant.client import SorClient
+from tools.restaurant.provider import SorProvider
 from tools.sweeper import Sweeper
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-from telephony.scenario import Scenario
-from telephony.simulator import RealtimeSimulator
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator
 
 SCENARIO = Scenario.model_validate(
     {

@@ -34,7 +34,7 @@ import httpx
 from _stats import pct  # bench/ is on sys.path when run as a script
 
 from telephony import audio
-from telephony.fake_caller import FakeTwilioCaller
+from telephony.sim.fake_caller import FakeTwilioCaller
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

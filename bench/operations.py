@@ -32,15 +32,15 @@ from app.db import create_database, drop_database, make_engine, resolve_database
 from app.worker import OperationWorker
 from telephony.tool_gateway import CallContext, FunctionCallRequest
 from tools import ledger
-from tools.catalog import restaurant_catalog
 from tools.executor import enqueue_operation, make_app
 from tools.gateway import ToolPipeline
 from tools.identity import StaticIdentityStore
 from tools.policy import PolicyConfig
-from tools.sor import SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_protocol import BookingRequest
-from tools.sor_provider import SorProvider
+from tools.restaurant.catalog import restaurant_catalog
+from tools.restaurant.client import SorClient
+from tools.restaurant.protocol import BookingRequest
+from tools.restaurant.provider import SorProvider
+from tools.restaurant.sor import SystemOfRecord
 from tools.states import OperationStatus
 
 TENANT = "bench"

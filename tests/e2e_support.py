@@ -23,11 +23,11 @@ from app.main import create_app
 from app.runtime import Runtime
 from app.server import ServiceServer, uvicorn_config
 from app.settings import Settings
-from telephony.fake_caller import FakeTwilioCaller
-from telephony.fake_twilio_api import FakeTwilioApi
-from telephony.scenario import Scenario
 from telephony.session_config import BridgeConfig
-from telephony.simulator import RealtimeSimulator
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.fake_twilio_api import FakeTwilioApi
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator
 
 AUTH_TOKEN = "dev-auth-token"  # the fake caller's and fake Twilio API's default
 CONSOLE = ("admin", "console-test-password")

@@ -13,9 +13,9 @@ import psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tools import ledger
-from tools.catalog import BookingRefArgs, BookTableArgs
 from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
-from tools.sor import Faults, SystemOfRecord
+from tools.restaurant.catalog import BookingRefArgs, BookTableArgs
+from tools.restaurant.sor import Faults, SystemOfRecord
 from tools.states import OperationStatus
 
 CALLBACK_SECRET = "test-callback-secret"

@@ -21,8 +21,8 @@ from telephony.bridge import Bridge, BridgeConfig, apology_clip
 from telephony.call_events import CallEvent, CallEventKind, MemorySink
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
-from telephony.scenario import Scenario
-from telephony.simulator import RealtimeSimulator
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator
 from telephony.tool_gateway import (
     CallContext,
     FunctionCallRequest,

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tools.catalog import restaurant_catalog
 from tools.errors import InvalidArguments, UnknownTool
 from tools.ledger import OperationRecord
 from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
+from tools.restaurant.catalog import restaurant_catalog
 from tools.results import MAX_MESSAGE_CHARS, bounded, compact, operation_output, read_output
 from tools.states import OperationStatus
 
@@ -219,7 +219,7 @@ def test_committed_result_names_the_reference(catalog: Registry) -> None:
 
 class FakeBackend:
     async def check_availability(self, day: Any, time: str, party_size: int) -> Any:
-        from tools.sor_protocol import Availability
+        from tools.restaurant.protocol import Availability
 
         return Availability(
             date=day, time=time, party_size=party_size, available=False, seats_left=0
@@ -230,7 +230,7 @@ class FakeBackend:
 
 
 async def test_restaurant_reads_bind_read_actions_to_the_backend(catalog: Registry) -> None:
-    from tools.catalog import RestaurantReads
+    from tools.restaurant.catalog import RestaurantReads
 
     reads = RestaurantReads(FakeBackend())
     spec = catalog.get("check_availability")

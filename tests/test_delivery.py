@@ -15,7 +15,7 @@ from app.pg_listener import PgListener
 from telephony.tool_gateway import LateResult
 from tests.e2e_support import wait_until
 from tools import ledger
-from tools.catalog import restaurant_catalog
+from tools.restaurant.catalog import restaurant_catalog
 from tools.states import OperationStatus
 
 S = OperationStatus

@@ -18,13 +18,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.delivery import ANNOUNCED, DEFERRED
-from telephony.fake_caller import FakeTwilioCaller
-from telephony.scenario import Scenario
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.scenario import Scenario
 from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
 from tests.sor_support import start_sor
-from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_protocol import BookingRequest
+from tools.restaurant.client import SorClient
+from tools.restaurant.protocol import BookingRequest
+from tools.restaurant.sor import Faults, SystemOfRecord
 
 GREETING_MS = 800
 PREAMBLE_MS = 600

@@ -27,9 +27,9 @@ from tools import ledger
 from tools.compensation import compensate
 from tools.executor import Executor, make_app, make_enqueue
 from tools.registry import Registry
-from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_provider import SorProvider
+from tools.restaurant.client import SorClient
+from tools.restaurant.provider import SorProvider
+from tools.restaurant.sor import Faults, SystemOfRecord
 from tools.states import OperationStatus as S
 
 WorkerFactory = Callable[..., Awaitable[OperationWorker]]

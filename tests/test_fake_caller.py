@@ -21,7 +21,7 @@ from websockets.http11 import Request as WsRequest
 from websockets.http11 import Response as WsResponse
 
 from telephony import audio
-from telephony.fake_caller import (
+from telephony.sim.fake_caller import (
     CallerError,
     FakeTwilioCaller,
     PlayoutBuffer,
@@ -29,7 +29,7 @@ from telephony.fake_caller import (
     parse_twiml,
     run_call,
 )
-from telephony.fake_twilio_api import InProcessServer
+from telephony.sim.fake_twilio_api import InProcessServer
 from telephony.twilio_events import (
     Connected,
     Dtmf,

@@ -23,8 +23,8 @@ from app.twilio_rest import (
     rewrite_twilio_url,
     send_sms,
 )
-from telephony.fake_caller import FakeTwilioCaller
-from telephony.fake_twilio_api import FakeTwilioApi, InProcessServer
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.fake_twilio_api import FakeTwilioApi, InProcessServer
 from tests.e2e_support import wait_until
 
 SID = "AC" + "1" * 32

@@ -20,8 +20,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from app import routes_twilio
-from telephony.fake_caller import http_to_ws
-from telephony.scenario import Scenario
+from telephony.sim.fake_caller import http_to_ws
+from telephony.sim.scenario import Scenario
 from tests.e2e_support import (
     AUTH_TOKEN,
     Stack,

@@ -15,8 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.e2e_support import running_service
 from tests.sor_support import CALLBACK_SECRET, admit, get_op, start_sor
 from tools import ledger
-from tools.sor import SystemOfRecord
-from tools.sor_protocol import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
+from tools.callback import SIGNATURE_HEADER, sign
+from tools.restaurant.protocol import IDEMPOTENCY_HEADER
+from tools.restaurant.sor import SystemOfRecord
 from tools.states import OperationStatus as S
 
 _GARBAGE_JSON: list[bytes] = [

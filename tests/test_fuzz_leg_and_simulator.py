@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from telephony.call_events import CallEventKind, MemorySink
 from telephony.errors import MalformedFrame
 from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
-from telephony.simulator import RealtimeSimulator
+from telephony.sim.simulator import RealtimeSimulator
 from telephony.twilio_events import StartInfo, Stop, parse_inbound
 from telephony.twilio_leg import TwilioLeg
 from tests.test_fuzz_parsers import _frameish, json_values
@@ -181,7 +181,7 @@ async def test_simulator_session_survives_a_burst_of_junk_client_events(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rng = random.Random(20261130)
-    caplog.set_level(logging.ERROR, logger="telephony.simulator")
+    caplog.set_level(logging.ERROR, logger="telephony.sim.simulator")
     async with RealtimeSimulator() as sim:
         async with connect(
             sim.ws_url + "?model=gpt-realtime",

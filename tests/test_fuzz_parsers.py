@@ -15,10 +15,10 @@ from pydantic import BaseModel
 from app.errors import TokenRejected
 from app.stream_token import StreamTokens
 from telephony.errors import MalformedFrame
-from telephony.simulator import ClientEventError, parse_client_event
+from telephony.sim.simulator import ClientEventError, parse_client_event
 from telephony.twilio_events import Dtmf, parse_inbound
-from tools.catalog import restaurant_catalog
 from tools.errors import InvalidArguments
+from tools.restaurant.catalog import restaurant_catalog
 
 FAST = settings(
     max_examples=150,

@@ -15,11 +15,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
 from tools import ledger
-from tools.catalog import restaurant_catalog
 from tools.errors import InvalidArguments
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.registry import ToolSpec
+from tools.restaurant.catalog import restaurant_catalog
 
 CATALOG = restaurant_catalog()
 TOOLS = [spec.name for spec in CATALOG]

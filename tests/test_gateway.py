@@ -18,12 +18,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolGateway, ToolReply
 from tools import ledger
-from tools.catalog import restaurant_catalog
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.ledger import OperationRecord
 from tools.policy import PolicyConfig
 from tools.registry import ConcurrencyLimit, OverflowPolicy, Registry, ToolSpec
+from tools.restaurant.catalog import restaurant_catalog
 from tools.states import OperationStatus
 
 S = OperationStatus

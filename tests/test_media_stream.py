@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.stream_token import StreamTokens
-from telephony.fake_caller import FakeTwilioCaller
-from telephony.scenario import Scenario
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.scenario import Scenario
 from tests.e2e_support import Stack, call_row, call_stack, event_rows
 
 POLICY_VIOLATION = 1008

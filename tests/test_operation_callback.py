@@ -28,12 +28,13 @@ from tests.sor_support import (
     wait_status,
 )
 from tools import ledger
-from tools.catalog import restaurant_catalog
+from tools.callback import SIGNATURE_HEADER, CallbackReport, sign
 from tools.reconcile import Compensation
-from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_protocol import SIGNATURE_HEADER, Booking, CallbackReport, sign
-from tools.sor_provider import SorProvider
+from tools.restaurant.catalog import restaurant_catalog
+from tools.restaurant.client import SorClient
+from tools.restaurant.protocol import Booking
+from tools.restaurant.provider import SorProvider
+from tools.restaurant.sor import Faults, SystemOfRecord
 from tools.states import OperationStatus as S
 
 BOOKING = Booking(
@@ -83,7 +84,8 @@ def _report(op: ledger.OperationRecord, status: str, sequence: int = 1) -> bytes
             idempotency_key=op.idempotency_key,
             status=status,  # type: ignore[arg-type]
             sequence=sequence,
-            booking=BOOKING if status == "committed" else None,
+            result=BOOKING.model_dump(mode="json") if status == "committed" else None,
+            reference=BOOKING.id if status == "committed" else None,
             error="no_availability" if status == "failed" else None,
         )
         .model_dump_json()

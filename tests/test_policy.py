@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from tools.catalog import BookingRefArgs, BookTableArgs, CheckAvailabilityArgs, restaurant_catalog
 from tools.identity import CallerIdentity
 from tools.policy import (
     LedgerFacts,
@@ -25,6 +24,12 @@ from tools.policy import (
     rule_verification,
 )
 from tools.registry import ConcurrencyLimit, OverflowPolicy
+from tools.restaurant.catalog import (
+    BookingRefArgs,
+    BookTableArgs,
+    CheckAvailabilityArgs,
+    restaurant_catalog,
+)
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 CALLER = CallerIdentity(phone="+15550001")

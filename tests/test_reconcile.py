@@ -21,10 +21,10 @@ from tests.sor_support import (
 )
 from tools import ledger
 from tools.executor import Executor, make_app
-from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_protocol import BookingRequest
-from tools.sor_provider import SorProvider
+from tools.restaurant.client import SorClient
+from tools.restaurant.protocol import BookingRequest
+from tools.restaurant.provider import SorProvider
+from tools.restaurant.sor import Faults, SystemOfRecord
 from tools.states import OperationStatus as S
 from tools.sweeper import Sweeper
 

@@ -19,9 +19,9 @@ from openai.resources.realtime.realtime import AsyncRealtimeConnection
 from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from telephony.scenario import Scenario, load_scenario, render_reply_text
-from telephony.simulator import RealtimeSimulator, SimulatedSession, synthesize_speech
-from telephony.vad import EnergyVad, SpeechStarted, SpeechStopped, VadConfig
+from telephony.sim.scenario import Scenario, load_scenario, render_reply_text
+from telephony.sim.simulator import RealtimeSimulator, SimulatedSession, synthesize_speech
+from telephony.sim.vad import EnergyVad, SpeechStarted, SpeechStopped, VadConfig
 
 PCMU_SESSION: dict[str, Any] = {
     "type": "realtime",
@@ -714,7 +714,7 @@ async def test_speech_does_not_cancel_when_interrupt_response_is_off(
 
 
 def test_function_call_arguments_can_name_a_field_of_the_latest_output() -> None:
-    from telephony.scenario import FunctionCallStep
+    from telephony.sim.scenario import FunctionCallStep
 
     step = FunctionCallStep(
         name="confirm_operation",

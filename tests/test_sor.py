@@ -13,10 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.sor_support import CALLBACK_SECRET, AppServer, start_sor, wait_for
+from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
 from tools.provider import Outcome
-from tools.sor import Faults, SystemOfRecord
-from tools.sor_client import SorClient
-from tools.sor_protocol import SIGNATURE_HEADER, BookingRequest, CallbackReport, verify
+from tools.restaurant.client import SorClient
+from tools.restaurant.protocol import BookingRequest
+from tools.restaurant.sor import Faults, SystemOfRecord
 
 DAY = date(2026, 12, 5)
 REQ = BookingRequest(date=DAY, time="21:00", party_size=4, name="Ada")
@@ -163,5 +164,5 @@ async def test_async_mode_accepts_then_reports_through_a_signed_callback(
     body, signature = received[0]
     assert verify(CALLBACK_SECRET, body, signature)
     report = CallbackReport.model_validate(json.loads(body))
-    assert report.status == "committed" and report.booking is not None
+    assert report.status == "committed" and report.result is not None
     assert (await sor.side_effects()).bookings_inserted == 1

@@ -24,9 +24,9 @@ from tests.sor_support import (
     wait_status,
 )
 from tools.executor import enqueue_operation, make_app
-from tools.sor import Faults
-from tools.sor_client import SorClient
-from tools.sor_provider import SorProvider
+from tools.restaurant.client import SorClient
+from tools.restaurant.provider import SorProvider
+from tools.restaurant.sor import Faults
 from tools.states import OperationStatus as S
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ import signal
 from app.db import make_engine
 from app.worker import OperationWorker
 from tests.sor_support import exec_registry
-from tools.sor_client import SorClient
-from tools.sor_provider import SorProvider
+from tools.restaurant.client import SorClient
+from tools.restaurant.provider import SorProvider
 
 
 async def main(database_url: str, sor_url: str, deadline_s: float) -> int:

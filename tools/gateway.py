@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
 from tools import ledger
-from tools.catalog import ConfirmOperationArgs, VerifyPinArgs
+from tools.control import ConfirmOperationArgs, VerifyPinArgs
 from tools.errors import IdempotencyConflict, InvalidArguments, ToolError, UnknownTool
 from tools.identity import CallerIdentity, CallIdentities, IdentityStore, PinOutcome
 from tools.ledger import Enqueue, OperationRecord, ToolCallRecord

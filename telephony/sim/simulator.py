@@ -96,8 +96,14 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from telephony.scenario import FunctionCallStep, Reply, Scenario, load_scenario, render_reply_text
-from telephony.vad import (
+from telephony.sim.scenario import (
+    FunctionCallStep,
+    Reply,
+    Scenario,
+    load_scenario,
+    render_reply_text,
+)
+from telephony.sim.vad import (
     SAMPLE_RATES,
     AudioEncoding,
     EnergyVad,

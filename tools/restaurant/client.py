@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from tools.errors import ProviderError
 from tools.provider import Outcome
-from tools.sor_protocol import (
+from tools.restaurant.protocol import (
     CALLBACK_URL_HEADER,
     IDEMPOTENCY_HEADER,
     Availability,

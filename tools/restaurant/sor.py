@@ -32,19 +32,17 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field, ValidationError
 
-from tools.sor_protocol import (
+from tools.callback import SIGNATURE_HEADER, CallbackReport, sign
+from tools.restaurant.protocol import (
     CALLBACK_URL_HEADER,
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
-    SIGNATURE_HEADER,
     Availability,
     Booking,
     BookingRequest,
-    CallbackReport,
     ErrorBody,
     KeyStatus,
     PendingBody,
-    sign,
 )
 
 log = logging.getLogger(__name__)
@@ -383,7 +381,8 @@ class SystemOfRecord:
             idempotency_key=key,
             status="committed" if ok else "failed",
             sequence=1,
-            booking=Booking.model_validate(payload) if ok else None,
+            result=Booking.model_validate(payload).model_dump(mode="json") if ok else None,
+            reference=str(payload.get("id")) if ok else None,
             error=None if ok else str(payload.get("code")),
         )
         await self.send_callback(callback_url, report)

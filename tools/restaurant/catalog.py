@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tools.control import control_tools
 from tools.policy import date_within, int_at_most, not_blank, slot_in_future, time_between
 from tools.registry import (
     ConcurrencyLimit,
@@ -17,9 +17,6 @@ from tools.registry import (
     ToolKind,
     ToolSpec,
 )
-
-CONFIRM_OPERATION = "confirm_operation"
-VERIFY_PIN = "verify_pin"
 
 HHMM = r"^([01]\d|2[0-3]):[0-5]\d$"
 
@@ -60,17 +57,6 @@ class BookingRefArgs(_Args):
     @classmethod
     def _upper(cls, v: str) -> str:
         return v.replace(" ", "").upper()
-
-
-class ConfirmOperationArgs(_Args):
-    operation_id: uuid.UUID = Field(description="The operation_id from the pending request.")
-    confirmed: bool = Field(description="true if the caller said yes, false if they said no.")
-
-
-class VerifyPinArgs(_Args):
-    digits: str = Field(
-        min_length=1, max_length=40, description="The PIN digits exactly as the caller said."
-    )
 
 
 def _describe_slot(a: Any) -> str:
@@ -133,113 +119,92 @@ def restaurant_catalog(
         time_between("time"),
         int_at_most("party_size", "max_party_size", "people"),
     )
-    registry = Registry(
-        [
-            ToolSpec(
-                name="check_availability",
-                description=(
-                    "Check whether a table is free for a date, time and party size. Call it "
-                    "when the caller asks about availability or before offering to book. It "
-                    "books nothing; never say a table is booked after calling it."
-                ),
-                args_model=CheckAvailabilityArgs,
-                kind=ToolKind.READ,
-                provider_action="sor.check_availability",
-                limits=lim,
-                preconditions=slot_checks,
-                deadline_s=3.0,
-                shape_result=_shape_availability,
+    tools = [
+        ToolSpec(
+            name="check_availability",
+            description=(
+                "Check whether a table is free for a date, time and party size. Call it "
+                "when the caller asks about availability or before offering to book. It "
+                "books nothing; never say a table is booked after calling it."
             ),
-            ToolSpec(
-                name="book_table",
-                description=(
-                    "Request a table booking. Call only after the caller clearly asked to "
-                    "book and gave date, time, party size and name; never to check "
-                    "availability. It does not book at once: it returns a readback you must "
-                    "read to the caller, then call confirm_operation with their answer."
-                ),
-                args_model=BookTableArgs,
-                kind=ToolKind.MUTATION,
-                provider_action="sor.book_table",
-                provider_idempotent=True,
-                needs_confirmation=True,
-                needs_caller_id=True,
-                limits=lim,
-                preconditions=(*slot_checks, not_blank("name", "name for the booking")),
-                deadline_s=10.0,
-                retry=RetryPolicy(
-                    max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0, total_deadline_s=120.0
-                ),
-                reconcile="sor.lookup_by_key",
-                cancellable_at_provider=True,
-                compensated_by="cancel_booking",
-                concurrency=booking_concurrency,
-                resource=lambda a: f"tables:{a.date}",
-                describe=_describe_booking,
-                shape_result=_shape_booking_ref,
+            args_model=CheckAvailabilityArgs,
+            kind=ToolKind.READ,
+            provider_action="sor.check_availability",
+            limits=lim,
+            preconditions=slot_checks,
+            deadline_s=3.0,
+            shape_result=_shape_availability,
+        ),
+        ToolSpec(
+            name="book_table",
+            description=(
+                "Request a table booking. Call only after the caller clearly asked to "
+                "book and gave date, time, party size and name; never to check "
+                "availability. It does not book at once: it returns a readback you must "
+                "read to the caller, then call confirm_operation with their answer."
             ),
-            ToolSpec(
-                name="cancel_booking",
-                description=(
-                    "Cancel an existing booking by its reference. Call only when the caller "
-                    "asks to cancel and gave the reference. Only the number that made the "
-                    "booking, or a caller who entered their PIN, may cancel."
-                ),
-                args_model=BookingRefArgs,
-                kind=ToolKind.MUTATION,
-                provider_action="sor.cancel_booking",
-                provider_idempotent=True,
-                needs_verification=True,
-                needs_caller_id=True,
-                deadline_s=10.0,
-                retry=RetryPolicy(max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0),
-                reconcile="sor.lookup_by_key",
-                resource=lambda a: f"booking:{a.booking_id}",
-                target_ref=lambda a: a.booking_id,
-                describe=_describe_cancel,
-                shape_result=_shape_booking_ref,
+            args_model=BookTableArgs,
+            kind=ToolKind.MUTATION,
+            provider_action="sor.book_table",
+            provider_idempotent=True,
+            needs_confirmation=True,
+            needs_caller_id=True,
+            limits=lim,
+            preconditions=(*slot_checks, not_blank("name", "name for the booking")),
+            deadline_s=10.0,
+            retry=RetryPolicy(
+                max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0, total_deadline_s=120.0
             ),
-            ToolSpec(
-                name="get_booking",
-                description=(
-                    "Look up a booking by its reference to tell the caller its details or "
-                    "status. Call when the caller asks about an existing booking. Changes "
-                    "nothing."
-                ),
-                args_model=BookingRefArgs,
-                kind=ToolKind.READ,
-                provider_action="sor.get_booking",
-                deadline_s=3.0,
-                shape_result=_shape_booking,
+            reconcile="sor.lookup_by_key",
+            cancellable_at_provider=True,
+            compensated_by="cancel_booking",
+            concurrency=booking_concurrency,
+            resource=lambda a: f"tables:{a.date}",
+            describe=_describe_booking,
+            shape_result=_shape_booking_ref,
+        ),
+        ToolSpec(
+            name="cancel_booking",
+            description=(
+                "Cancel an existing booking by its reference. Call only when the caller "
+                "asks to cancel and gave the reference. Only the number that made the "
+                "booking, or a caller who entered their PIN, may cancel."
             ),
-            ToolSpec(
-                name=CONFIRM_OPERATION,
-                description=(
-                    "Report the caller's answer to a readback. Call right after reading a "
-                    "readback and hearing yes (confirmed true) or no (confirmed false). "
-                    "Never call it without the caller's explicit answer."
-                ),
-                args_model=ConfirmOperationArgs,
-                kind=ToolKind.CONTROL,
+            args_model=BookingRefArgs,
+            kind=ToolKind.MUTATION,
+            provider_action="sor.cancel_booking",
+            provider_idempotent=True,
+            needs_verification=True,
+            needs_caller_id=True,
+            deadline_s=10.0,
+            retry=RetryPolicy(max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0),
+            reconcile="sor.lookup_by_key",
+            resource=lambda a: f"booking:{a.booking_id}",
+            target_ref=lambda a: a.booking_id,
+            describe=_describe_cancel,
+            shape_result=_shape_booking_ref,
+        ),
+        ToolSpec(
+            name="get_booking",
+            description=(
+                "Look up a booking by its reference to tell the caller its details or "
+                "status. Call when the caller asks about an existing booking. Changes "
+                "nothing."
             ),
-            ToolSpec(
-                name=VERIFY_PIN,
-                description=(
-                    "Check the PIN the caller spoke aloud. Call only after a tool asked for "
-                    "verification and the caller said their digits; keypad entry needs no call."
-                ),
-                args_model=VerifyPinArgs,
-                kind=ToolKind.CONTROL,
-                redact_arguments=True,
-            ),
-        ]
-    )
+            args_model=BookingRefArgs,
+            kind=ToolKind.READ,
+            provider_action="sor.get_booking",
+            deadline_s=3.0,
+            shape_result=_shape_booking,
+        ),
+    ]
+    registry = Registry([*tools, *control_tools(tools)])
     registry.check()
     return registry
 
 
 class RestaurantBackend(Protocol):
-    """The reads the catalog needs from a system of record (`tools.sor_client.SorClient`)."""
+    """The reads the catalog needs from a system of record (`tools.restaurant.client.SorClient`)."""
 
     async def check_availability(self, day: dt.date, time: str, party_size: int) -> BaseModel: ...
 

@@ -1,13 +1,11 @@
 """The wire protocol between the service and the system of record (SOR).
 
-Both sides import it: the demo SOR (`tools.sor`) produces these messages, the client
-(`tools.sor_client`) and the callback route consume them.
+Both sides import it: the demo SOR (`tools.restaurant.sor`) produces these messages, the client
+(`tools.restaurant.client`) and the callback route consume them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from datetime import date as Date
 from typing import Literal
 
@@ -15,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 CALLBACK_URL_HEADER = "X-Callback-Url"
-SIGNATURE_HEADER = "X-Signature"
 REPLAYED_HEADER = "Idempotent-Replayed"
 
 
@@ -86,31 +83,3 @@ class KeyStatus(BaseModel):
     status_code: int | None = None
     result: Booking | None = None
     error: ErrorBody | None = None
-
-
-class CallbackReport(BaseModel):
-    """What the SOR POSTs to a callback URL when an asynchronous request completes."""
-
-    idempotency_key: str
-    status: Literal["committed", "failed", "pending"]
-    # Per-key, increasing: lets the receiver ignore reports older than one it applied.
-    sequence: int = Field(ge=0)
-    booking: Booking | None = None
-    error: str | None = None
-
-
-def sign(secret: str | bytes, body: bytes) -> str:
-    """The X-Signature header value for `body`: `sha256=<hex HMAC>`."""
-    key = secret.encode() if isinstance(secret, str) else secret
-    return "sha256=" + hmac.new(key, body, hashlib.sha256).hexdigest()
-
-
-def verify(secret: str | bytes, body: bytes, header: str | None) -> bool:
-    """Whether `header` is a valid signature of `body` (constant-time compare)."""
-    if not header:
-        return False
-    # Bytes, not str: compare_digest raises TypeError for a non-ASCII str, and the header is
-    # whatever the sender put there (a 500 instead of a clean 403).
-    return hmac.compare_digest(
-        sign(secret, body).encode(), header.strip().encode("utf-8", "surrogatepass")
-    )

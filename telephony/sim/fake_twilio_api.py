@@ -36,10 +36,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 from twilio.request_validator import RequestValidator
 
-from telephony.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, parse_twiml
+from telephony.sim.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, parse_twiml
 
 if TYPE_CHECKING:
-    from telephony.fake_caller import FakeTwilioCaller
+    from telephony.sim.fake_caller import FakeTwilioCaller
 
 API_VERSION = "2010-04-01"
 SmsOutcome: TypeAlias = Literal["delivered", "undelivered", "failed"]

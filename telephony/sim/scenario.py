@@ -196,7 +196,9 @@ def _render(template: str, values: dict[str, Any]) -> str:
 def load_scenario(source: str | Path | None = None) -> Scenario:
     """Load a scenario file; None loads the built-in restaurant-booking demo."""
     if source is None:
-        text = resources.files("telephony.scenarios").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
+        text = (
+            resources.files("telephony.sim.scenarios").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
+        )
     else:
         text = Path(source).read_text("utf-8")
     return Scenario.model_validate_json(text)

@@ -8,8 +8,8 @@ from tools.errors import ProviderError
 from tools.ledger import OperationRecord
 from tools.provider import ActionResult, Finding, Outcome
 from tools.registry import ToolSpec
-from tools.sor_client import ProviderResult, SorClient, SorClientError
-from tools.sor_protocol import BookingRequest
+from tools.restaurant.client import ProviderResult, SorClient, SorClientError
+from tools.restaurant.protocol import BookingRequest
 
 BOOK = "sor.book_table"
 CANCEL = "sor.cancel_booking"
