@@ -68,6 +68,38 @@ def _sor(args: argparse.Namespace) -> int:
     return run_sor(host=args.host, port=args.port, database_url=url)
 
 
+def _tools_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from tools.tools_file_model import tools_file_schema
+
+    print(json.dumps(tools_file_schema(), indent=2))
+    return 0
+
+
+def _tools_check(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
+    from app.tool_wiring import load_configured_catalog, plugin_of
+    from tools.registry import ToolKind
+
+    settings = get_settings()
+    catalog = load_configured_catalog(settings)  # CatalogError: reported by main()
+    sources = [s for s in (plugin_of(settings), settings.tools_file) if s]
+    print(f"catalog {catalog.name} ({', '.join(map(str, sources))}): ok")
+    for spec in catalog.registry:
+        flags = [spec.kind.value]
+        if spec.needs_confirmation:
+            flags.append("confirmation")
+        if spec.needs_verification:
+            flags.append("verification")
+        if spec.kind is ToolKind.MUTATION:
+            flags.append("idempotent" if spec.provider_idempotent else "not idempotent")
+            flags.append(f"unknown: {spec.reconcile or spec.on_unknown.value}")
+        print(f"  {spec.name}: {', '.join(flags)}")
+    asyncio.run(catalog.aclose())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voice-agent", description=__doc__)
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING…")
@@ -105,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
     p.set_defaults(func=_demo)
 
+    p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")
+    toolsub = p.add_subparsers(dest="tools_command", required=True)
+    sp = toolsub.add_parser(
+        "check", help="load and check the configured catalog (TOOLS, TOOLS_FILE)"
+    )
+    sp.set_defaults(func=_tools_check)
+    sp = toolsub.add_parser("schema", help="print the JSON schema of a tools file (for editors)")
+    sp.set_defaults(func=_tools_schema)
+
     p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8766)
@@ -117,9 +158,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from app.logging import configure_logging
     from app.settings import get_settings
+    from tools.catalog import CatalogError
 
     configure_logging(args.log_level or get_settings().log_level)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CatalogError as exc:
+        # A catalog that cannot run: one line per problem, no traceback, non-zero exit.
+        print(f"voice-agent: refusing to start: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

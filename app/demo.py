@@ -148,6 +148,9 @@ async def demo(settings: Settings, out: Path) -> int:
                 "port": port,
                 "console_password": SecretStr(secrets.token_urlsafe(12)),
                 "sor_base_url": sor_url,
+                # The scripted call books a table: the demo always runs the restaurant.
+                "tools": None,
+                "tools_file": None,
             }
         )
         app = create_app(settings, with_worker=True)

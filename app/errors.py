@@ -42,6 +42,10 @@ class NotFound(AppError):
     """The thing asked for does not exist."""
 
 
+class Conflict(AppError):
+    """The request conflicts with the current state (e.g. settling a settled operation)."""
+
+
 class DatabaseUnavailable(AppError):
     """The database could not be reached in time."""
 
@@ -61,6 +65,7 @@ _HTTP: list[tuple[type[Exception], int]] = [
     (PayloadTooLarge, 413),
     (BadRequest, 400),
     (NotFound, 404),
+    (Conflict, 409),
     (DatabaseUnavailable, 503),
     (TokenRejected, 403),
 ]

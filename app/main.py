@@ -25,11 +25,11 @@ from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
 from app.stream_token import StreamTokens
-from app.tool_wiring import build_tools
+from app.tool_wiring import build_tools, load_configured_catalog
 from app.twilio_rest import close_twilio_client, make_twilio_client
-from telephony.session_config import BridgeConfig
+from telephony.session_config import BASE_INSTRUCTIONS, BridgeConfig
 from telephony.tool_gateway import ToolGateway
-from tools.restaurant.catalog import restaurant_catalog
+from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,12 @@ log = logging.getLogger(__name__)
 SHUTDOWN_CALLS_WAIT_S = 15.0
 
 
-def bridge_config_from(settings: Settings) -> BridgeConfig:
-    """The bridge's per-deployment knobs, from the settings."""
+def bridge_config_from(settings: Settings, catalog: Catalog | None = None) -> BridgeConfig:
+    """The bridge's per-deployment knobs, from the settings (the persona from the catalog)."""
     return BridgeConfig(
         model=settings.openai_realtime_model,
         voice=settings.realtime_voice,
+        instructions=(catalog.instructions if catalog else None) or BASE_INSTRUCTIONS,
         vad_eagerness=settings.vad_eagerness,
         reconnect_budget_s=settings.realtime_reconnect_budget_s,
     )
@@ -74,13 +75,15 @@ def _console_password(settings: Settings) -> str:
     return password
 
 
-async def _start_worker(settings: Settings, engine: AsyncEngine, url: str | None) -> Any:
+async def _start_worker(
+    settings: Settings, engine: AsyncEngine, url: str | None, catalog: Catalog
+) -> Any:
     """The in-process operation worker; calls still run (tools queue up) if it cannot start."""
     from app.worker import start_inprocess_worker
 
     try:
         return await start_inprocess_worker(
-            settings, engine, database_url=plain_url(url) if url else None
+            settings, engine, database_url=plain_url(url) if url else None, catalog=catalog
         )
     except Exception:
         log.exception("the in-process operation worker did not start")
@@ -95,14 +98,18 @@ def create_app(
     gateway: ToolGateway | None = None,
     bridge_config: BridgeConfig | None = None,
     with_worker: bool = False,
+    catalog: Catalog | None = None,
 ) -> FastAPI:
     """The service. Anything not passed in is built from `settings` and owned by the app.
 
-    The database must already be migrated (`app.server.run_server` does it on start).
+    The database must already be migrated (`app.server.run_server` does it on start), and
+    `catalog` checked (`app.server` loads it before serving, so a bad one never starts).
     """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_catalog = catalog is None
+        tool_catalog = catalog if catalog is not None else load_configured_catalog(settings)
         own_engine = engine is None
         url = settings.database_url
         if engine is None:
@@ -118,12 +125,11 @@ def create_app(
         events = EventWriter(db)
         events.start()
         calls = CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s)
-        tools = build_tools(settings, db, plain_url(db_url)) if gateway is None else None
+        tools = (
+            build_tools(settings, db, plain_url(db_url), tool_catalog) if gateway is None else None
+        )
         delivery = ResultDelivery(
-            db,
-            tools.registry if tools is not None else restaurant_catalog(),
-            calls.live_by_call_id,
-            calls.live_call_ids,
+            db, tool_catalog.registry, calls.live_by_call_id, calls.live_call_ids
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended
@@ -140,13 +146,13 @@ def create_app(
             tokens=StreamTokens(settings.stream_secret(), settings.stream_token_ttl_s),
             gateway=tools.pipeline if tools is not None else gateway,  # type: ignore[arg-type]
             openai=client,
-            bridge_config=bridge_config or bridge_config_from(settings),
+            bridge_config=bridge_config or bridge_config_from(settings, tool_catalog),
             twilio=_make_twilio_client(settings),
             console_password=_console_password(settings),
             tools=tools,
         )
         app.state.runtime = runtime
-        worker = await _start_worker(settings, db, url) if with_worker else None
+        worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
         try:
             yield
         finally:
@@ -154,10 +160,10 @@ def create_app(
             await listener.stop()
             await delivery.stop()
             await control.stop()
-            if tools is not None:
-                await tools.aclose()
             if worker is not None:
                 await worker.stop()
+            if own_catalog:
+                await tool_catalog.aclose()
             await events.close()
             await close_twilio_client(runtime.twilio)
             if own_client:

@@ -1,20 +1,22 @@
-"""Operations over HTTP: the provider's signed callback, and the operation with its trail."""
+"""Operations over HTTP: the provider's signed callback, the operation with its trail, and
+the operations waiting for staff (an `unknown` no lookup can resolve) with their settlement."""
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.exc import DataError
 
-from app.deps import CompensationDep, EngineDep, SettingsDep, StaffDep
-from app.errors import BadRequest, BadSignature, NotFound, PayloadTooLarge
-from tools import ledger
+from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep, StaffDep
+from app.errors import BadRequest, BadSignature, Conflict, NotFound, PayloadTooLarge
+from tools import ledger, staff
 from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
 from tools.errors import IdempotencyConflict, OperationNotFound
+from tools.ledger import OperationRecord
 from tools.reconcile import apply_report
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,53 @@ def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
 
 
+def _operation_json(op: OperationRecord) -> dict[str, Any]:
+    return {
+        "operation_id": str(op.operation_id),
+        "tenant_id": op.tenant_id,
+        "idempotency_key": op.idempotency_key,
+        "call_id": op.call_id,
+        "caller": op.caller,
+        "tool": op.tool,
+        "args": op.args,
+        "status": op.status.value,
+        "cancel_requested": op.cancel_requested,
+        "attempts": op.attempts,
+        "deadline": _iso(op.deadline),
+        "expires_at": _iso(op.expires_at),
+        "next_attempt_at": _iso(op.next_attempt_at),
+        "result": op.result,
+        "error": op.error,
+        "provider_ref": op.provider_ref,
+        "compensates_operation_id": (
+            str(op.compensates_operation_id) if op.compensates_operation_id else None
+        ),
+        "created_at": _iso(op.created_at),
+        "updated_at": _iso(op.updated_at),
+        "committed_at": _iso(op.committed_at),
+        "finished_at": _iso(op.finished_at),
+    }
+
+
+@router.get("/api/operations")
+async def list_operations(
+    engine: EngineDep,
+    _staff: StaffDep,
+    awaiting: Literal["staff"] = Query(description="operations waiting for a person"),
+    limit: int = Query(100, ge=1, le=500),
+) -> dict[str, Any]:
+    """Operations waiting for staff (oldest first): their outcome is unknown and their
+    provider offers no lookup, so a person must check with the provider and settle them."""
+    async with engine.connect() as conn:
+        found = await staff.list_awaiting(conn, limit=limit)
+    return {
+        "awaiting": awaiting,
+        "operations": [
+            {**_operation_json(op), "awaiting_staff_since": _iso(since)} for op, since in found
+        ],
+    }
+
+
 @router.get("/api/operations/{operation_id}")
 async def get_operation(
     operation_id: uuid.UUID, engine: EngineDep, _staff: StaffDep
@@ -90,31 +139,12 @@ async def get_operation(
         if op is None:
             raise NotFound(str(operation_id))
         events = await ledger.get_events(conn, operation_id)
+        since = await staff.awaiting_since(conn, op)
     return {
         "operation": {
-            "operation_id": str(op.operation_id),
-            "tenant_id": op.tenant_id,
-            "idempotency_key": op.idempotency_key,
-            "call_id": op.call_id,
-            "caller": op.caller,
-            "tool": op.tool,
-            "args": op.args,
-            "status": op.status.value,
-            "cancel_requested": op.cancel_requested,
-            "attempts": op.attempts,
-            "deadline": _iso(op.deadline),
-            "expires_at": _iso(op.expires_at),
-            "next_attempt_at": _iso(op.next_attempt_at),
-            "result": op.result,
-            "error": op.error,
-            "provider_ref": op.provider_ref,
-            "compensates_operation_id": (
-                str(op.compensates_operation_id) if op.compensates_operation_id else None
-            ),
-            "created_at": _iso(op.created_at),
-            "updated_at": _iso(op.updated_at),
-            "committed_at": _iso(op.committed_at),
-            "finished_at": _iso(op.finished_at),
+            **_operation_json(op),
+            "awaiting_staff": since is not None,
+            "awaiting_staff_since": _iso(since),
         },
         "events": [
             {
@@ -130,3 +160,40 @@ async def get_operation(
             for e in events
         ],
     }
+
+
+class Settle(BaseModel):
+    """A member of staff's finding at the provider about an `unknown` operation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verdict: staff.Verdict
+    note: str = Field(min_length=1, max_length=500, description="What was checked, and how.")
+    reference: str | None = Field(default=None, max_length=200)
+
+
+@router.post("/api/operations/{operation_id}/settle")
+async def settle_operation(
+    operation_id: uuid.UUID, body: Settle, runtime: RuntimeDep, user: StaffDep
+) -> dict[str, Any]:
+    """Settle an `unknown` operation: it happened (`committed`), it did not (`not_applied`),
+    or it did not and is to be sent again (`retry`). Recorded with the staff member's name."""
+    tools = runtime.tools
+    try:
+        done = await staff.settle(
+            runtime.engine,
+            operation_id,
+            body.verdict,
+            actor=f"staff:{user}",
+            note=body.note,
+            reference=body.reference,
+            registry=tools.registry if tools is not None else None,
+            enqueue=tools.enqueue if tools is not None else None,
+        )
+    except OperationNotFound as exc:
+        raise NotFound(str(operation_id)) from exc
+    except staff.NotSettleable as exc:
+        raise Conflict(str(exc)) from exc
+    except DataError as exc:
+        raise BadRequest("unstorable settlement") from exc
+    return {"operation": _operation_json(done.operation), "verdict": done.verdict.value}

@@ -12,6 +12,8 @@ import uvicorn
 from app.db import resolve_database_url, upgrade
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.settings import Settings
+from app.tool_wiring import load_configured_catalog, runs_demo_sor
+from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -54,39 +56,49 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
 
 
 async def serve(settings: Settings, with_worker: bool) -> int:
-    """Run the service until interrupted."""
-    url = await prepare_database(settings)
-    settings = settings.model_copy(update={"database_url": url})
+    """Run the service until interrupted. A catalog that cannot run refuses to start
+    (`tools.catalog.CatalogError`), before the database when it does not need the demo SOR."""
+    demo_sor = runs_demo_sor(settings)
+    catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     simulator: Any = None
-    if settings.openai_api_key is None:
-        from telephony.sim.scenario import load_scenario
-        from telephony.sim.simulator import RealtimeSimulator
-
-        simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
-        await simulator.start()
-        settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
-        log.warning(
-            "OPENAI_API_KEY is not set, so calls talk to the local Realtime simulator at %s",
-            simulator.base_url,
-        )
     sor: Any = None
-    if settings.sor_base_url is None:
-        from tools.restaurant.sor import SystemOfRecord
-
-        callback = settings.sor_callback_secret
-        sor = SystemOfRecord(
-            url, host="127.0.0.1", callback_secret=callback.get_secret_value() if callback else None
-        )
-        await sor.start()
-        settings = settings.model_copy(update={"sor_base_url": sor.url})
-        log.warning(
-            "SOR_BASE_URL is not set, so bookings go to the demo system of record at %s", sor.url
-        )
-    app = create_app(settings, with_worker=with_worker)
-    server = ServiceServer(uvicorn_config(app, settings))
     try:
+        url = await prepare_database(settings)
+        settings = settings.model_copy(update={"database_url": url})
+        if settings.openai_api_key is None:
+            from telephony.sim.scenario import load_scenario
+            from telephony.sim.simulator import RealtimeSimulator
+
+            simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
+            await simulator.start()
+            settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
+            log.warning(
+                "OPENAI_API_KEY is not set, so calls talk to the local Realtime simulator at %s",
+                simulator.base_url,
+            )
+        if demo_sor:
+            from tools.restaurant.sor import SystemOfRecord
+
+            callback = settings.sor_callback_secret
+            sor = SystemOfRecord(
+                url,
+                host="127.0.0.1",
+                callback_secret=callback.get_secret_value() if callback else None,
+            )
+            await sor.start()
+            settings = settings.model_copy(update={"sor_base_url": sor.url})
+            log.warning(
+                "SOR_BASE_URL is not set, so bookings go to the demo system of record at %s",
+                sor.url,
+            )
+            catalog = load_configured_catalog(settings)
+        assert catalog is not None
+        app = create_app(settings, with_worker=with_worker, catalog=catalog)
+        server = ServiceServer(uvicorn_config(app, settings))
         await server.serve()
     finally:
+        if catalog is not None:
+            await catalog.aclose()
         if sor is not None:
             await sor.stop()
         if simulator is not None:

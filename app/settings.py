@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     sip_bind: str | None = None
     sip_rtp_ports: str = "20000-20999"
 
+    # The tools calls may use: a catalog by import path (TOOLS=package.module:catalog, a
+    # Catalog or a factory taking a CatalogContext) and/or HTTP tools declared in a YAML file
+    # (TOOLS_FILE). Both unset: the restaurant demo.
+    tools: str | None = None
+    tools_file: Path | None = None
+
     tenant_id: str = "default"
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
     accounts_file: Path | None = None
@@ -73,9 +79,9 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     worker_concurrency: int = Field(default=4, ge=1)
 
-    # The system of record workers act on (`voice-agent sor`), and the shared secret that
-    # signs its reports to POST /operations/{id}/callback.
-    # The system of record. Unset: `serve` and `demo` run the demo one in-process.
+    # The restaurant demo's system of record (`voice-agent sor`), and the shared secret that
+    # signs a provider's reports to POST /operations/{id}/callback. Unset SOR_BASE_URL with
+    # the restaurant catalog: `serve` and `demo` run the demo one in-process.
     sor_base_url: str | None = None
     sor_callback_secret: SecretStr | None = None
     # How often each worker's sweeper looks for stuck, unknown and expired operations.
@@ -88,10 +94,6 @@ class Settings(BaseSettings):
         return hmac.new(
             self.twilio_auth_token.get_secret_value().encode(), b"stream-token", hashlib.sha256
         ).digest()
-
-    def sor_url(self) -> str:
-        """The system of record's base URL (the standalone `voice-agent sor` default)."""
-        return self.sor_base_url or "http://127.0.0.1:8766"
 
     def public_ws_base(self) -> str:
         """The public base URL with a WebSocket scheme."""

@@ -1,43 +1,87 @@
-"""Which tool layer the bridge talks to: the durable pipeline over the ledger.
+"""Which tools calls get, and the pipeline they go through.
 
-Calls get `tools.gateway.ToolPipeline` with the restaurant catalog: policy first, then the
-Postgres ledger; mutations are admitted and enqueued (Procrastinate) in one transaction,
-reads run inline against the system of record. Finished operations reach the live call
-through `app.delivery.ResultDelivery`.
+The catalog comes from the settings (`TOOLS` import path and/or `TOOLS_FILE`; both unset:
+the restaurant demo) through `tools.loading`, checked before anything serves. Calls get
+`tools.gateway.ToolPipeline` over it: policy first, then the Postgres ledger; mutations are
+admitted and enqueued (Procrastinate) in one transaction, reads run inline against the
+provider each read tool names. Finished operations reach the live call through
+`app.delivery.ResultDelivery`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.settings import Settings
+from tools.catalog import Catalog, CatalogContext
 from tools.executor import make_app, make_enqueue
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
+from tools.loading import load_catalog, split_import_path
 from tools.registry import Registry
-from tools.restaurant.catalog import RestaurantReads, restaurant_catalog
-from tools.restaurant.client import SorClient
 
 log = logging.getLogger(__name__)
+
+# The catalog when neither TOOLS nor TOOLS_FILE is set (an import path, not an import: the
+# wiring knows no domain).
+DEMO_TOOLS = "tools.restaurant.plugin:catalog"
+DEMO_PACKAGE = "tools.restaurant"
 
 
 @dataclass
 class ToolWiring:
-    """The pipeline and what it owns (closed at shutdown)."""
+    """The pipeline and the catalog it runs (the catalog's owner closes it)."""
 
     pipeline: ToolPipeline
     registry: Registry
-    sor: SorClient
+    catalog: Catalog
     enqueue: Enqueue
 
-    async def aclose(self) -> None:
-        await self.sor.aclose()
+
+def plugin_of(settings: Settings) -> str | None:
+    """The import path of the configured plugin catalog (the demo when nothing is set)."""
+    if settings.tools:
+        return settings.tools
+    return None if settings.tools_file is not None else DEMO_TOOLS
+
+
+def runs_demo_sor(settings: Settings) -> bool:
+    """Whether `serve` starts the demo system of record: the restaurant demo is the
+    selected catalog and SOR_BASE_URL is unset."""
+    plugin = plugin_of(settings)
+    if plugin is None or settings.sor_base_url is not None:
+        return False
+    module, _ = split_import_path(plugin)
+    return module == DEMO_PACKAGE or module.startswith(DEMO_PACKAGE + ".")
+
+
+def catalog_context(settings: Settings, environ: Mapping[str, str] | None = None) -> CatalogContext:
+    """What a catalog factory and a tools file are given."""
+    return CatalogContext(
+        tenant_id=settings.tenant_id,
+        public_base_url=settings.public_base_url,
+        environ=dict(os.environ if environ is None else environ),
+        sor_base_url=settings.sor_base_url,
+    )
+
+
+def load_configured_catalog(
+    settings: Settings, environ: Mapping[str, str] | None = None
+) -> Catalog:
+    """The checked catalog of this deployment, or `tools.catalog.CatalogError`."""
+    return load_catalog(
+        catalog_context(settings, environ),
+        plugin=plugin_of(settings),
+        tools_file=settings.tools_file,
+    )
 
 
 def load_accounts(path: Path | None, tenant_id: str) -> StaticIdentityStore:
@@ -60,17 +104,19 @@ def load_accounts(path: Path | None, tenant_id: str) -> StaticIdentityStore:
     return StaticIdentityStore(accounts)
 
 
-def build_tools(settings: Settings, engine: AsyncEngine, database_url: str) -> ToolWiring:
-    """The ToolGateway every call of this process uses, and its resources."""
-    registry = restaurant_catalog()
+def build_tools(
+    settings: Settings, engine: AsyncEngine, database_url: str, catalog: Catalog
+) -> ToolWiring:
+    """The ToolGateway every call of this process uses, over `catalog`."""
     # Deferral runs on the admitting connection, so this app is never opened here.
     enqueue = make_enqueue(make_app(database_url, max_pool_size=1))
-    sor = SorClient(settings.sor_url())
     pipeline = ToolPipeline(
         engine,
-        registry,
+        catalog.registry,
         enqueue=enqueue,
-        read_executor=RestaurantReads(sor),
+        read_executor=catalog.read,
         identities=load_accounts(settings.accounts_file, settings.tenant_id),
     )
-    return ToolWiring(pipeline=pipeline, registry=registry, sor=sor, enqueue=enqueue)
+    return ToolWiring(
+        pipeline=pipeline, registry=catalog.registry, catalog=catalog, enqueue=enqueue
+    )

@@ -2,7 +2,7 @@
 
 `voice-agent serve` starts one in-process (`start_inprocess_worker`); `voice-agent worker`
 runs `run_worker` until SIGINT/SIGTERM. Both wire the same pieces: the executor's task on
-a Procrastinate app, the SOR provider, and a sweeper loop.
+a Procrastinate app, the configured catalog's providers, and a sweeper loop.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
 from app.settings import Settings
+from app.tool_wiring import load_configured_catalog
+from tools.catalog import Catalog
 from tools.executor import QUEUE, TASK_NAME, Executor, make_app
 from tools.provider import Provider
 from tools.registry import Registry
-from tools.restaurant.catalog import restaurant_catalog
-from tools.restaurant.client import SorClient
-from tools.restaurant.provider import SorProvider
 from tools.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
@@ -128,66 +127,81 @@ class OperationWorker:
         log.info("operation worker %s stopped", self.worker_id)
 
 
-def build_provider(settings: Settings) -> tuple[Provider, SorClient]:
-    """The SOR provider of this deployment (and its client, which the caller closes)."""
-    client = SorClient(settings.sor_url())
-    return SorProvider(client), client
-
-
 async def start_inprocess_worker(
     settings: Settings,
     engine: AsyncEngine,
     *,
     database_url: str | None = None,
+    catalog: Catalog | None = None,
     registry: Registry | None = None,
     provider: Provider | None = None,
     concurrency: int | None = None,
 ) -> OperationWorker:
     """Start a worker inside the server process (for its lifespan); `stop()` it on shutdown.
 
-    Without `provider`, a SOR client is built from settings and closed by `stop()`.
+    It runs `registry` (default: the catalog's tools) on `provider` (default: the catalog's
+    providers, each tool routed to the one it names). Without `catalog`, the configured one
+    is loaded and closed by `stop()`.
     """
     url = database_url or engine.url.render_as_string(hide_password=False)
-    client: SorClient | None = None
+    owned: Catalog | None = None
     if provider is None:
-        provider, client = build_provider(settings)
+        if catalog is None:
+            catalog = owned = load_configured_catalog(settings)
+        provider = catalog.router
+    if registry is None:
+        if catalog is None:
+            catalog = owned = load_configured_catalog(settings)
+        registry = catalog.registry
     worker = OperationWorker(
         database_url=url,
         engine=engine,
-        registry=registry or restaurant_catalog(),
+        registry=registry,
         provider=provider,
         concurrency=concurrency or settings.worker_concurrency,
         callback_base_url=settings.public_base_url,
         sweep_interval_s=settings.sweep_interval_s,
     )
-    if client is not None:
-        _close_with(worker, client)
-    await worker.start()
+    if owned is not None:
+        _close_with(worker, owned)
+    try:
+        await worker.start()
+    except BaseException:
+        if owned is not None:
+            await owned.aclose()
+        raise
     return worker
 
 
-def _close_with(worker: OperationWorker, client: SorClient) -> None:
+def _close_with(worker: OperationWorker, catalog: Catalog) -> None:
     stop = worker.stop
 
     async def stop_and_close() -> None:
         try:
             await stop()
         finally:
-            await client.aclose()
+            await catalog.aclose()
 
     worker.stop = stop_and_close  # type: ignore[method-assign]
 
 
 async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     """`voice-agent worker`: run operation workers until SIGINT/SIGTERM."""
-    url = await asyncio.to_thread(resolve_database_url, settings.database_url, settings.data_dir)
+    # A catalog that cannot run is refused before anything starts.
+    catalog = load_configured_catalog(settings)
+    try:
+        url = await asyncio.to_thread(
+            resolve_database_url, settings.database_url, settings.data_dir
+        )
+    except BaseException:
+        await catalog.aclose()
+        raise
     engine = make_engine(url)
-    provider, client = build_provider(settings)
     worker = OperationWorker(
         database_url=url,
         engine=engine,
-        registry=restaurant_catalog(),
-        provider=provider,
+        registry=catalog.registry,
+        provider=catalog.router,
         concurrency=concurrency or settings.worker_concurrency,
         callback_base_url=settings.public_base_url,
         sweep_interval_s=settings.sweep_interval_s,
@@ -207,6 +221,6 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await asyncio.gather(waiter, stopper, return_exceptions=True)
     finally:
         await worker.stop()
-        await client.aclose()
+        await catalog.aclose()
         await engine.dispose()
     return 0

@@ -116,7 +116,6 @@ def exec_registry(
         deadline_s=deadline_s,
         retry=retry,
         reconcile="sor.lookup_by_key",
-        cancellable_at_provider=True,
         compensated_by="cancel_booking",
     )
     return Registry(
@@ -133,6 +132,7 @@ def exec_registry(
                 deadline_s=deadline_s,
                 retry=retry,
                 reconcile="sor.lookup_by_key",
+                reference_arg="booking_id",
             ),
         ]
     )

@@ -53,8 +53,11 @@ def test_descriptions_say_when_to_call_and_when_not(catalog: Registry) -> None:
 def test_tool_declarations_match_the_domain(catalog: Registry) -> None:
     book = catalog.get("book_table")
     assert book.kind is ToolKind.MUTATION and book.needs_confirmation
-    assert book.provider_idempotent and book.cancellable_at_provider
+    # The demo SOR cannot withdraw a request in flight: a made booking is undone by the
+    # compensating cancel_booking, which takes the booking id as its reference.
+    assert book.provider_idempotent and not book.cancellable_at_provider
     assert book.compensated_by == "cancel_booking" and book.provider_action == "sor.book_table"
+    assert catalog.get("cancel_booking").reference_arg == "booking_id"
     assert book.reconcile == "sor.lookup_by_key"
     cancel = catalog.get("cancel_booking")
     assert cancel.kind is ToolKind.MUTATION and cancel.needs_verification
@@ -217,7 +220,9 @@ def test_committed_result_names_the_reference(catalog: Registry) -> None:
     assert "confirmed by the restaurant" in out["message"] and out["reference"] == "BK7QX2MHN4"
 
 
-class FakeBackend:
+class FakeClient:
+    """Stands in for the SOR client under the provider's read hook."""
+
     async def check_availability(self, day: Any, time: str, party_size: int) -> Any:
         from tools.restaurant.protocol import Availability
 
@@ -229,14 +234,16 @@ class FakeBackend:
         return None
 
 
-async def test_restaurant_reads_bind_read_actions_to_the_backend(catalog: Registry) -> None:
-    from tools.restaurant.catalog import RestaurantReads
+async def test_restaurant_reads_bind_read_actions_to_the_sor(catalog: Registry) -> None:
+    from tools.restaurant.provider import SorProvider
 
-    reads = RestaurantReads(FakeBackend())
+    provider = SorProvider(FakeClient())  # type: ignore[arg-type]
     spec = catalog.get("check_availability")
-    raw = await reads(spec, spec.parse('{"date": "2026-12-05", "time": "21:00", "party_size": 2}'))
+    raw = await provider.read(
+        spec, spec.parse('{"date": "2026-12-05", "time": "21:00", "party_size": 2}')
+    )
     out = read_output(spec, raw)
     assert out["available"] is False and "No table is free" in out["message"]
     get = catalog.get("get_booking")
-    missing = await reads(get, get.parse('{"booking_id": "BK1"}'))
+    missing = await provider.read(get, get.parse('{"booking_id": "BK1"}'))
     assert read_output(get, missing)["status"] == "not_found"

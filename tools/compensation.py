@@ -1,7 +1,7 @@
 """Compensation: undoing a committed operation is a new operation that points at it.
 
 The original stays `committed` (that is what happened); the compensating operation (for
-bookings, `cancel_booking`) is admitted and enqueued like any other, with
+a booking, its cancel) is admitted and enqueued like any other, with
 `compensates_operation_id` set, and its key derived from the original's so that asking
 twice compensates once.
 """
@@ -71,11 +71,13 @@ async def compensate(
 ) -> OperationRecord | None:
     """Compensate `original` with its tool's declared compensating tool, if it has one.
 
-    The compensating tool receives the provider's reference (`booking_id` for the demo
-    domain). Without a compensating tool, a note asks a human to look.
+    The compensating tool receives the provider's reference in its `reference_arg` (the
+    booking id a cancel takes). Without a compensating tool, a note asks a human to look.
     """
     spec = registry.get(original.tool)
-    if spec.compensated_by is None or original.provider_ref is None:
+    by = spec.compensated_by
+    comp = registry.get(by) if by is not None and by in registry else None
+    if comp is None or comp.reference_arg is None or original.provider_ref is None:
         await ledger.record_event(
             conn,
             original.operation_id,
@@ -87,8 +89,8 @@ async def compensate(
     return await admit_compensation(
         conn,
         original,
-        spec.compensated_by,
-        {"booking_id": original.provider_ref},
+        comp.name,
+        {comp.reference_arg: original.provider_ref},
         enqueue=enqueue,
         actor=actor,
         reason=reason,

@@ -376,8 +376,8 @@ class ToolPipeline:
         tenant_n = await ledger.count_recent_mutations(conn, ctx.tenant_id, window=window)
         in_flight = await ledger.count_in_flight(conn, ctx.tenant_id, resource) if resource else 0
         owns = False
-        if spec.target_ref is not None and ctx.from_number:
-            ref = spec.target_ref(args)
+        ref = spec.target(args) if ctx.from_number else None
+        if ref is not None:
             for creator in self._registry:
                 if creator.compensated_by != spec.name:
                     continue

@@ -317,9 +317,15 @@ def time_between(
 
 
 def int_at_most(
-    field_name: str, limit_key: str, what: str
+    field_name: str,
+    limit_key: str,
+    what: str,
+    *,
+    verb: str = "do this",
+    beyond: str | None = None,
 ) -> Callable[[BaseModel, PreconditionContext], str | None]:
-    """An amount (party size, quantity) within `limits[limit_key]`."""
+    """An amount (party size, quantity) within `limits[limit_key]`: "By phone I can {verb}
+    for at most N {what}." and then `beyond` ("For more, please contact us directly.")."""
 
     def check(args: BaseModel, ctx: PreconditionContext) -> str | None:
         limit = ctx.limits.get(limit_key)
@@ -327,10 +333,8 @@ def int_at_most(
         if value < 1:
             return f"The {what} must be at least 1."
         if limit is not None and value > int(limit):
-            return (
-                f"By phone I can book for at most {int(limit)} {what}. For more, please "
-                "contact the restaurant directly."
-            )
+            tail = f" {beyond}" if beyond else ""
+            return f"By phone I can {verb} for at most {int(limit)} {what}.{tail}"
         return None
 
     return check

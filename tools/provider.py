@@ -1,14 +1,20 @@
-"""What the executor asks of a provider (system of record), independent of any one SOR.
+"""What the engine asks of a provider (system of record), independent of any one SOR.
 
 `perform` runs one attempt of an operation and names its outcome; `lookup` answers "what
-happened to this operation's idempotency key", the only way an `unknown` is resolved.
+happened to this operation's idempotency key", the only way an `unknown` is resolved; `read`
+answers a read tool inline; `cancel` (optional) asks the provider to withdraw a request it
+has not settled. A catalog (`tools.catalog.Catalog`) names its providers, and each tool names
+the provider it runs on (`provider_action="<provider>.<action>"`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel
 
 from tools.ledger import OperationRecord
 from tools.registry import ToolSpec
@@ -49,8 +55,9 @@ class Finding:
     error: str | None = None
 
 
+@runtime_checkable
 class Provider(Protocol):
-    """A system of record the executor can act on and ask about."""
+    """A system of record the executor can act on and ask about (the mutation hooks)."""
 
     async def perform(
         self,
@@ -66,3 +73,33 @@ class Provider(Protocol):
     async def lookup(self, op: OperationRecord, spec: ToolSpec) -> Finding:
         """What happened to `op.idempotency_key`. Raises `ToolError` when it cannot ask."""
         ...
+
+
+@runtime_checkable
+class ReadProvider(Protocol):
+    """A system of record that answers read tools inline (the pipeline's read hook)."""
+
+    async def read(self, spec: ToolSpec, args: BaseModel) -> Mapping[str, Any]:
+        """The raw answer to a read; `spec.shape_result` makes it speakable. Raises
+        `ToolError` (or any error) when it cannot answer: the caller hears "couldn't check"."""
+        ...
+
+
+@runtime_checkable
+class CancellingProvider(Protocol):
+    """A system of record that can withdraw a request it has not settled yet (optional)."""
+
+    async def cancel(
+        self, op: OperationRecord, spec: ToolSpec, *, timeout_s: float
+    ) -> ActionResult:
+        """Ask the provider to withdraw `op` (by its idempotency key). `committed` means the
+        provider confirmed the withdrawal (nothing was or will be done); `failed_final` means
+        it refused (it is done, or will be); anything else leaves the outcome to the provider."""
+        ...
+
+
+@runtime_checkable
+class ClosingProvider(Protocol):
+    """A provider holding resources (connections) the process closes at shutdown."""
+
+    async def aclose(self) -> None: ...

@@ -10,6 +10,9 @@ The reconciler asks the provider what happened to the operation's idempotency ke
   `failed_retryable` (re-enqueued) when the provider is idempotent and the retry budget
   allows, else `failed_final`. "Never seen" only counts once the attempt's deadline has
   passed, so a request still travelling to the provider cannot land afterwards unnoticed.
+
+A tool whose provider offers no lookup (`on_unknown: ask_staff`) is never asked and never
+resent: the operation waits for a person (`tools.staff`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tools.errors import IdempotencyConflict, OperationNotFound, ToolError
 from tools.ledger import OperationRecord
 from tools.ledger_models import operations_table as ops_t
 from tools.provider import Provider
-from tools.registry import Registry, ToolSpec
+from tools.registry import OnUnknown, Registry, ToolSpec
+from tools.staff import ask_staff
 from tools.states import OperationStatus
 
 S = OperationStatus
@@ -94,6 +98,7 @@ class Reconciler:
         enqueue: EnqueueAt,
         actor: str = "reconciler",
         recheck_s: float = 2.0,
+        staff_recheck_s: float = 3600.0,
         rng: random.Random | None = None,
     ) -> None:
         self.engine = engine
@@ -102,6 +107,8 @@ class Reconciler:
         self.enqueue = enqueue
         self.actor = actor
         self.recheck_s = recheck_s
+        # An operation waiting for staff is looked at again this rarely (nothing to ask).
+        self.staff_recheck_s = staff_recheck_s
         self.rng = rng or random.Random()
 
     async def _enqueue_now(self, conn: AsyncConnection, operation_id: uuid.UUID) -> None:
@@ -116,6 +123,8 @@ class Reconciler:
         if op is None or op.status is not S.UNKNOWN:
             return op
         spec = self.registry.get(op.tool)
+        if spec.on_unknown is OnUnknown.ASK_STAFF:
+            return await self._ask_staff(operation_id)
         try:
             finding = await self.provider.lookup(op, spec)
         except ToolError as exc:
@@ -211,6 +220,19 @@ class Reconciler:
             if moved is not None:
                 await self.enqueue(conn, operation_id, plan.at)
             return moved
+
+    async def _ask_staff(self, operation_id: uuid.UUID) -> OperationRecord | None:
+        """No lookup exists: record that a person must settle it, and ask nothing."""
+        async with self.engine.begin() as conn:
+            cur = await ledger.get_operation(conn, operation_id, for_update=True)
+            if cur is None or cur.status is not S.UNKNOWN:
+                return cur
+            if await ask_staff(conn, cur, actor=self.actor):
+                log.warning("operation %s (%s) waits for staff", operation_id, cur.tool)
+            await schedule_recheck(
+                conn, operation_id, _now() + timedelta(seconds=self.staff_recheck_s)
+            )
+            return await ledger.get_operation(conn, operation_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,13 @@ class ToolKind(StrEnum):
     CONTROL = "control"  # handled by the pipeline itself (confirmation, PIN entry)
 
 
+class OnUnknown(StrEnum):
+    """What resolves an operation whose outcome is `unknown` (sent, the answer lost)."""
+
+    RECONCILE = "reconcile"  # ask the provider (the tool's `reconcile` lookup)
+    ASK_STAFF = "ask_staff"  # the provider offers no lookup: a person settles it
+
+
 class OverflowPolicy(StrEnum):
     """What to do when a resource is at its concurrency limit."""
 
@@ -110,6 +117,16 @@ class ToolSpec:
     target_ref: Callable[[Any], str] | None = None
     # Arguments that must not be stored verbatim (PINs): tool_calls keeps a redacted copy.
     redact_arguments: bool = False
+    # How an `unknown` outcome is resolved: by `reconcile` (a lookup at the provider), or,
+    # for a provider that offers no lookup, by a person (never by a blind retry).
+    on_unknown: OnUnknown = OnUnknown.RECONCILE
+    # The argument that carries the provider reference this tool acts on (the booking id a
+    # cancel targets): compensation fills it with the compensated operation's reference.
+    reference_arg: str | None = None
+    # Who confirms the outcome, as the caller would say it ("the restaurant").
+    provider_label: str = "the system of record"
+    # Where the tool was declared ("tools.yaml:12"), for messages about it.
+    origin: str | None = None
 
     def definition(self) -> dict[str, Any]:
         """The Realtime `function` tool definition (what the model sees)."""
@@ -148,6 +165,15 @@ class ToolSpec:
     def may_retry(self, attempts: int) -> bool:
         """Automatic retries only where the provider honours idempotency keys."""
         return self.provider_idempotent and attempts < self.retry.max_attempts
+
+    def target(self, args: BaseModel) -> str | None:
+        """The provider reference these arguments act on (`target_ref`, else `reference_arg`)."""
+        if self.target_ref is not None:
+            return self.target_ref(args)
+        if self.reference_arg is not None:
+            value = getattr(args, self.reference_arg, None)
+            return str(value) if value is not None else None
+        return None
 
     def describe_args(self, args: BaseModel) -> str:
         if self.describe is not None:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tools.ledger import OperationRecord
-from tools.registry import OverflowPolicy, ToolSpec
+from tools.registry import OnUnknown, OverflowPolicy, ToolSpec
 from tools.states import OperationStatus
 
 S = OperationStatus
@@ -80,6 +80,7 @@ def describe_operation(spec: ToolSpec, op: OperationRecord) -> str:
 def status_message(spec: ToolSpec, op: OperationRecord) -> str:
     """One speakable sentence saying where the operation stands. Only `committed` says done."""
     what = describe_operation(spec, op)
+    who = spec.provider_label
     match op.status:
         case S.AWAITING_CONFIRMATION:
             return f"Not done yet: waiting for the caller to confirm {what}."
@@ -87,7 +88,7 @@ def status_message(spec: ToolSpec, op: OperationRecord) -> str:
             if op.overflow == OverflowPolicy.DEGRADE:
                 return (
                     f"Requested {what}. It is not confirmed yet; we are busy, so the caller "
-                    "will get a text message once the restaurant confirms."
+                    f"will get a text message once {who} confirms."
                 )
             if op.overflow == OverflowPolicy.QUEUE:
                 return (
@@ -95,21 +96,25 @@ def status_message(spec: ToolSpec, op: OperationRecord) -> str:
                     "confirmed yet; I will share the outcome when it arrives."
                 )
             return (
-                f"Requested {what}. It is not confirmed yet: the restaurant still has to "
+                f"Requested {what}. It is not confirmed yet: {who} still has to "
                 "confirm it, and I will share the outcome when it arrives."
             )
         case S.RUNNING:
-            return f"Sending {what} to the restaurant now; it is not confirmed yet."
+            return f"Sending {what} to {who} now; it is not confirmed yet."
         case S.FAILED_RETRYABLE:
             return f"A temporary problem with {what}; it is being retried and is not done yet."
         case S.UNKNOWN:
+            if spec.on_unknown is OnUnknown.ASK_STAFF:
+                return (
+                    f"We could not tell whether {what} went through, so a member of staff "
+                    "is checking; it is not confirmed yet, and the caller will be told."
+                )
             return (
-                f"We are checking with the restaurant whether {what} went through; "
-                "it is not confirmed yet."
+                f"We are checking with {who} whether {what} went through; it is not confirmed yet."
             )
         case S.COMMITTED:
             ref = f" Reference {op.provider_ref}." if op.provider_ref else ""
-            return f"Done and confirmed by the restaurant: {what}.{ref}"
+            return f"Done and confirmed by {who}: {what}.{ref}"
         case S.FAILED_FINAL:
             why = f" ({op.error})" if op.error else ""
             return f"That could not be done: {what}{why}. Nothing was changed."

@@ -1,10 +1,13 @@
-"""The restaurant-booking catalog: the demo domain's tools, their arguments and results."""
+"""The restaurant-booking tools: the demo domain's tools, their arguments and results.
+
+`tools.restaurant.plugin.catalog` binds them to the demo system of record as a `Catalog`.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -19,6 +22,16 @@ from tools.registry import (
 )
 
 HHMM = r"^([01]\d|2[0-3]):[0-5]\d$"
+
+# Who confirms an outcome, as the caller hears it.
+LABEL = "the restaurant"
+
+# The persona the Realtime session starts with (the engine adds its call rules).
+INSTRUCTIONS = (
+    "You are a friendly, efficient phone assistant for a restaurant. You are speaking with a "
+    "caller on the telephone, so keep every answer short and natural, one or two sentences, "
+    "and never read out lists, markup or long numbers unless asked."
+)
 
 # Demo limits; a deployment passes its own to `restaurant_catalog`.
 DEFAULT_LIMITS: Mapping[str, Any] = {
@@ -106,18 +119,24 @@ def _shape_booking_ref(r: Mapping[str, Any]) -> dict[str, Any]:
     return {"status": "ok", "booking_id": r.get("id"), "booking_status": r.get("status")}
 
 
-def restaurant_catalog(
+def restaurant_tools(
     *,
     limits: Mapping[str, Any] | None = None,
     booking_concurrency: ConcurrencyLimit | None = None,
-) -> Registry:
+) -> list[ToolSpec]:
     """The demo restaurant's tools. `booking_concurrency` caps bookings in flight per day."""
     lim = {**DEFAULT_LIMITS, **(limits or {})}
     slot_checks = (
         date_within("date"),
         slot_in_future("date", "time"),
         time_between("time"),
-        int_at_most("party_size", "max_party_size", "people"),
+        int_at_most(
+            "party_size",
+            "max_party_size",
+            "people",
+            verb="book",
+            beyond="For more, please contact the restaurant directly.",
+        ),
     )
     tools = [
         ToolSpec(
@@ -134,6 +153,7 @@ def restaurant_catalog(
             preconditions=slot_checks,
             deadline_s=3.0,
             shape_result=_shape_availability,
+            provider_label=LABEL,
         ),
         ToolSpec(
             name="book_table",
@@ -156,12 +176,15 @@ def restaurant_catalog(
                 max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0, total_deadline_s=120.0
             ),
             reconcile="sor.lookup_by_key",
-            cancellable_at_provider=True,
+            # The demo SOR cannot withdraw a request in flight; a booking it made is undone
+            # by cancel_booking (compensation).
+            cancellable_at_provider=False,
             compensated_by="cancel_booking",
             concurrency=booking_concurrency,
             resource=lambda a: f"tables:{a.date}",
             describe=_describe_booking,
             shape_result=_shape_booking_ref,
+            provider_label=LABEL,
         ),
         ToolSpec(
             name="cancel_booking",
@@ -180,9 +203,10 @@ def restaurant_catalog(
             retry=RetryPolicy(max_attempts=4, base_backoff_s=0.5, max_backoff_s=8.0),
             reconcile="sor.lookup_by_key",
             resource=lambda a: f"booking:{a.booking_id}",
-            target_ref=lambda a: a.booking_id,
+            reference_arg="booking_id",
             describe=_describe_cancel,
             shape_result=_shape_booking_ref,
+            provider_label=LABEL,
         ),
         ToolSpec(
             name="get_booking",
@@ -196,34 +220,19 @@ def restaurant_catalog(
             provider_action="sor.get_booking",
             deadline_s=3.0,
             shape_result=_shape_booking,
+            provider_label=LABEL,
         ),
     ]
+    return tools
+
+
+def restaurant_catalog(
+    *,
+    limits: Mapping[str, Any] | None = None,
+    booking_concurrency: ConcurrencyLimit | None = None,
+) -> Registry:
+    """The restaurant's tools plus the control tools they need, as the model is offered them."""
+    tools = restaurant_tools(limits=limits, booking_concurrency=booking_concurrency)
     registry = Registry([*tools, *control_tools(tools)])
     registry.check()
     return registry
-
-
-class RestaurantBackend(Protocol):
-    """The reads the catalog needs from a system of record (`tools.restaurant.client.SorClient`)."""
-
-    async def check_availability(self, day: dt.date, time: str, party_size: int) -> BaseModel: ...
-
-    async def get_booking(self, booking_id: str) -> BaseModel | None: ...
-
-
-class RestaurantReads:
-    """The pipeline's `read_executor` for this catalog: binds read provider actions."""
-
-    def __init__(self, backend: RestaurantBackend) -> None:
-        self._backend = backend
-
-    async def __call__(self, spec: ToolSpec, args: BaseModel) -> Mapping[str, Any]:
-        if isinstance(args, CheckAvailabilityArgs) and spec.provider_action == (
-            "sor.check_availability"
-        ):
-            found = await self._backend.check_availability(args.date, args.time, args.party_size)
-            return found.model_dump(mode="json")
-        if isinstance(args, BookingRefArgs) and spec.provider_action == "sor.get_booking":
-            booking = await self._backend.get_booking(args.booking_id)
-            return booking.model_dump(mode="json") if booking is not None else {"found": False}
-        raise ValueError(f"no read bound for {spec.provider_action!r}")

@@ -1,18 +1,24 @@
-"""The demo SOR as a `Provider`: binds tool provider actions to SOR client calls."""
+"""The demo SOR as a provider: binds the restaurant's provider actions to SOR client calls."""
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from tools.errors import ProviderError
 from tools.ledger import OperationRecord
 from tools.provider import ActionResult, Finding, Outcome
 from tools.registry import ToolSpec
+from tools.restaurant.catalog import BookingRefArgs, CheckAvailabilityArgs
 from tools.restaurant.client import ProviderResult, SorClient, SorClientError
 from tools.restaurant.protocol import BookingRequest
 
 BOOK = "sor.book_table"
 CANCEL = "sor.cancel_booking"
+CHECK_AVAILABILITY = "sor.check_availability"
+GET_BOOKING = "sor.get_booking"
 
 
 def _action_result(res: ProviderResult) -> ActionResult:
@@ -25,10 +31,23 @@ def _action_result(res: ProviderResult) -> ActionResult:
 
 
 class SorProvider:
-    """Runs `sor.book_table` / `sor.cancel_booking` and answers key lookups."""
+    """Runs `sor.book_table` / `sor.cancel_booking`, answers key lookups and the two reads."""
 
     def __init__(self, client: SorClient) -> None:
         self.client = client
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def read(self, spec: ToolSpec, args: BaseModel) -> Mapping[str, Any]:
+        action = spec.provider_action
+        if action == CHECK_AVAILABILITY and isinstance(args, CheckAvailabilityArgs):
+            found = await self.client.check_availability(args.date, args.time, args.party_size)
+            return found.model_dump(mode="json")
+        if action == GET_BOOKING and isinstance(args, BookingRefArgs):
+            booking = await self.client.get_booking(args.booking_id)
+            return booking.model_dump(mode="json") if booking is not None else {"found": False}
+        raise ProviderError(f"no read bound for {action!r}")
 
     async def perform(
         self,
