@@ -1,8 +1,10 @@
 """Booking calls end to end over real sockets: fake caller -> service (pipeline, in-process
-worker, late-result delivery) -> Realtime simulator, with the demo system of record.
+worker, late-result delivery) -> Realtime simulator, with a system of record.
 
 The model proposes (scripted function calls), policy admits, the worker commits at the SOR,
 and the conversation communicates (the late result is announced, or deferred after hang-up).
+Every flow runs for both domains through the same engine: the restaurant (a Python plugin on
+the demo SOR) and the clinic's appointments (declared in a tools file, on its own REST API).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -20,11 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.delivery import ANNOUNCED, DEFERRED
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
+from tests.domains import DOMAINS, Backend, Domain
 from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
 from tests.sor_support import start_sor
 from tools.restaurant.client import SorClient
 from tools.restaurant.protocol import BookingRequest
-from tools.restaurant.sor import Faults, SystemOfRecord
+from tools.restaurant.sor import SystemOfRecord
 
 GREETING_MS = 800
 PREAMBLE_MS = 600
@@ -32,34 +36,34 @@ READBACK_MS = 1500
 FRAME_MS = 20
 WAIT_S = 15.0
 
-BOOK = {
-    "name": "book_table",
-    "arguments": {"date": "{tomorrow}", "time": "20:00", "party_size": 4, "name": "Alex"},
-}
 CONFIRM = {
     "name": "confirm_operation",
     "arguments": {"operation_id": "{output[operation_id]}", "confirmed": True},
 }
 REQUESTED = "I've requested it; it is not confirmed yet."
-CONFIRMED = "The restaurant has confirmed your table."
 
 
 def booking_scenario(
+    domain: Domain,
     *,
     duplicate: bool = False,
     requested_ms: int = 1200,
     after_requested: list[dict[str, Any]] | None = None,
 ) -> Scenario:
     """Book -> readback -> yes -> confirm -> "requested" -> (more) -> late "confirmed"."""
-    book: dict[str, Any] = {**BOOK, "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS}}
+    book_call = {"name": domain.book_tool, "arguments": domain.book_args}
+    book: dict[str, Any] = {
+        **book_call,
+        "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS},
+    }
     steps: list[dict[str, Any]] = [
         {
-            "caller_transcript": "Please book a table for four tomorrow at eight.",
+            "caller_transcript": "Please book it for tomorrow.",
             "function_call": book,
         }
     ]
     if duplicate:
-        steps.append({"function_call": BOOK})  # the model asks again for the same intent
+        steps.append({"function_call": book_call})  # the model asks again for the same intent
     steps += [
         {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
         {"caller_transcript": "Yes.", "function_call": CONFIRM},
@@ -68,15 +72,27 @@ def booking_scenario(
         steps.append({"function_call": CONFIRM})  # and confirms twice
     steps.append({"reply": {"text": REQUESTED, "audio_ms": requested_ms}})
     steps += after_requested or []
-    steps.append({"reply": {"text": CONFIRMED, "audio_ms": 1200}})
+    steps.append({"reply": {"text": domain.confirmed_text, "audio_ms": 1200}})
     return Scenario.model_validate(
         {
-            "name": "e2e-booking",
-            "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
+            "name": f"e2e-booking-{domain.name}",
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": GREETING_MS},
             "steps": steps,
             "fallback": {"text": "Anything else?", "audio_ms": 800},
         }
     )
+
+
+@pytest.fixture(params=DOMAINS, ids=str)
+def domain(request: pytest.FixtureRequest) -> Domain:
+    found: Domain = request.param
+    return found
+
+
+@pytest.fixture
+async def backend(domain: Domain, clean_db: str) -> AsyncIterator[Backend]:
+    async with domain.start(clean_db) as running:
+        yield running
 
 
 @pytest.fixture
@@ -88,16 +104,29 @@ async def sor(clean_db: str) -> AsyncIterator[SystemOfRecord]:
         await sor.stop()
 
 
-def booking_stack(engine: AsyncEngine, db: str, sor: SystemOfRecord, scenario: Scenario) -> Any:
-    """The service with its in-process worker, talking to `sor` and the simulator."""
-    return call_stack(
-        engine,
-        scenario,
-        with_worker=True,
-        database_url=db,
-        sor_base_url=sor.url,
-        sweep_interval_s=1.0,
-    )
+@asynccontextmanager
+async def booking_stack(
+    engine: AsyncEngine,
+    db: str,
+    backend: Backend,
+    scenario: Scenario,
+    *,
+    deadline_s: float | None = None,
+) -> AsyncIterator[Stack]:
+    """The service with its in-process worker, running `backend`'s domain and the simulator."""
+    catalog = backend.catalog(deadline_s=deadline_s)
+    try:
+        async with call_stack(
+            engine,
+            scenario,
+            with_worker=True,
+            catalog=catalog,
+            database_url=db,
+            sweep_interval_s=1.0,
+        ) as stack:
+            yield stack
+    finally:
+        await catalog.aclose()
 
 
 # --- observing the database -----------------------------------------------------------------
@@ -216,22 +245,23 @@ async def wait_spoken(engine: AsyncEngine, call_id: str, text: str) -> None:
 # --- tests ----------------------------------------------------------------------------------
 
 
-async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admission_execution_commit(  # noqa: E501
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+async def test_caller_books_and_the_timeline_shows_request_policy_admission_execution_commit(
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
-    # A restaurant that takes a moment: the commit comes after "requested, not confirmed yet".
-    sor.set_faults(Faults(latency_s=0.5))
-    async with booking_stack(engine, clean_db, sor, booking_scenario()) as stack:
+    # A provider that takes a moment: the commit comes after "requested, not confirmed yet".
+    backend.set_faults(latency_s=0.5)
+    confirmed = domain.confirmed_text
+    async with booking_stack(engine, clean_db, backend, booking_scenario(domain)) as stack:
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         op = await wait_for_operation(engine, call_id, "committed")
         await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
-        await wait_spoken(engine, call_id, CONFIRMED)
+        await wait_spoken(engine, call_id, confirmed)
         await caller.hangup()
         events = await stack.events(caller)
         async with httpx.AsyncClient(base_url=stack.service.url) as http:
             response = await http.get(f"/api/calls/{call_id}/timeline", auth=CONSOLE)
-        effects = await sor.side_effects()
+        booked = await backend.booked()
         ops = await operations_of(engine, call_id)
         calls = await tool_calls_of(engine, call_id)
         op_events = await trail(engine, op["operation_id"])
@@ -240,9 +270,9 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
 
     operation_id = op["operation_id"]
     # Exactly one booking at the system of record, owned by one committed operation.
-    assert effects.bookings_inserted == 1
+    assert booked == 1
     assert [o["status"] for o in ops] == ["committed"]
-    assert ops[0]["provider_ref"].startswith("BK")
+    assert ops[0]["provider_ref"].startswith(domain.reference_prefix)
     assert ops[0]["caller"] == caller.from_number
     # The trail in causal order: requested (awaiting the caller), admitted, run, committed.
     assert to_statuses(op_events) == ["awaiting_confirmation", "admitted", "running", "committed"]
@@ -254,7 +284,7 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
     assert delivery[0]["id"] > op_events[3]["id"]
     # Both function calls are on record and map to the one operation.
     assert [(c["tool"], c["decision"]) for c in calls] == [
-        ("book_table", "needs_confirmation"),
+        (domain.book_tool, "needs_confirmation"),
         ("confirm_operation", "allow"),
     ]
     assert {c["operation_id"] for c in calls} == {operation_id}
@@ -264,8 +294,8 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
     assert len(announced) == 1
     assert announced[0]["data"]["operation_ids"] == [str(operation_id)]
     assert announced[0]["at"] >= committed_at
-    assert REQUESTED in spoken and CONFIRMED in spoken
-    assert spoken.index(REQUESTED) < spoken.index(CONFIRMED)
+    assert REQUESTED in spoken and confirmed in spoken
+    assert spoken.index(REQUESTED) < spoken.index(confirmed)
     assert [e["kind"] for e in events][-1] == "call_ended"
 
     # The timeline API tells the same story, merged in order.
@@ -284,16 +314,17 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
         for e in entries
         if e["source"] != "call" or e["kind"] in ("function_call", "result_announced")
     ]
+    book = domain.book_tool
     assert story == [
-        ("call", "function_call", "book_table", None),
-        ("tool_call", "tool_call", "book_table", None),
-        ("operation", "op_transition", "book_table", "awaiting_confirmation"),
+        ("call", "function_call", book, None),
+        ("tool_call", "tool_call", book, None),
+        ("operation", "op_transition", book, "awaiting_confirmation"),
         ("call", "function_call", "confirm_operation", None),
         ("tool_call", "tool_call", "confirm_operation", None),
-        ("operation", "op_transition", "book_table", "admitted"),
-        ("operation", "op_transition", "book_table", "running"),
-        ("operation", "op_transition", "book_table", "committed"),
-        ("operation", "op_decision", "book_table", None),
+        ("operation", "op_transition", book, "admitted"),
+        ("operation", "op_transition", book, "running"),
+        ("operation", "op_transition", book, "committed"),
+        ("operation", "op_decision", book, None),
         ("call", "result_announced", None, None),
     ], story
     committed = next(e for e in entries if e["data"].get("to") == "committed")
@@ -305,11 +336,13 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
 
 
 async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_completes(
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
-    # The restaurant is slow: the booking is still running while the agent talks about it.
-    sor.set_faults(Faults(latency_s=3.0))
+    # The provider is slow: the booking is still running while the agent talks about it.
+    backend.set_faults(latency_s=3.0)
+    confirmed = domain.confirmed_text
     scenario = booking_scenario(
+        domain,
         requested_ms=6000,
         after_requested=[
             {
@@ -318,7 +351,7 @@ async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_co
             }
         ],
     )
-    async with booking_stack(engine, clean_db, sor, scenario) as stack:
+    async with booking_stack(engine, clean_db, backend, scenario) as stack:
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         before_yes = caller.heard_ms
@@ -333,10 +366,10 @@ async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_co
         # The barge-in stopped speech, not the booking.
         await wait_for_operation(engine, call_id, "committed")
         await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
-        await wait_spoken(engine, call_id, CONFIRMED)
+        await wait_spoken(engine, call_id, confirmed)
         await caller.hangup()
         events = await stack.events(caller)
-        effects = await sor.side_effects()
+        booked = await backend.booked()
         op_events = await trail(engine, op["operation_id"])
         spoken = await heard_text(engine, call_id)
 
@@ -347,20 +380,21 @@ async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_co
     cut = [e["data"] for e in events if e["kind"] == "agent_transcript" and e["data"]["cut"]]
     assert len(cut) == 1 and REQUESTED.startswith(cut[0]["text"])  # "requested..." was cut
     # Committed exactly once, recorded, and announced after the interruption.
-    assert effects.bookings_inserted == 1
+    assert booked == 1
     assert to_statuses(op_events) == ["awaiting_confirmation", "admitted", "running", "committed"]
     kinds = [e["kind"] for e in events]
     assert kinds.count("result_announced") == 1
     assert kinds.index("result_announced") > kinds.index("barge_in")
-    assert spoken[-1] == CONFIRMED
+    assert spoken[-1] == confirmed
 
 
 async def test_duplicate_function_calls_in_one_call_make_one_booking(
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
     # The commit lands after the model's repeated calls (so the script stays in step).
-    sor.set_faults(Faults(latency_s=1.0))
-    async with booking_stack(engine, clean_db, sor, booking_scenario(duplicate=True)) as stack:
+    backend.set_faults(latency_s=1.0)
+    scenario = booking_scenario(domain, duplicate=True)
+    async with booking_stack(engine, clean_db, backend, scenario) as stack:
         caller = stack.caller()
         await caller.dial()
         await hear(caller, GREETING_MS)
@@ -371,33 +405,71 @@ async def test_duplicate_function_calls_in_one_call_make_one_booking(
         await caller.play_speech(500)
         op = await wait_for_operation(engine, call_id, "committed")
         await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
-        await wait_spoken(engine, call_id, CONFIRMED)
+        await wait_spoken(engine, call_id, domain.confirmed_text)
         await caller.hangup()
         await stack.events(caller)
         ops = await operations_of(engine, call_id)
         calls = await tool_calls_of(engine, call_id)
-        effects = await sor.side_effects()
+        booked = await backend.booked()
         op_events = await trail(engine, op["operation_id"])
 
     assert len(ops) == 1
     assert [(c["tool"], c["decision"]) for c in calls] == [
-        ("book_table", "needs_confirmation"),
-        ("book_table", "duplicate"),
+        (domain.book_tool, "needs_confirmation"),
+        (domain.book_tool, "duplicate"),
         ("confirm_operation", "allow"),
         ("confirm_operation", "duplicate"),
     ]
     assert len({c["provider_call_id"] for c in calls}) == 4  # four distinct function calls
     assert {c["operation_id"] for c in calls} == {ops[0]["operation_id"]}
-    assert effects.bookings_inserted == 1
+    assert booked == 1
     assert to_statuses(op_events).count("running") == 1
     assert ops[0]["attempts"] == 1
 
 
-async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+async def test_lost_response_is_reconciled_by_asking_the_provider_and_announced_once(
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
-    sor.set_faults(Faults(latency_s=2.0))
-    async with booking_stack(engine, clean_db, sor, booking_scenario()) as stack:
+    # The provider applies the booking and its answer never arrives: the attempt times out
+    # (unknown), the provider is asked about the idempotency key, and only then is it told.
+    backend.set_faults(lose_response=1)
+    confirmed = domain.confirmed_text
+    scenario = booking_scenario(domain)
+    async with booking_stack(engine, clean_db, backend, scenario, deadline_s=1.0) as stack:
+        caller = stack.caller()
+        call_id = await ask_to_book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "committed", within=30)
+        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_spoken(engine, call_id, confirmed)
+        await caller.hangup()
+        events = await stack.events(caller)
+        booked = await backend.booked()
+        ops = await operations_of(engine, call_id)
+        op_events = await trail(engine, op["operation_id"])
+        spoken = await heard_text(engine, call_id)
+
+    assert booked == 1  # applied once; the lost answer was never answered by resending
+    assert ops[0]["attempts"] == 1
+    assert ops[0]["provider_ref"].startswith(domain.reference_prefix)
+    assert to_statuses(op_events) == [
+        "awaiting_confirmation",
+        "admitted",
+        "running",
+        "unknown",
+        "committed",
+    ]
+    settled = next(e for e in op_events if e["to_status"] == "committed")
+    assert settled["from_status"] == "unknown" and settled["actor"] == "reconciler"
+    assert [e["kind"] for e in events].count("result_announced") == 1
+    # Nothing was phrased as done before the provider confirmed it.
+    assert spoken.index(REQUESTED) < spoken.index(confirmed)
+
+
+async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
+) -> None:
+    backend.set_faults(latency_s=2.0)
+    async with booking_stack(engine, clean_db, backend, booking_scenario(domain)) as stack:
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         op = await wait_for_operation(engine, call_id, "running")
@@ -406,11 +478,11 @@ async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
         ended = next(e for e in await call_events_at(engine, call_id) if e["kind"] == "call_ended")
         committed = await wait_for_operation(engine, call_id, "committed")
         decision = await wait_for_decision(engine, op["operation_id"], DEFERRED)
-        effects = await sor.side_effects()
+        booked = await backend.booked()
         op_events = await trail(engine, op["operation_id"])
 
-    assert effects.bookings_inserted == 1
-    assert committed["provider_ref"].startswith("BK")
+    assert booked == 1
+    assert committed["provider_ref"].startswith(domain.reference_prefix)
     commit_event = next(e for e in op_events if e["to_status"] == "committed")
     assert commit_event["at"] > ended["at"]  # the commit landed after the hang-up
     assert decision["kind"] == "decision" and decision["id"] > commit_event["id"]
@@ -453,7 +525,9 @@ async def test_unverified_caller_cannot_cancel_someone_elses_booking(
         }
     )
     refusals: dict[str, dict[str, Any]] = {}
-    async with booking_stack(engine, clean_db, sor, scenario) as stack:
+    async with call_stack(
+        engine, scenario, with_worker=True, database_url=clean_db, sor_base_url=sor.url
+    ) as stack:
         for number in ("anonymous", "+15559990000"):  # withheld; a number that isn't the owner
             caller = stack.caller(from_number=number)
             await caller.dial()

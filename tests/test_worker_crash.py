@@ -1,4 +1,5 @@
-"""A worker process killed with SIGKILL mid-operation: no loss, no duplicate."""
+"""A worker process killed with SIGKILL mid-operation: no loss, no duplicate, for both
+domains (the restaurant plugin and the tools-file appointments) through the same engine."""
 
 from __future__ import annotations
 
@@ -9,24 +10,21 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.worker import OperationWorker
+from tests.domains import DOMAINS, Backend, Domain
 from tests.sor_support import (
     admit,
     events_of,
-    exec_registry,
     get_op,
-    start_sor,
     transitions,
     wait_for,
     wait_status,
 )
 from tools.executor import enqueue_operation, make_app
-from tools.restaurant.client import SorClient
-from tools.restaurant.provider import SorProvider
-from tools.restaurant.sor import Faults
 from tools.states import OperationStatus as S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,20 +38,30 @@ async def _jobs(engine: AsyncEngine, status: str) -> int:
         return int(result.scalar_one())
 
 
+@pytest.mark.parametrize("domain", DOMAINS, ids=str)
 async def test_worker_killed_mid_operation_is_recovered_without_loss_or_duplicate(
-    engine: AsyncEngine, clean_db: str
+    engine: AsyncEngine, clean_db: str, domain: Domain
+) -> None:
+    async with domain.start(clean_db) as backend:
+        await _killed_mid_operation(engine, clean_db, domain, backend)
+
+
+async def _killed_mid_operation(
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
     # The SOR applies the booking and then never answers: the worker is mid-request,
     # after the side effect and before recording it, when it dies.
-    sor = await start_sor(clean_db, Faults(lose_response=1))
+    backend.set_faults(lose_response=1)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "tests.worker_main",
         "--database-url",
         clean_db,
-        "--sor-url",
-        sor.url,
+        "--domain",
+        domain.name,
+        "--url",
+        backend.url,
         "--deadline",
         "30",
         cwd=ROOT,
@@ -71,8 +79,8 @@ async def test_worker_killed_mid_operation_is_recovered_without_loss_or_duplicat
         async def enqueue(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
             await enqueue_operation(queue, conn, operation_id)
 
-        op_id = await admit(engine, enqueue)
-        await wait_for(sor.side_effects, lambda s: s.bookings_inserted == 1, what="SOR apply")
+        op_id = await admit(engine, enqueue, tool=domain.book_tool, args=domain.ledger_args)
+        await wait_for(backend.booked, lambda n: n == 1, what="SOR apply")
         assert (await get_op(engine, op_id)).status is S.RUNNING
 
         os.kill(proc.pid, signal.SIGKILL)
@@ -84,22 +92,23 @@ async def test_worker_killed_mid_operation_is_recovered_without_loss_or_duplicat
 
         # A fresh worker's sweeper notices the dead worker's stalled job, moves the
         # operation to unknown and asks the SOR by idempotency key.
-        async with SorClient(sor.url) as client:
-            rescuer = OperationWorker(
-                database_url=clean_db,
-                engine=engine,
-                registry=exec_registry(deadline_s=30),
-                provider=SorProvider(client),
-                heartbeat_s=0.2,
-                stalled_after_s=1.0,
-                sweep_interval_s=0.2,
-                poll_interval_s=0.2,
-            )
-            await rescuer.start()
-            try:
-                op = await wait_status(engine, op_id, S.COMMITTED, S.FAILED_FINAL, timeout_s=30)
-            finally:
-                await rescuer.stop()
+        catalog = backend.catalog(deadline_s=30)
+        rescuer = OperationWorker(
+            database_url=clean_db,
+            engine=engine,
+            registry=catalog.registry,
+            provider=catalog.router,
+            heartbeat_s=0.2,
+            stalled_after_s=1.0,
+            sweep_interval_s=0.2,
+            poll_interval_s=0.2,
+        )
+        await rescuer.start()
+        try:
+            op = await wait_status(engine, op_id, S.COMMITTED, S.FAILED_FINAL, timeout_s=30)
+        finally:
+            await rescuer.stop()
+            await catalog.aclose()
 
         assert op.status is S.COMMITTED
         assert op.attempts == 1  # recovered by asking, never by sending again
@@ -112,9 +121,9 @@ async def test_worker_killed_mid_operation_is_recovered_without_loss_or_duplicat
         ]
         assert [e.actor for e in events if e.to_status is S.UNKNOWN] == ["sweeper"]
         assert await _jobs(engine, "doing") == 0
-        assert (await sor.side_effects()).bookings_inserted == 1
+        assert await backend.booked() == 1
+        assert op.provider_ref is not None and op.provider_ref.startswith(domain.reference_prefix)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-        await sor.stop()

@@ -1,7 +1,8 @@
 """A standalone operation worker process for crash tests: `python -m tests.worker_main`.
 
-The same `OperationWorker` as `voice-agent worker`, with the test catalog (short
-deadlines) and a fast heartbeat, and no sweeper: recovery is someone else's job.
+The same `OperationWorker` as `voice-agent worker`, on one domain's catalog (as a deployment
+builds it, with a test deadline) and a fast heartbeat, and no sweeper: recovery is someone
+else's job.
 """
 
 from __future__ import annotations
@@ -12,23 +13,22 @@ import signal
 
 from app.db import make_engine
 from app.worker import OperationWorker
-from tests.sor_support import exec_registry
-from tools.restaurant.client import SorClient
-from tools.restaurant.provider import SorProvider
+from tests.domains import BY_NAME
 
 
-async def main(database_url: str, sor_url: str, deadline_s: float) -> int:
+async def main(database_url: str, domain: str, url: str, deadline_s: float) -> int:
     engine = make_engine(database_url, pool_size=2, max_overflow=2)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with SorClient(sor_url) as client:
+    catalog = BY_NAME[domain].catalog(url, deadline_s=deadline_s)
+    try:
         worker = OperationWorker(
             database_url=database_url,
             engine=engine,
-            registry=exec_registry(deadline_s=deadline_s),
-            provider=SorProvider(client),
+            registry=catalog.registry,
+            provider=catalog.router,
             concurrency=1,
             heartbeat_s=0.2,
             poll_interval_s=0.2,
@@ -38,6 +38,8 @@ async def main(database_url: str, sor_url: str, deadline_s: float) -> int:
         print(f"ready {worker.worker_id}", flush=True)
         await stop.wait()
         await worker.stop()
+    finally:
+        await catalog.aclose()
     await engine.dispose()
     return 0
 
@@ -45,7 +47,8 @@ async def main(database_url: str, sor_url: str, deadline_s: float) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--database-url", required=True)
-    parser.add_argument("--sor-url", required=True)
+    parser.add_argument("--domain", choices=sorted(BY_NAME), required=True)
+    parser.add_argument("--url", required=True, help="the domain's system of record")
     parser.add_argument("--deadline", type=float, default=30.0)
     args = parser.parse_args()
-    raise SystemExit(asyncio.run(main(args.database_url, args.sor_url, args.deadline)))
+    raise SystemExit(asyncio.run(main(args.database_url, args.domain, args.url, args.deadline)))
