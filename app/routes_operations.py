@@ -15,6 +15,7 @@ from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep, StaffD
 from app.errors import BadRequest, BadSignature, Conflict, NotFound, PayloadTooLarge
 from tools import ledger, staff
 from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
+from tools.cancellation import request_cancel
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger import OperationRecord
 from tools.reconcile import apply_report
@@ -197,3 +198,34 @@ async def settle_operation(
     except DataError as exc:
         raise BadRequest("unstorable settlement") from exc
     return {"operation": _operation_json(done.operation), "verdict": done.verdict.value}
+
+
+class CancelRequest(BaseModel):
+    """Why a member of staff asks to cancel an operation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=500)
+
+
+@router.post("/api/operations/{operation_id}/cancel")
+async def cancel_operation(
+    operation_id: uuid.UUID, body: CancelRequest, runtime: RuntimeDep, user: StaffDep
+) -> dict[str, Any]:
+    """Ask to cancel: at once if nothing was sent; else only the provider can confirm it
+    (its cancel hook), and a commit that lands anyway is compensated."""
+    tools = runtime.tools
+    if tools is None:
+        raise Conflict("this process runs no tool pipeline")
+    try:
+        op = await request_cancel(
+            runtime.engine,
+            tools.registry,
+            tools.catalog.router,
+            operation_id,
+            actor=f"staff:{user}",
+            reason=body.reason,
+        )
+    except OperationNotFound as exc:
+        raise NotFound(str(operation_id)) from exc
+    return {"operation": _operation_json(op)}
