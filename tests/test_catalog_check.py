@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -292,8 +293,8 @@ def test_merging_catalogs_checks_names_across_them_and_refuses_a_provider_clash(
 
 
 @pytest.fixture
-def plugin_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A package outside the repository, importable for this test."""
+def plugin_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A package outside the repository, importable for this test only."""
     pkg = tmp_path / "shop_plugin_for_tests"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(
@@ -313,7 +314,8 @@ def plugin_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
         "number = 3\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "shop_plugin_for_tests"
+    yield "shop_plugin_for_tests"
+    sys.modules.pop("shop_plugin_for_tests", None)
 
 
 def test_a_plugin_is_a_catalog_or_a_factory_given_the_context(plugin_module: str) -> None:
