@@ -28,6 +28,7 @@ from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator
+from telephony.tool_gateway import ToolGateway
 
 AUTH_TOKEN = "dev-auth-token"  # the fake caller's and fake Twilio API's default
 CONSOLE = ("admin", "console-test-password")
@@ -74,6 +75,7 @@ async def running_service(
     *,
     bridge_config: BridgeConfig | None = None,
     with_worker: bool = False,
+    gateway: ToolGateway | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Service]:
     """create_app(...) served by uvicorn on a free port until the block exits."""
@@ -82,7 +84,13 @@ async def running_service(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     settings = make_settings(port, **overrides)
-    app = create_app(settings, engine=engine, bridge_config=bridge_config, with_worker=with_worker)
+    app = create_app(
+        settings,
+        engine=engine,
+        bridge_config=bridge_config,
+        with_worker=with_worker,
+        gateway=gateway,
+    )
     server = ServiceServer(
         uvicorn_config(app, settings, log_level="warning", access_log=False,
                        timeout_graceful_shutdown=10)
@@ -218,6 +226,7 @@ async def call_stack(
     *,
     bridge_config: BridgeConfig | None = None,
     with_worker: bool = False,
+    gateway: ToolGateway | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
     """Everything a simulated call needs, in this loop, torn down in order."""
@@ -228,6 +237,7 @@ async def call_stack(
             engine,
             bridge_config=bridge_config,
             with_worker=with_worker,
+            gateway=gateway,
             openai_base_url=sim.base_url,
             twilio_api_base_url=api.base_url,
             **overrides,
