@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     sip_max_calls: int | None = Field(default=None, ge=0)
     # How long the Realtime session may take to open before the INVITE gets 503.
     sip_answer_timeout_s: float = Field(default=5.0, gt=0)
+    # RFC 3261 T1 (round-trip estimate): retransmissions start at T1, give up after 64*T1.
+    sip_t1_s: float = Field(default=0.5, gt=0)
 
     tenant_id: str = "default"
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

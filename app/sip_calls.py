@@ -35,6 +35,7 @@ from telephony.sip.leg import SipLeg
 from telephony.sip.ports import RtpPorts
 from telephony.sip.rtp import RtpClock
 from telephony.sip.sdp import ANSWER_DIRECTION, LocalMedia
+from telephony.sip.timers import TimerConfig
 from telephony.sip.transport import SipTransport
 from telephony.sip.uas import (
     CallCancelled,
@@ -138,6 +139,7 @@ class SipService:
         return UasConfig(
             host=self.advertised,
             port=port,
+            timers=TimerConfig(t1=settings.sip_t1_s),
             allow=AllowList.from_spec(settings.sip_allow_from or DEFAULT_ALLOW_FROM),
             rate_per_source=settings.sip_rate_per_source,
             max_calls=self.max_calls,

@@ -167,3 +167,39 @@ async def sip_stack(
     values: dict[str, Any] = {"sip_bind": "127.0.0.1:0", "sip_rtp_ports": "0", **overrides}
     async with call_stack(engine, scenario, **values) as stack:
         yield stack
+
+
+def write_rtp_pcap(path: Path, payload: bytes, payload_type: int, frame_bytes: int = 160) -> None:
+    """A pcap of RTP packets (20 ms apart) carrying `payload`, for sipp's play_pcap_audio."""
+    import struct
+
+    out = bytearray(struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, 1))
+    seq, ts, ssrc = 1000, 160_000, 0x5EED5EED
+    for n, offset in enumerate(range(0, len(payload), frame_bytes)):
+        chunk = payload[offset : offset + frame_bytes]
+        rtp = struct.pack("!BBHII", 0x80, payload_type | (0x80 if n == 0 else 0), seq, ts, ssrc)
+        rtp += chunk
+        udp = struct.pack("!HHHH", 6000, 6002, 8 + len(rtp), 0) + rtp
+        ip = struct.pack(
+            "!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), n & 0xFFFF, 0, 64, 17, 0,
+            bytes([127, 0, 0, 1]), bytes([127, 0, 0, 1]),
+        ) + udp  # fmt: skip
+        frame = b"\x00" * 12 + b"\x08\x00" + ip
+        usec = n * 20_000
+        out += struct.pack("<IIII", usec // 1_000_000, usec % 1_000_000, len(frame), len(frame))
+        out += frame
+        seq = (seq + 1) & 0xFFFF
+        ts = (ts + frame_bytes) & 0xFFFFFFFF
+    path.write_bytes(bytes(out))
+
+
+def count_in_trace(tmp: Path, needle: str) -> int:
+    """How often `needle` starts a line in sipp's -trace_msg logs under `tmp`."""
+    total = 0
+    for log_file in tmp.glob("*_messages.log"):
+        total += sum(
+            1
+            for line in log_file.read_text(errors="replace").splitlines()
+            if line.startswith(needle)
+        )
+    return total

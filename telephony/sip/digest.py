@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from aiosipua import SipDigestAuth, build_credentials
-from aiosipua.headers import AuthChallenge, parse_auth
+from aiosipua.headers import AuthChallenge, parse_auth, parse_uri
 
 NONCE_TTL_S = 300.0
 MAX_NONCES = 10_000
@@ -32,6 +32,21 @@ class _Nonce:
     expires: float
     last_nc: int = 0
     used: bool = False
+
+
+def _same_target(digest_uri: str, request_uri: str) -> bool:
+    """The credentials' uri names this request's target (RFC 2617 3.2.2.5).
+
+    Most clients repeat the Request-URI; some (sipp among them) send only its host and port,
+    which still binds the response to this server, so scheme, host and port must agree.
+    """
+    if digest_uri.strip() == request_uri.strip():
+        return True
+    try:
+        a, b = parse_uri(digest_uri), parse_uri(request_uri)
+    except Exception:
+        return False
+    return bool(a.host) and (a.scheme, a.host.lower(), a.port) == (b.scheme, b.host.lower(), b.port)
 
 
 def parse_users(spec: str) -> dict[str, str]:
@@ -103,7 +118,7 @@ class DigestAuth:
             password is None
             or p.get("realm") != self.realm
             or algorithm not in ALGORITHMS
-            or uri.strip() != request_uri.strip()
+            or not _same_target(uri, request_uri)
             or not given
         ):
             return AuthResult.BAD

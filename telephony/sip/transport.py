@@ -79,21 +79,30 @@ class SipTransport:
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
-        """Bind UDP then TCP on the same port (port 0: whatever UDP got); returns the address."""
+        """Bind UDP then TCP on the same port; returns the address.
+
+        With port 0 the OS picks the UDP port, and TCP may find that number taken (by some
+        client's ephemeral port): then another UDP port is tried.
+        """
         loop = self._loop = asyncio.get_running_loop()
-        udp, _ = await loop.create_datagram_endpoint(
-            lambda: _Udp(self), local_addr=(self.host, self.port)
-        )
-        self._udp = udp
-        bound = udp.get_extra_info("sockname")
-        self.port = int(bound[1])
-        try:
-            self._tcp = await asyncio.start_server(
-                self._on_connection, self.host, self.port, limit=MAX_HEADER_BYTES * 2
+        attempts = 20 if self.port == 0 else 1
+        for attempt in range(attempts):
+            udp, _ = await loop.create_datagram_endpoint(
+                lambda: _Udp(self), local_addr=(self.host, self.port if attempts == 1 else 0)
             )
-        except OSError:
-            udp.close()
-            raise
+            port = int(udp.get_extra_info("sockname")[1])
+            try:
+                self._tcp = await asyncio.start_server(
+                    self._on_connection, self.host, port, limit=MAX_HEADER_BYTES * 2
+                )
+            except OSError:
+                udp.close()
+                if attempt == attempts - 1:
+                    raise
+                continue
+            self._udp = udp
+            self.port = port
+            break
         log.info("SIP listening on %s:%d (UDP and TCP)", self.host, self.port)
         return self.host, self.port
 
