@@ -193,13 +193,11 @@ def write_rtp_pcap(path: Path, payload: bytes, payload_type: int, frame_bytes: i
     path.write_bytes(bytes(out))
 
 
-def count_in_trace(tmp: Path, needle: str) -> int:
-    """How often `needle` starts a line in sipp's -trace_msg logs under `tmp`."""
+def count_in_trace(tmp: Path, needle: str, *, anywhere: bool = False) -> int:
+    """How many lines of sipp's -trace_msg logs under `tmp` start with (or hold) `needle`."""
     total = 0
     for log_file in tmp.glob("*_messages.log"):
-        total += sum(
-            1
-            for line in log_file.read_text(errors="replace").splitlines()
-            if line.startswith(needle)
-        )
+        for line in log_file.read_text(errors="replace").splitlines():
+            if line.startswith(needle) or (anywhere and needle in line):
+                total += 1
     return total

@@ -12,6 +12,7 @@ from aiortc.rtp import RtpPacket
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from telephony.sim.simulator import synthesize_speech
+from telephony.sip.dialog import CallState
 from tests.e2e_support import Stack, call_row, event_rows, wait_until
 from tests.sipp_support import (
     RecordingGateway,
@@ -59,8 +60,7 @@ async def test_sipp_uac_pcap_call_reaches_the_model_as_pcma_and_its_digit_the_to
         run = await run_sipp(sip.port, "uac_pcap", tmp_path, timeout_s=40)
         assert run.returncode == 0, run.explain()
         session = await stack.sim.wait_for_session(0)
-        fmt = session.config.audio.input.format
-        assert fmt is not None and fmt.type == "audio/pcma"
+        assert session.input_format == "audio/pcma" and session.output_format == "audio/pcma"
         assert session.received_events("input_audio_buffer.append")
         await wait_until(lambda: gateway.digits, 10, "digit at the tool layer")
         assert [d for _, d in gateway.digits] == ["1"]
@@ -83,8 +83,7 @@ async def test_a_pcmu_call_is_answered_in_pcmu_and_its_speech_gets_an_answer(
         )
         assert run.returncode == 0, run.explain()
         session = await stack.sim.wait_for_session(0)
-        fmt = session.config.audio.input.format
-        assert fmt is not None and fmt.type == "audio/pcmu"
+        assert session.input_format == "audio/pcmu" and session.output_format == "audio/pcmu"
         # The caller's speech was heard as a turn, and the agent answered it.
         assert session.sent_events("input_audio_buffer.speech_started")
         assert len(session.sent_events("response.created")) >= 2  # greeting, then the reply
@@ -184,30 +183,31 @@ async def test_hold_is_answered_recvonly_and_resume_moves_our_rtp_to_the_new_por
     assert all((b - a) & 0xFFFF == 1 for a, b in itertools.pairwise(seqs))
 
 
+@pytest.mark.parametrize("ender", ["staff", "shutdown"])
 async def test_ending_the_call_from_our_side_sends_a_bye(
-    engine: AsyncEngine, tmp_path: Path
+    engine: AsyncEngine, tmp_path: Path, ender: str
 ) -> None:
     async with sip_stack(engine) as stack:
         sip = stack.service.runtime.sip
         runtime = stack.service.runtime
         sipp = asyncio.create_task(run_sipp(sip.port, "bye_by_us.xml", tmp_path))
-        await wait_until(lambda: runtime.registry.live_count() == 1, 15, "call live")
+        # Answered and acknowledged; then the staff (as a tool would) or a drain ends it.
         await wait_until(
-            lambda: (
-                sip.core.footprint()["calls"] == 1
-                and all(c.leg is not None for c in sip._calls.values())
-            ),
-            10,
-            "call answered",
+            lambda: [sip.core.call_state(k) for k in sip._calls] == [CallState.CONFIRMED],
+            15,
+            "call confirmed",
         )
-        (call_id,) = [entry.call_sid for entry in runtime.registry._live.values()]
-        await asyncio.sleep(0)  # the call is live; the staff ends it (as a tool or drain would)
-        await runtime.registry.end(call_id, "ended by staff")
+        if ender == "staff":
+            (call_id,) = [entry.call_sid for entry in runtime.registry._live.values()]
+            await runtime.registry.end(call_id, "ended by staff")
+            run = await sipp
+            await settled(stack)
+    if ender == "shutdown":
         run = await sipp
-        assert run.returncode == 0, run.explain()
-        await settled(stack)
-        (row,) = await sip_rows(engine)
-        assert row["status"] == "completed" and row["end_reason"] == "ended by staff"
+    assert run.returncode == 0, run.explain()
+    (row,) = await sip_rows(engine)
+    reason = "ended by staff" if ender == "staff" else "server shutdown"
+    assert row["status"] == "completed" and row["end_reason"] == reason
 
 
 async def test_digest_auth_challenges_and_admits_the_right_password(

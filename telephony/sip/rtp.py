@@ -191,7 +191,9 @@ class RtpStream(asyncio.DatagramProtocol):
             self.remote = remote.address
             self._latched = False  # latch again to whatever the new offer's media comes from
         self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
-        self.receiving = direction in ("sendrecv", "recvonly")
+        # Only a two-way call feeds the model: what a caller on hold sends us (music) is not a
+        # turn of the conversation, so while we answered `recvonly` it is dropped.
+        self.receiving = direction == "sendrecv"
         if self.sending and not was_sending:
             self._marker = True  # a new talkspurt after hold
 
