@@ -281,7 +281,8 @@ class SipService:
         leg = SipLeg(key.call_id, incoming.codec, dtmf_pt, self.clock,
                      lambda reason: self._hang_up(key, reason))  # fmt: skip
         try:
-            _, _, rtp_port = await self.ports.bind(self.bind_host, lambda: leg.rtp)
+            _, _, rtp_port, rtp_sock = await self.ports.bind(self.bind_host, lambda: leg.rtp)
+            leg.rtp.use_socket(rtp_sock)
         except RtpPortsExhausted:
             log.warning("no RTP port free for SIP call %s", key.call_id[:64])
             self._reject(key, 503, retry_after=5)

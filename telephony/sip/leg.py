@@ -99,8 +99,7 @@ class SipLeg:
 
     async def clear(self) -> None:
         # Frames still queued never left: the caller never heard them.
-        self.rtp.flush()
-        self.playback.cleared()
+        self.rtp.flush(then=self.playback.cleared)
 
     async def close(self, reason: str) -> None:
         if self._closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 from telephony.sip.errors import RtpPortsExhausted
@@ -40,28 +41,34 @@ class RtpPorts:
         self,
         host: str,
         factory: Callable[[], asyncio.DatagramProtocol],
-    ) -> tuple[asyncio.DatagramTransport, asyncio.DatagramProtocol, int]:
-        """A UDP endpoint on a free port of the range; RtpPortsExhausted when none is left."""
-        loop = asyncio.get_running_loop()
-        if not self._ports:
-            transport, protocol = await loop.create_datagram_endpoint(factory, local_addr=(host, 0))
-            port = int(transport.get_extra_info("sockname")[1])
-            self._in_use.add(port)
-            return transport, protocol, port
+    ) -> tuple[asyncio.DatagramTransport, asyncio.DatagramProtocol, int, socket.socket]:
+        """A UDP endpoint on a free port of the range (and its raw socket, for senders off the
+        loop); RtpPortsExhausted when none is left."""
+        candidates = [0] if not self._ports else self._rotation()
+        for port in candidates:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue  # taken by another process
+            sock.setblocking(False)
+            bound = int(sock.getsockname()[1])
+            loop = asyncio.get_running_loop()
+            transport, protocol = await loop.create_datagram_endpoint(factory, sock=sock)
+            self._in_use.add(bound)
+            return transport, protocol, bound, sock
+        raise RtpPortsExhausted(f"all {len(self._ports)} RTP ports are in use")
+
+    def _rotation(self) -> list[int]:
+        ports = []
         for _ in range(len(self._ports)):
             port = self._ports[self._next]
             self._next = (self._next + 1) % len(self._ports)
-            if port in self._in_use:
-                continue
-            try:
-                transport, protocol = await loop.create_datagram_endpoint(
-                    factory, local_addr=(host, port)
-                )
-            except OSError:
-                continue  # taken by another process
-            self._in_use.add(port)
-            return transport, protocol, port
-        raise RtpPortsExhausted(f"all {len(self._ports)} RTP ports are in use")
+            if port not in self._in_use:
+                ports.append(port)
+        return ports
 
     def release(self, port: int) -> None:
         self._in_use.discard(port)

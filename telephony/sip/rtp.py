@@ -14,6 +14,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,45 +50,58 @@ class SentPlayback(PlaybackTracker):
 
 
 class RtpClock:
-    """One 20 ms clock for every RTP stream of the process (one timer, not one per call)."""
+    """One 20 ms clock for every RTP stream of the process, in its own thread.
+
+    The event loop also runs the bridges (JSON, WebSockets, the event writer); a tick waiting
+    behind their callbacks would leave late. The thread sleeps to absolute deadlines and only
+    needs the GIL for the microseconds a tick takes, so pacing holds while the loop is busy.
+    Each stream's tick runs under that stream's lock, shared with what the loop does to it
+    (queueing, flushing, renegotiating, closing).
+    """
 
     def __init__(self, period_s: float = PERIOD_S) -> None:
         self.period_s = period_s
         self._streams: set[RtpStream] = set()
-        self._handle: asyncio.TimerHandle | None = None
-        self._next = 0.0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self.ticks = 0
+        self._last_error = 0.0
 
     def add(self, stream: RtpStream) -> None:
-        self._streams.add(stream)
-        if self._handle is None:
-            loop = asyncio.get_running_loop()
-            self._next = loop.time() + self.period_s
-            self._handle = loop.call_at(self._next, self._tick)
+        with self._lock:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rtp-clock", daemon=True)
+                self._thread.start()
 
     def remove(self, stream: RtpStream) -> None:
-        self._streams.discard(stream)
-        if not self._streams and self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        with self._lock:
+            self._streams.discard(stream)
 
-    def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.ticks += 1
-        for stream in list(self._streams):
-            try:
-                stream.tick()
-            except Exception:
-                log.exception("RTP tick failed for a stream; closing it")
-                stream.close()
-        if not self._streams:
-            self._handle = None
-            return
-        self._next += self.period_s
-        now = loop.time()
-        if self._next < now - MAX_CATCH_UP * self.period_s:
-            self._next = now + self.period_s
-        self._handle = loop.call_at(self._next, self._tick)
+    def _run(self) -> None:
+        next_at = time.monotonic() + self.period_s
+        while True:
+            with self._lock:
+                if not self._streams:
+                    self._thread = None  # the next add() starts a new thread
+                    return
+                streams = list(self._streams)
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            self.ticks += 1
+            for stream in streams:
+                try:
+                    stream.tick()
+                except Exception:
+                    now = time.monotonic()
+                    if now - self._last_error > 60:
+                        self._last_error = now
+                        log.exception("RTP tick failed")
+            next_at += self.period_s
+            now = time.monotonic()
+            if next_at < now - MAX_CATCH_UP * self.period_s:
+                next_at = now + self.period_s  # stalled: resume from now, no burst
 
 
 @dataclass(slots=True)
@@ -115,6 +131,8 @@ class RtpStream(asyncio.DatagramProtocol):
         self._on_audio = on_audio
         self._on_digit = on_digit
         self.transport: asyncio.DatagramTransport | None = None
+        self._sendto: Callable[[bytes, tuple[str, int]], object] | None = None
+        self.lock = threading.Lock()  # the clock thread's tick against the loop's changes
         self.ssrc = secrets.randbits(32)
         self.seq = secrets.randbits(16)
         self.ts = secrets.randbits(32)
@@ -143,6 +161,12 @@ class RtpStream(asyncio.DatagramProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (3.11's selector transport is not a DatagramTransport subclass, though it is one.)
         self.transport = cast(asyncio.DatagramTransport, transport)
+        if self._sendto is None:
+            self._sendto = self.transport.sendto
+
+    def use_socket(self, sock: socket.socket) -> None:
+        """Send from the clock thread on the raw socket (asyncio transports are loop-only)."""
+        self._sendto = sock.sendto
 
     def error_received(self, exc: Exception) -> None:
         log.debug("RTP socket error: %r", exc)  # ICMP unreachable before the peer listens
@@ -186,16 +210,17 @@ class RtpStream(asyncio.DatagramProtocol):
 
     def set_remote(self, remote: RemoteMedia, direction: Direction) -> None:
         """Apply a negotiation: where to send, and whether to send and receive at all."""
-        was_sending = self.sending
-        if remote.address != self.remote or not self._latched:
-            self.remote = remote.address
-            self._latched = False  # latch again to whatever the new offer's media comes from
-        self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
-        # Only a two-way call feeds the model: what a caller on hold sends us (music) is not a
-        # turn of the conversation, so while we answered `recvonly` it is dropped.
-        self.receiving = direction == "sendrecv"
-        if self.sending and not was_sending:
-            self._marker = True  # a new talkspurt after hold
+        with self.lock:
+            was_sending = self.sending
+            if remote.address != self.remote or not self._latched:
+                self.remote = remote.address
+                self._latched = False  # latch again to whatever the new media comes from
+            self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
+            # Only a two-way call feeds the model: what a caller on hold sends us (music) is
+            # not a turn of the conversation, so while we answered `recvonly` it is dropped.
+            self.receiving = direction == "sendrecv"
+            if self.sending and not was_sending:
+                self._marker = True  # a new talkspurt after hold
 
     def start(self) -> None:
         """Begin pacing (after the 200 OK)."""
@@ -207,6 +232,10 @@ class RtpStream(asyncio.DatagramProtocol):
 
     def enqueue(self, item_id: str, audio: bytes) -> None:
         """Queue agent audio of `item_id` as 20 ms frames."""
+        with self.lock:
+            self._enqueue(item_id, audio)
+
+    def _enqueue(self, item_id: str, audio: bytes) -> None:
         if self._closed:
             return
         if self._tail and self._tail_item != item_id:
@@ -230,49 +259,61 @@ class RtpStream(asyncio.DatagramProtocol):
         self._tail = b""
         self._tail_item = None
 
-    def flush(self) -> int:
-        """Drop every queued frame (barge-in); returns how many. SSRC/seq/timestamp run on."""
-        dropped = len(self._queue) + (1 if self._tail else 0)
-        self._queue.clear()
-        self._tail = b""
-        self._tail_item = None
-        return dropped
+    def flush(self, then: Callable[[], None] | None = None) -> int:
+        """Drop every queued frame (barge-in); returns how many. SSRC/seq/timestamp run on.
+
+        `then` runs under the same lock (the leg passes `playback.cleared`), so no tick can
+        send a frame between the flush and the tracker's new epoch.
+        """
+        with self.lock:
+            dropped = len(self._queue) + (1 if self._tail else 0)
+            self._queue.clear()
+            self._tail = b""
+            self._tail_item = None
+            if then is not None:
+                then()
+            return dropped
 
     @property
     def queued_frames(self) -> int:
         return len(self._queue)
 
     def tick(self) -> None:
-        """One 20 ms period: send the next agent frame, or silence."""
-        self.ts = (self.ts + FRAME_BYTES) & 0xFFFFFFFF  # time runs on, on hold too
-        transport = self.transport
-        if not self.sending or self.remote is None or transport is None or self._closed:
-            return  # paused: agent audio stays queued and nothing counts as heard
-        if not self._queue and self._tail:
-            self._push_tail()  # the last, short frame of a response
-        frame = self._queue.popleft() if self._queue else None
-        packet = RtpPacket(
-            payload_type=self.codec.payload_type,
-            marker=1 if self._marker else 0,
-            sequence_number=self.seq,
-            timestamp=self.ts,
-            ssrc=self.ssrc,
-            payload=frame.payload if frame is not None else self._silence,
-        )
-        self._marker = False
-        self.seq = (self.seq + 1) & 0xFFFF
-        transport.sendto(packet.serialize(), self.remote)
-        self.packets_sent += 1
-        if frame is not None:
-            self.agent_frames_sent += 1
-            self.playback.played(frame.epoch, frame.item_id, frame.end_ms)
+        """One 20 ms period: send the next agent frame, or silence (the clock thread)."""
+        with self.lock:
+            self.ts = (self.ts + FRAME_BYTES) & 0xFFFFFFFF  # time runs on, on hold too
+            remote, sendto = self.remote, self._sendto
+            if not self.sending or remote is None or sendto is None or self._closed:
+                return  # paused: agent audio stays queued and nothing counts as heard
+            if not self._queue and self._tail:
+                self._push_tail()  # the last, short frame of a response
+            frame = self._queue.popleft() if self._queue else None
+            packet = RtpPacket(
+                payload_type=self.codec.payload_type,
+                marker=1 if self._marker else 0,
+                sequence_number=self.seq,
+                timestamp=self.ts,
+                ssrc=self.ssrc,
+                payload=frame.payload if frame is not None else self._silence,
+            )
+            self._marker = False
+            self.seq = (self.seq + 1) & 0xFFFF
+            try:
+                sendto(packet.serialize(), remote)
+            except OSError:
+                pass  # a full socket buffer or an unreachable peer: this frame is lost
+            self.packets_sent += 1
+            if frame is not None:
+                self.agent_frames_sent += 1
+                self.playback.played(frame.epoch, frame.item_id, frame.end_ms)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.clear()
         self._clock.remove(self)
-        self._queue.clear()
         if self.transport is not None:
             with contextlib.suppress(Exception):
                 self.transport.close()
