@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiosipua import SipMessage, SipResponse
@@ -157,3 +158,75 @@ class Uac:
 
 def parsed(data: bytes) -> SipMessage:
     return SipMessage.parse(data)
+
+
+class UdpPeer:
+    """A UDP socket of a test caller (SIP or RTP): keeps what arrives, with arrival times."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.got: list[tuple[float, bytes]] = []
+        self.arrived = asyncio.Event()
+        self.transport: asyncio.DatagramTransport | None = None
+        self.port = 0
+
+    @classmethod
+    async def open(cls) -> UdpPeer:
+        import asyncio
+
+        peer = cls()
+        loop = asyncio.get_running_loop()
+
+        class _Protocol(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+                peer.got.append((loop.time(), data))
+                peer.arrived.set()
+
+        transport, _ = await loop.create_datagram_endpoint(_Protocol, local_addr=("127.0.0.1", 0))
+        peer.transport = transport
+        peer.port = int(transport.get_extra_info("sockname")[1])
+        return peer
+
+    def send(self, data: bytes, addr: tuple[str, int]) -> None:
+        assert self.transport is not None
+        self.transport.sendto(data, addr)
+
+    async def message(
+        self,
+        match: Callable[[SipMessage], bool],
+        start: int = 0,
+        within: float = 10.0,
+    ) -> SipMessage:
+        """The first SIP message from index `start` on that `match` accepts."""
+        import asyncio
+
+        async with asyncio.timeout(within):
+            while True:
+                for _, data in self.got[start:]:
+                    try:
+                        msg = SipMessage.parse(data)
+                    except ValueError:
+                        continue
+                    if match(msg):
+                        return msg
+                self.arrived.clear()
+                await self.arrived.wait()
+
+    async def response(self, status: int, start: int = 0, within: float = 10.0) -> SipResponse:
+        msg = await self.message(
+            lambda m: isinstance(m, SipResponse) and m.status_code == status, start, within
+        )
+        assert isinstance(msg, SipResponse)
+        return msg
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def rtp_port_of(sdp_body: str) -> int:
+    for line in sdp_body.splitlines():
+        if line.startswith("m=audio "):
+            return int(line.split()[1])
+    raise AssertionError("no m=audio line")

@@ -236,6 +236,21 @@ async def test_beyond_sip_max_calls_an_invite_gets_503(engine: AsyncEngine, tmp_
         assert sorted(r["status"] for r in rows) == ["completed", "completed"]
 
 
+async def test_beyond_max_live_calls_of_the_process_an_invite_gets_486_and_a_busy_row(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    async with sip_stack(engine, max_live_calls=2, sip_max_calls=5) as stack:
+        sip = stack.service.runtime.sip
+        run = await run_sipp(
+            sip.port, "cap.xml", tmp_path, calls=3, limit=3, rate=20, extra=["-trace_msg"]
+        )
+        assert run.returncode == 0, run.explain()
+        assert count_in_trace(tmp_path, "SIP/2.0 486") >= 1
+        await settled(stack)
+        rows = await sip_rows(engine)
+        assert sorted(r["status"] for r in rows) == ["busy", "completed", "completed"]
+
+
 async def test_twenty_concurrent_calls_all_complete(engine: AsyncEngine, tmp_path: Path) -> None:
     speech_pcap(tmp_path)
     async with sip_stack(engine, sip_rate_per_source=50) as stack:
