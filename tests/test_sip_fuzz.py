@@ -4,6 +4,7 @@ datagram, and nothing kept once the timers ran."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 
@@ -20,6 +21,7 @@ from telephony.sip.message import Flow
 from telephony.sip.rtp import RtpClock, RtpStream
 from telephony.sip.sdp import PCMU
 from telephony.sip.timers import TimerConfig
+from telephony.sip.transport import SipTransport
 from telephony.sip.uas import UasConfig, UserAgentServer
 from tests.e2e_support import wait_until
 from tests.sip_support import Uac, sdp_offer
@@ -329,3 +331,54 @@ async def test_sources_outside_sip_allow_from_get_no_answer_over_udp_or_tcp(
         assert got == []
         assert sip.core.footprint()["server_transactions"] == 0
         assert AllowList.from_spec("10.0.0.0/8").allows("10.1.2.3")
+
+
+async def _through_the_transport(batch: list[bytes]) -> UserAgentServer:
+    ua = core()
+    events: list[object] = []
+    transport = SipTransport(ua, "127.0.0.1", 0, events.append)
+    await transport.start()
+    server = ("127.0.0.1", transport.port)
+    loop = asyncio.get_running_loop()
+    udp, _ = await loop.create_datagram_endpoint(
+        asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0)
+    )
+    try:
+        for data in batch:
+            udp.sendto(data, server)
+        reader, writer = await asyncio.open_connection(*server)
+        for data in batch:
+            writer.write(data)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+        # Every datagram was read (the TCP stream may have been cut where it stopped framing).
+        blank = sum(1 for d in batch if not d.strip(b"\r\n \t"))
+        await wait_until(lambda: ua.stats.messages >= len(batch) - blank, 5, "datagrams read")
+        # Still serving afterwards.
+        reader, writer = await asyncio.open_connection(*server)
+        writer.write(Uac(transport="TCP").options())
+        await writer.drain()
+        async with asyncio.timeout(5):
+            status = await reader.readline()
+        writer.close()
+        assert status.startswith(b"SIP/2.0 200")
+    finally:
+        udp.close()
+        await transport.stop()
+    return ua
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(st.lists(sip_messages() | st.binary(max_size=600), min_size=1, max_size=6))
+def test_fuzzed_messages_over_real_udp_and_tcp_never_break_the_transport(
+    batch: list[bytes],
+) -> None:
+    ua = asyncio.run(_through_the_transport(batch))
+    assert ua.stats.internal_errors == 0
