@@ -503,3 +503,65 @@ def test_a_scanner_burst_leaves_no_state_once_the_timers_ran() -> None:
     h._collect()
     h.advance(64 * T1 + 10)
     assert h.core.footprint() == dict.fromkeys(h.core.footprint(), 0)
+
+
+def test_a_rejection_without_ack_is_retransmitted_until_timer_h_then_forgotten(
+    h: Harness,
+) -> None:
+    uac = Uac()
+    h.feed(uac.invite(sdp_offer(formats="18")))  # 488
+    start = h.now
+    at: list[float] = []
+    while h.now - start < 40:
+        if statuses(h.advance(0.25)):
+            at.append(round(h.now - start, 2))
+    assert at[:4] == [0.5, 1.5, 3.5, 7.5] and at[-1] <= 32
+    assert h.core.footprint()["server_transactions"] == 0  # timer H at 64*T1
+
+
+def test_over_tcp_nothing_is_retransmitted_and_transactions_end_at_once(h: Harness) -> None:
+    flow = Flow("tcp", ("127.0.0.1", 40999), conn_id=3)
+    uac = Uac(transport="TCP")
+    h.feed(uac.invite(sdp_offer(formats="18")), flow)
+    assert statuses(h.advance(10)) == []  # no timer G on a reliable transport
+    h.feed(uac.ack(non_2xx=True), flow)
+    assert h.core.footprint()["server_transactions"] == 0  # timer I is 0 over TCP
+    h.feed(Uac(transport="TCP").options(), flow)
+    assert h.core.footprint()["server_transactions"] == 0  # timer J is 0 over TCP
+
+
+def test_a_retransmitted_bye_within_timer_j_gets_the_same_200_then_the_state_is_gone(
+    h: Harness,
+) -> None:
+    uac = Uac()
+    h.answered_call(uac)
+    h.feed(uac.ack())
+    bye = uac.bye()
+    h.feed(bye)
+    h.advance(30)
+    assert statuses(h.feed(bye)) == [200]  # still within 64*T1: replayed, not 481
+    h.advance(3)
+    assert h.core.footprint()["server_transactions"] == 0
+
+
+def test_our_bye_unanswered_gives_up_after_timer_f_and_forgets_the_call(h: Harness) -> None:
+    uac = Uac()
+    call = h.answered_call(uac)
+    h.feed(uac.ack())
+    h.core.hangup(call.key, h.now)
+    h._collect()
+    out = h.advance(64 * T1 + 1)
+    byes = [m for m in out if isinstance(m, SipRequest) and m.method == "BYE"]
+    assert 5 <= len(byes) <= 11  # timer E: T1 doubling to T2 until timer F
+    assert h.core.footprint() == dict.fromkeys(h.core.footprint(), 0)
+
+
+def test_a_second_reinvite_before_the_ack_of_the_first_gets_500_with_retry_after(
+    h: Harness,
+) -> None:
+    uac = Uac()
+    h.answered_call(uac)
+    h.feed(uac.ack())
+    h.feed(uac.reinvite(sdp_offer(direction="sendonly", formats="0")))
+    out = h.feed(uac.reinvite(sdp_offer(formats="0")))
+    assert statuses(out) == [500] and out[0].headers.get_first("retry-after")

@@ -602,7 +602,11 @@ class UserAgentServer:
         tx.move(TxState.CONFIRMED)
         self._timers.cancel(tx, "G")
         self._timers.cancel(tx, "H")
-        self._after(tx, "I", 0.0 if tx.reply_to and tx.reply_to.reliable else self.t.t4, now)
+        if tx.reply_to is not None and tx.reply_to.reliable:
+            tx.move(TxState.TERMINATED)  # timer I is zero over a reliable transport
+            self._drop_tx(tx)
+        else:
+            self._after(tx, "I", self.t.t4, now)
 
     def _ack_2xx(self, req: Request, now: float) -> None:
         call = self._calls.get(CallKey(req.call_id, req.to_tag or ""))
@@ -646,7 +650,11 @@ class UserAgentServer:
         ctx.move(TxState.COMPLETED)
         self._timers.cancel(ctx, "E")
         self._timers.cancel(ctx, "F")
-        self._after(ctx, "K", 0.0 if ctx.dest and ctx.dest.reliable else self.t.t4, now)
+        if ctx.dest is not None and ctx.dest.reliable:
+            self._timers.cancel_all(ctx)  # timer K is zero over a reliable transport
+            self._client_txs.pop(ctx.branch, None)
+        else:
+            self._after(ctx, "K", self.t.t4, now)
         self._client_done(ctx, resp.msg, now)
 
     def _client_done(self, ctx: ClientTransaction, msg: SipResponse | None, now: float) -> None:
