@@ -153,10 +153,17 @@ def create_app(
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
+        if settings.sip_bind:
+            from app.sip_calls import SipService
+
+            runtime.sip = SipService(runtime)
+            await runtime.sip.start()
         try:
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            if runtime.sip is not None:
+                await runtime.sip.stop()
             await listener.stop()
             await delivery.stop()
             await control.stop()

@@ -17,8 +17,8 @@ class Call(SQLModel, table=True):
     __tablename__ = "calls"
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
-    # The provider's id: Twilio CallSid, SIP Call-ID, or OpenAI's call_id.
-    call_sid: str = Field(unique=True, index=True, max_length=128)
+    # The provider's id: Twilio CallSid, a whole SIP Call-ID (up to 1024), or OpenAI's call_id.
+    call_sid: str = Field(unique=True, index=True, max_length=1024)
     tenant_id: str = Field(default="default", max_length=64)
     leg: str = Field(default="twilio", max_length=16)
     direction: str = Field(default="inbound", max_length=16)

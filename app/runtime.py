@@ -31,3 +31,4 @@ class Runtime:
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
     console_password: str
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
+    sip: Any = None  # app.sip_calls.SipService when SIP_BIND is set

@@ -58,9 +58,24 @@ class Settings(BaseSettings):
     # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
     max_ws_frame_bytes: int = 64 * 1024
 
-    # SIP (unset SIP_BIND means no SIP listener).
+    # SIP (unset SIP_BIND means no SIP listener): `host:port` for UDP and TCP.
     sip_bind: str | None = None
+    # RTP ports for SIP calls (`0`: any free port, for tests).
     sip_rtp_ports: str = "20000-20999"
+    # The address in SDP, Via and Contact when we sit behind NAT (default: SIP_BIND's host).
+    sip_advertised_address: str | None = None
+    # Source CIDRs that may send SIP at all, checked before parsing; unset: loopback only.
+    sip_allow_from: str | None = None
+    # Digest authentication of INVITEs: `user:password,user2:password2`; unset: none.
+    sip_digest_users: SecretStr | None = None
+    # New INVITEs per second per source address (a scanner gets 503 beyond it).
+    sip_rate_per_source: float = Field(default=10.0, ge=0)
+    # SIP calls per process (default MAX_LIVE_CALLS); beyond it INVITEs get 503.
+    sip_max_calls: int | None = Field(default=None, ge=0)
+    # How long the Realtime session may take to open before the INVITE gets 503.
+    sip_answer_timeout_s: float = Field(default=5.0, gt=0)
+    # RFC 3261 T1 (round-trip estimate): retransmissions start at T1, give up after 64*T1.
+    sip_t1_s: float = Field(default=0.5, gt=0)
 
     # The tools calls may use: a catalog by import path (TOOLS=package.module:catalog, a
     # Catalog or a factory taking a CatalogContext) and/or HTTP tools declared in a YAML file

@@ -28,6 +28,7 @@ from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator
+from telephony.tool_gateway import ToolGateway
 from tools.catalog import Catalog
 
 AUTH_TOKEN = "dev-auth-token"  # the fake caller's and fake Twilio API's default
@@ -76,6 +77,7 @@ async def running_service(
     bridge_config: BridgeConfig | None = None,
     with_worker: bool = False,
     catalog: Catalog | None = None,
+    gateway: ToolGateway | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Service]:
     """create_app(...) served by uvicorn on a free port until the block exits (`catalog`:
@@ -91,6 +93,7 @@ async def running_service(
         bridge_config=bridge_config,
         with_worker=with_worker,
         catalog=catalog,
+        gateway=gateway,
     )
     server = ServiceServer(
         uvicorn_config(app, settings, log_level="warning", access_log=False,
@@ -228,6 +231,7 @@ async def call_stack(
     bridge_config: BridgeConfig | None = None,
     with_worker: bool = False,
     catalog: Catalog | None = None,
+    gateway: ToolGateway | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
     """Everything a simulated call needs, in this loop, torn down in order."""
@@ -239,6 +243,7 @@ async def call_stack(
             bridge_config=bridge_config,
             with_worker=with_worker,
             catalog=catalog,
+            gateway=gateway,
             openai_base_url=sim.base_url,
             twilio_api_base_url=api.base_url,
             **overrides,

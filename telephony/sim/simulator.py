@@ -778,6 +778,20 @@ class SimulatedSession:
     def response_active(self) -> bool:
         return self._active is not None
 
+    @property
+    def input_format(self) -> str:
+        """The caller-audio format this session was configured with (`audio/pcma`, ...)."""
+        audio = self.config.audio
+        fmt = audio.input.format if audio and audio.input else None
+        return fmt.type if fmt else "audio/pcm"
+
+    @property
+    def output_format(self) -> str:
+        """The agent-audio format this session sends."""
+        audio = self.config.audio
+        fmt = audio.output.format if audio and audio.output else None
+        return fmt.type if fmt else "audio/pcm"
+
     # ---- connection loop ---------------------------------------------------------------
 
     async def run(self) -> None:

@@ -1,0 +1,104 @@
+"""Who may talk to the SIP listener: source CIDRs (checked before parsing) and INVITE rates."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Loopback only: every accepted INVITE opens a paid Realtime session, so deny by default.
+DEFAULT_ALLOW_FROM = "127.0.0.0/8,::1/128"
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(spec: str) -> tuple[IpNetwork, ...]:
+    """`10.0.0.0/8, 192.0.2.7` -> networks; ValueError names the entry that is not a CIDR."""
+    networks: list[IpNetwork] = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"SIP_ALLOW_FROM: {entry!r} is not an address or CIDR") from None
+    return tuple(networks)
+
+
+class AllowList:
+    """Source addresses allowed to reach the SIP core at all."""
+
+    def __init__(self, networks: Iterable[IpNetwork]) -> None:
+        self.networks = tuple(networks)
+        self._cache: dict[str, bool] = {}
+
+    @classmethod
+    def from_spec(cls, spec: str) -> AllowList:
+        return cls(parse_networks(spec))
+
+    def allows(self, ip: str) -> bool:
+        known = self._cache.get(ip)
+        if known is not None:
+            return known
+        try:
+            address = ipaddress.ip_address(ip.split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        allowed = any(address in net for net in self.networks)
+        if len(self._cache) >= 4096:
+            self._cache.clear()  # a scan over many addresses must not grow this forever
+        self._cache[ip] = allowed
+        return allowed
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class RateLimiter:
+    """Token bucket per source: `rate` new INVITEs a second, bursts up to `rate` (at least 1).
+
+    Buckets that are full again are forgotten, so a scan from many sources keeps no memory.
+    """
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(1.0, rate)
+        self._buckets: dict[str, _Bucket] = {}
+        self._last_prune = 0.0
+
+    def allow(self, source: str, now: float) -> bool:
+        if self.rate <= 0:
+            return True
+        self._prune(now)
+        bucket = self._buckets.get(source)
+        if bucket is None:
+            bucket = self._buckets[source] = _Bucket(self.burst, now)
+        else:
+            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.rate)
+            bucket.at = now
+        if bucket.tokens < 1.0:
+            return False
+        bucket.tokens -= 1.0
+        return True
+
+    def _prune(self, now: float) -> None:
+        if now - self._last_prune >= 1.0:
+            self.prune(now)
+
+    def prune(self, now: float) -> None:
+        """Forget the buckets that are full again."""
+        self._last_prune = now
+        if self.rate <= 0:
+            return
+        refill_s = self.burst / self.rate
+        for source in [s for s, b in self._buckets.items() if now - b.at >= refill_s]:
+            del self._buckets[source]
+
+    def __len__(self) -> int:
+        return len(self._buckets)

@@ -1,0 +1,114 @@
+"""The SIP leg: one answered SIP call as a CallLeg (RTP media, signalling through the core)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.playback import PlaybackTracker
+from telephony.sip.rtp import RtpClock, RtpStream, SentPlayback
+from telephony.sip.sdp import Codec, Direction, RemoteMedia
+
+log = logging.getLogger(__name__)
+
+# Caller audio waiting for the bridge; beyond this the oldest frames go (2 s of audio).
+MAX_PENDING_EVENTS = 100
+
+
+class SipLeg:
+    """Caller audio and digits from RTP in, agent audio out through our paced playout queue.
+
+    Hanging up from our side (`close`) asks the signalling side for a BYE through `hang_up`; a
+    BYE from the caller arrives as `remote_ended` and ends `events()` with LegClosed.
+    """
+
+    def __init__(
+        self,
+        call_id: str,
+        codec: Codec,
+        dtmf_pt: int | None,
+        clock: RtpClock,
+        hang_up: Callable[[str], None],
+    ) -> None:
+        self.call_id = call_id
+        self.codec = codec
+        self.audio_format: AudioFormat = codec.audio_format
+        self.playback: PlaybackTracker = SentPlayback()
+        self._hang_up = hang_up
+        self._events: asyncio.Queue[LegEvent] = asyncio.Queue()
+        self._closed = False
+        self._close_reason: str | None = None
+        self.dropped_audio = 0
+        self.rtp = RtpStream(codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit)
+
+    # ---- from the media and signalling sides --------------------------------------------
+
+    def _on_audio(self, audio: bytes, timestamp_ms: int) -> None:
+        if self._closed:
+            return
+        if self._events.qsize() >= MAX_PENDING_EVENTS:
+            # The bridge is behind: old caller audio is worth less than new.
+            try:
+                self._events.get_nowait()
+                self.dropped_audio += 1
+            except asyncio.QueueEmpty:
+                pass
+        self._events.put_nowait(AudioIn(audio, timestamp_ms))
+
+    def _on_digit(self, digit: str) -> None:
+        if not self._closed:
+            self._events.put_nowait(DtmfIn(digit))
+
+    def digit(self, digit: str) -> None:
+        """A digit that came as SIP INFO."""
+        self._on_digit(digit)
+
+    def answered(self, remote: RemoteMedia | None, direction: Direction) -> None:
+        """The 200 OK is out: start pacing toward the offer's address."""
+        if remote is not None:
+            self.rtp.set_remote(remote, direction)
+        self.rtp.start()
+
+    def media_updated(self, remote: RemoteMedia, direction: Direction) -> None:
+        """Hold, resume or a new address (re-INVITE, UPDATE, the ACK's answer)."""
+        self.rtp.set_remote(remote, direction)
+
+    def remote_ended(self, reason: str) -> None:
+        """The caller hung up (BYE) or the dialog died (no ACK, session expired)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        self.rtp.close()
+        self._events.put_nowait(LegClosed(reason))
+
+    # ---- CallLeg ------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[LegEvent]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, LegClosed):
+                return
+
+    async def play(self, item_id: str, audio: bytes) -> None:
+        if not self._closed and audio:
+            self.rtp.enqueue(item_id, audio)
+
+    async def clear(self) -> None:
+        # Frames still queued never left: the caller never heard them.
+        self.rtp.flush(then=self.playback.cleared)
+
+    async def close(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        self.rtp.close()
+        try:
+            self._hang_up(reason)
+        except Exception:
+            log.exception("SIP hang-up of call %s failed", self.call_id)
+        self._events.put_nowait(LegClosed(reason))

@@ -1,0 +1,319 @@
+"""RTP for one call: our own playout queue paced by one shared 20 ms clock, packets through
+aiortc's `RtpPacket`, symmetric RTP with latching, and RFC 4733 digits in.
+
+One socket per call sends from the port we advertise and receives on it. The first valid packet
+after each negotiation names the peer's real address (NAT): we latch to it and drop packets from
+anyone else. Outbound, every 20 ms tick sends the next queued agent frame, or silence when the
+queue is empty, so SSRC, sequence and timestamp run on without a gap through barge-in flushes
+and the peer's jitter buffer never starves; a frame counts as played when it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiortc.rtp import RtpPacket
+
+from telephony.playback import PlaybackTracker
+from telephony.sip.dtmf import DtmfDecoder
+from telephony.sip.sdp import Codec, Direction, RemoteMedia
+
+log = logging.getLogger(__name__)
+
+FRAME_MS = 20
+FRAME_BYTES = 160  # 20 ms of 8 kHz G.711
+PERIOD_S = FRAME_MS / 1000
+# A loop stalled this many frames behind gives up catching up (a burst would not help anyone).
+MAX_CATCH_UP = 5
+MAX_PAYLOAD = 1500
+
+
+class SentPlayback(PlaybackTracker):
+    """Playback as our own playout clock knows it: a frame is heard once it was sent.
+
+    The Twilio tracker interpolates between marks because marks come late; here every frame is
+    confirmed as it leaves, and interpolating past it would count audio never sent.
+    """
+
+    def _estimate(self, item: Any) -> float:
+        return float(item.played_ms)
+
+
+class RtpClock:
+    """One 20 ms clock for every RTP stream of the process, in its own thread.
+
+    The event loop also runs the bridges (JSON, WebSockets, the event writer); a tick waiting
+    behind their callbacks would leave late. The thread sleeps to absolute deadlines and only
+    needs the GIL for the microseconds a tick takes, so pacing holds while the loop is busy.
+    Each stream's tick runs under that stream's lock, shared with what the loop does to it
+    (queueing, flushing, renegotiating, closing).
+    """
+
+    def __init__(self, period_s: float = PERIOD_S) -> None:
+        self.period_s = period_s
+        self._streams: set[RtpStream] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+        self._last_error = 0.0
+
+    def add(self, stream: RtpStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rtp-clock", daemon=True)
+                self._thread.start()
+
+    def remove(self, stream: RtpStream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def _run(self) -> None:
+        next_at = time.monotonic() + self.period_s
+        while True:
+            with self._lock:
+                if not self._streams:
+                    self._thread = None  # the next add() starts a new thread
+                    return
+                streams = list(self._streams)
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            self.ticks += 1
+            for stream in streams:
+                try:
+                    stream.tick()
+                except Exception:
+                    now = time.monotonic()
+                    if now - self._last_error > 60:
+                        self._last_error = now
+                        log.exception("RTP tick failed")
+            next_at += self.period_s
+            now = time.monotonic()
+            if next_at < now - MAX_CATCH_UP * self.period_s:
+                next_at = now + self.period_s  # stalled: resume from now, no burst
+
+
+@dataclass(slots=True)
+class _Frame:
+    item_id: str
+    payload: bytes
+    epoch: int
+    end_ms: float
+
+
+class RtpStream(asyncio.DatagramProtocol):
+    """The RTP side of one call. Feed it agent audio; it calls back with caller audio and digits."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        dtmf_pt: int | None,
+        playback: PlaybackTracker,
+        clock: RtpClock,
+        on_audio: Callable[[bytes, int], None],
+        on_digit: Callable[[str], None],
+    ) -> None:
+        self.codec = codec
+        self.dtmf_pt = dtmf_pt
+        self.playback = playback
+        self._clock = clock
+        self._on_audio = on_audio
+        self._on_digit = on_digit
+        self.transport: asyncio.DatagramTransport | None = None
+        self._sendto: Callable[[bytes, tuple[str, int]], object] | None = None
+        self.lock = threading.Lock()  # the clock thread's tick against the loop's changes
+        self.ssrc = secrets.randbits(32)
+        self.seq = secrets.randbits(16)
+        self.ts = secrets.randbits(32)
+        self._silence = bytes([codec.silence]) * FRAME_BYTES
+        self._queue: deque[_Frame] = deque()
+        self._tail = b""
+        self._tail_item: str | None = None
+        self._marker = True
+        self._dtmf = DtmfDecoder()
+        self.remote: tuple[str, int] | None = None
+        self._latched = False
+        self.sending = False
+        self.receiving = True
+        self._started = False
+        self._closed = False
+        self._first_ts: int | None = None
+        # Counters (tests, benchmarks, the call's end event).
+        self.packets_sent = 0
+        self.agent_frames_sent = 0
+        self.packets_received = 0
+        self.bad_packets = 0
+        self.foreign_packets = 0
+
+    # ---- asyncio ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (3.11's selector transport is not a DatagramTransport subclass, though it is one.)
+        self.transport = cast(asyncio.DatagramTransport, transport)
+        if self._sendto is None:
+            self._sendto = self.transport.sendto
+
+    def use_socket(self, sock: socket.socket) -> None:
+        """Send from the clock thread on the raw socket (asyncio transports are loop-only)."""
+        self._sendto = sock.sendto
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("RTP socket error: %r", exc)  # ICMP unreachable before the peer listens
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        source = (str(addr[0]), int(addr[1]))
+        if len(data) < 12 or len(data) > MAX_PAYLOAD or data[0] >> 6 != 2:
+            self.bad_packets += 1
+            return
+        if 200 <= data[1] <= 204:
+            return  # RTCP multiplexed on the RTP port (RFC 5761)
+        try:
+            packet = RtpPacket.parse(data)
+        except Exception:
+            self.bad_packets += 1
+            return
+        pt = packet.payload_type
+        if pt != self.codec.payload_type and pt != self.dtmf_pt:
+            self.bad_packets += 1
+            return
+        if not self._latched:
+            # Symmetric RTP: the peer is where its media comes from, whatever its SDP said.
+            self.remote = source
+            self._latched = True
+        elif source != self.remote:
+            self.foreign_packets += 1
+            return
+        self.packets_received += 1
+        if pt == self.dtmf_pt:
+            for digit in self._dtmf.feed(packet.payload, packet.timestamp):
+                self._on_digit(digit)
+            return
+        if not self.receiving or not packet.payload:
+            return  # on hold: the caller's music is not a turn of the conversation
+        if self._first_ts is None:
+            self._first_ts = packet.timestamp
+        ms = ((packet.timestamp - self._first_ts) & 0xFFFFFFFF) // 8
+        self._on_audio(packet.payload, ms)
+
+    # ---- media state --------------------------------------------------------------------
+
+    def set_remote(self, remote: RemoteMedia, direction: Direction) -> None:
+        """Apply a negotiation: where to send, and whether to send and receive at all."""
+        with self.lock:
+            was_sending = self.sending
+            if remote.address != self.remote or not self._latched:
+                self.remote = remote.address
+                self._latched = False  # latch again to whatever the new media comes from
+            self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
+            # Only a two-way call feeds the model: what a caller on hold sends us (music) is
+            # not a turn of the conversation, so while we answered `recvonly` it is dropped.
+            self.receiving = direction == "sendrecv"
+            if self.sending and not was_sending:
+                self._marker = True  # a new talkspurt after hold
+
+    def start(self) -> None:
+        """Begin pacing (after the 200 OK)."""
+        if not self._started and not self._closed:
+            self._started = True
+            self._clock.add(self)
+
+    # ---- outbound -----------------------------------------------------------------------
+
+    def enqueue(self, item_id: str, audio: bytes) -> None:
+        """Queue agent audio of `item_id` as 20 ms frames."""
+        with self.lock:
+            self._enqueue(item_id, audio)
+
+    def _enqueue(self, item_id: str, audio: bytes) -> None:
+        if self._closed:
+            return
+        if self._tail and self._tail_item != item_id:
+            self._push_tail()
+        data = self._tail + audio
+        whole = len(data) - len(data) % FRAME_BYTES
+        for offset in range(0, whole, FRAME_BYTES):
+            self._push(item_id, data[offset : offset + FRAME_BYTES])
+        self._tail = data[whole:]
+        self._tail_item = item_id if self._tail else None
+
+    def _push(self, item_id: str, payload: bytes) -> None:
+        epoch, end_ms = self.playback.queued(item_id, len(payload) / 8)
+        if len(payload) < FRAME_BYTES:
+            payload += self._silence[len(payload) :]
+        self._queue.append(_Frame(item_id, payload, epoch, end_ms))
+
+    def _push_tail(self) -> None:
+        if self._tail and self._tail_item is not None:
+            self._push(self._tail_item, self._tail)
+        self._tail = b""
+        self._tail_item = None
+
+    def flush(self, then: Callable[[], None] | None = None) -> int:
+        """Drop every queued frame (barge-in); returns how many. SSRC/seq/timestamp run on.
+
+        `then` runs under the same lock (the leg passes `playback.cleared`), so no tick can
+        send a frame between the flush and the tracker's new epoch.
+        """
+        with self.lock:
+            dropped = len(self._queue) + (1 if self._tail else 0)
+            self._queue.clear()
+            self._tail = b""
+            self._tail_item = None
+            if then is not None:
+                then()
+            return dropped
+
+    @property
+    def queued_frames(self) -> int:
+        return len(self._queue)
+
+    def tick(self) -> None:
+        """One 20 ms period: send the next agent frame, or silence (the clock thread)."""
+        with self.lock:
+            self.ts = (self.ts + FRAME_BYTES) & 0xFFFFFFFF  # time runs on, on hold too
+            remote, sendto = self.remote, self._sendto
+            if not self.sending or remote is None or sendto is None or self._closed:
+                return  # paused: agent audio stays queued and nothing counts as heard
+            if not self._queue and self._tail:
+                self._push_tail()  # the last, short frame of a response
+            frame = self._queue.popleft() if self._queue else None
+            packet = RtpPacket(
+                payload_type=self.codec.payload_type,
+                marker=1 if self._marker else 0,
+                sequence_number=self.seq,
+                timestamp=self.ts,
+                ssrc=self.ssrc,
+                payload=frame.payload if frame is not None else self._silence,
+            )
+            self._marker = False
+            self.seq = (self.seq + 1) & 0xFFFF
+            try:
+                sendto(packet.serialize(), remote)
+            except OSError:
+                pass  # a full socket buffer or an unreachable peer: this frame is lost
+            self.packets_sent += 1
+            if frame is not None:
+                self.agent_frames_sent += 1
+                self.playback.played(frame.epoch, frame.item_id, frame.end_ms)
+
+    def close(self) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.clear()
+        self._clock.remove(self)
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                self.transport.close()

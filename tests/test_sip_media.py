@@ -1,0 +1,240 @@
+"""The RTP side of a SIP call: pacing, flush, hold, latching, DTMF, SDP answers, RTP ports."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+from aiortc.rtp import RtpPacket
+from openai import AsyncOpenAI
+
+from telephony.leg import DtmfIn, LegClosed
+from telephony.sim.simulator import RealtimeSimulator
+from telephony.sip import sdp
+from telephony.sip.errors import RtpPortsExhausted, SdpError
+from telephony.sip.leg import SipLeg
+from telephony.sip.ports import RtpPorts, parse_range
+from telephony.sip.rtp import RtpClock, RtpStream, SentPlayback
+from telephony.sip.sdp import PCMA, PCMU, LocalMedia, RemoteMedia
+from tests.sip_support import sdp_offer
+
+PEER = ("127.0.0.1", 40000)
+
+
+class FakeTransport:
+    """What the stream sends, parsed."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[RtpPacket, tuple[str, int]]] = []
+
+    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.sent.append((RtpPacket.parse(data), addr))
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def stream(**kw: Any) -> tuple[RtpStream, FakeTransport, list[bytes], list[str]]:
+    audio: list[bytes] = []
+    digits: list[str] = []
+    rtp = RtpStream(
+        kw.get("codec", PCMU), 101, SentPlayback(), RtpClock(), lambda a, _: audio.append(a),
+        digits.append,
+    )  # fmt: skip
+    transport = FakeTransport()
+    rtp.connection_made(transport)  # type: ignore[arg-type]
+    rtp.set_remote(RemoteMedia(kw.get("codec", PCMU), 101, PEER, "sendrecv"), "sendrecv")
+    return rtp, transport, audio, digits
+
+
+def agent(ms: int, fill: int = 0x11) -> bytes:
+    return bytes([fill]) * (8 * ms)
+
+
+def test_every_tick_sends_one_packet_agent_audio_first_then_silence() -> None:
+    rtp, out, _, _ = stream()
+    rtp.enqueue("item1", agent(50))  # 2.5 frames
+    for _ in range(5):
+        rtp.tick()
+    payloads = [p.payload for p, _ in out.sent]
+    assert payloads[0] == payloads[1] == agent(20)
+    assert payloads[2] == agent(10) + b"\xff" * 80  # the short tail, padded with silence
+    assert payloads[3] == payloads[4] == b"\xff" * 160
+    assert rtp.playback.heard_ms("item1") == 50
+    assert [p.marker for p, _ in out.sent] == [1, 0, 0, 0, 0]
+
+
+def test_a_flush_drops_the_queue_and_the_stream_runs_on_without_a_gap() -> None:
+    rtp, out, _, _ = stream()
+    rtp.enqueue("item1", agent(200))
+    for _ in range(3):
+        rtp.tick()
+    assert rtp.flush() == 7
+    rtp.playback.cleared()
+    rtp.tick()
+    rtp.tick()
+    packets = [p for p, _ in out.sent]
+    assert [p.payload for p in packets[3:]] == [b"\xff" * 160] * 2
+    assert rtp.playback.heard_ms("item1") == 60  # exactly the three frames that left
+    assert len({p.ssrc for p in packets}) == 1
+    for a, b in itertools.pairwise(packets):
+        assert (b.sequence_number - a.sequence_number) & 0xFFFF == 1
+        assert (b.timestamp - a.timestamp) & 0xFFFFFFFF == 160
+
+
+def test_on_hold_nothing_is_sent_nothing_counts_as_heard_and_resume_goes_to_the_new_port() -> None:
+    rtp, out, audio, _ = stream()
+    rtp.enqueue("item1", agent(100))
+    rtp.tick()
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "sendonly"), "recvonly")
+    for _ in range(10):
+        rtp.tick()
+    assert len(out.sent) == 1 and rtp.playback.heard_ms("item1") == 20
+    # Their music on hold reaches us but is not forwarded to the model.
+    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 7, b"\x55" * 160).serialize(), PEER)
+    assert audio == []
+    rtp.set_remote(RemoteMedia(PCMU, 101, ("127.0.0.1", 41000), "sendrecv"), "sendrecv")
+    rtp.tick()
+    resumed, where = out.sent[-1]
+    first = out.sent[0][0]
+    assert where == ("127.0.0.1", 41000) and resumed.marker == 1
+    assert (resumed.sequence_number - first.sequence_number) & 0xFFFF == 1
+    assert (resumed.timestamp - first.timestamp) & 0xFFFFFFFF == 160 * 11  # time ran on
+    assert rtp.playback.heard_ms("item1") == 40
+
+
+def test_inactive_stops_both_directions() -> None:
+    rtp, out, audio, _ = stream()
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "inactive"), "inactive")
+    rtp.tick()
+    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 7, b"\x55" * 160).serialize(), PEER)
+    assert out.sent == [] and audio == []
+
+
+def test_rtp_latches_to_where_media_comes_from_and_ignores_everyone_else() -> None:
+    rtp, out, audio, _ = stream()
+    nat = ("127.0.0.9", 50123)
+    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 7, b"\x01" * 160).serialize(), nat)
+    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 9, b"\x02" * 160).serialize(), ("127.0.0.8", 1))
+    rtp.datagram_received(RtpPacket(96, 0, 1, 160, 7, b"\x03" * 160).serialize(), nat)  # wrong PT
+    rtp.tick()
+    assert audio == [b"\x01" * 160]
+    assert rtp.foreign_packets == 1 and rtp.bad_packets == 1
+    assert out.sent[-1][1] == nat  # symmetric RTP: we answer where it came from
+
+
+def test_rfc4733_digits_come_out_once_per_key_press() -> None:
+    rtp, _, _, digits = stream()
+    for flags in (0x0A, 0x0A, 0x8A, 0x8A, 0x8A):
+        rtp.datagram_received(
+            RtpPacket(101, 0, 1, 4000, 7, bytes([9, flags, 0, 160])).serialize(), PEER
+        )
+    assert digits == ["9"]
+
+
+async def test_the_sip_leg_hangs_up_once_and_a_remote_bye_ends_its_events() -> None:
+    hung: list[str] = []
+    leg = SipLeg("call-1", PCMU, 101, RtpClock(), hung.append)
+    leg.digit("5")
+    await leg.close("tool ended the call")
+    await leg.close("again")
+    events = [e async for e in leg.events()]
+    assert events == [DtmfIn("5"), LegClosed("tool ended the call")]
+    assert hung == ["tool ended the call"]
+    other = SipLeg("call-2", PCMA, None, RtpClock(), hung.append)
+    other.remote_ended("bye")
+    assert [e async for e in other.events()] == [LegClosed("bye")]
+    await other.close("late")
+    assert hung == ["tool ended the call"]  # their BYE ended it: we send none
+    assert other.audio_format == "audio/pcma"
+
+
+def test_the_answer_follows_the_offers_preference_and_its_dtmf_payload_type() -> None:
+    remote = sdp.read_offer(sdp_offer(formats="8 0 99", dtmf=99))
+    assert remote.codec is PCMA and remote.dtmf_pt == 99
+    local = LocalMedia("192.0.2.10", 20002, 7)
+    body = sdp.answer(sdp_offer(formats="8 0 99", dtmf=99), remote, local, 1, "sendrecv").decode()
+    assert "m=audio 20002 RTP/AVP 8 99" in body
+    assert "c=IN IP4 192.0.2.10" in body and "a=fmtp:99 0-15" in body and "a=ptime:20" in body
+
+
+def test_extra_streams_are_refused_with_port_zero_in_the_answer() -> None:
+    offer = sdp_offer() + b"m=video 40002 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\n"
+    remote = sdp.read_offer(offer)
+    body = sdp.answer(offer, remote, LocalMedia("127.0.0.1", 20000, 1), 1, "sendrecv").decode()
+    assert "m=video 0 RTP/AVP 96" in body
+
+
+@pytest.mark.parametrize(
+    ("offer", "status"),
+    [
+        (sdp_offer(formats="18 9"), 488),  # G.729, G.722: no common codec
+        (sdp_offer().replace(b"RTP/AVP", b"RTP/SAVP"), 488),  # SRTP
+        (sdp_offer().replace(b"IN IP4 127.0.0.1", b"IN IP4 example.com"), 488),
+        (b"v=0\r\nm=audio x RTP/AVP 0\r\n", 400),
+        (b"\xff\xfe", 400),
+    ],
+)
+def test_offers_we_cannot_answer(offer: bytes, status: int) -> None:
+    with pytest.raises(SdpError) as caught:
+        sdp.read_offer(offer)
+    assert caught.value.status == status
+
+
+def test_old_style_hold_with_a_zero_address_means_do_not_send() -> None:
+    remote = sdp.read_offer(sdp_offer().replace(b"c=IN IP4 127.0.0.1", b"c=IN IP4 0.0.0.0"))
+    assert remote.address is None and not remote.we_send
+
+
+def test_a_session_level_direction_counts() -> None:
+    offer = (
+        sdp_offer()
+        .replace(b"a=sendrecv\r\n", b"")
+        .replace(b"t=0 0\r\n", b"t=0 0\r\na=sendonly\r\n")
+    )
+    assert sdp.read_offer(offer).direction == "sendonly"
+
+
+async def test_rtp_ports_come_from_the_range_even_and_run_out_cleanly() -> None:
+    assert parse_range("0") is None and parse_range("20000-20003") == (20000, 20003)
+    with pytest.raises(ValueError):
+        parse_range("80-90")
+    ports = RtpPorts("43000-43003")
+    first = await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+    second = await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+    assert {first[2], second[2]} == {43000, 43002}
+    with pytest.raises(RtpPortsExhausted):
+        await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+    first[0].close()
+    await asyncio.sleep(0)  # the socket closes on the next loop iteration
+    ports.release(first[2])
+    third = await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+    assert third[2] == first[2]
+    second[0].close()
+    third[0].close()
+
+
+async def test_the_simulator_takes_pcma_sessions_and_reports_the_format() -> None:
+    async with RealtimeSimulator(realtime_factor=0) as sim:
+        client = AsyncOpenAI(api_key="x", base_url=sim.base_url)
+        async with client.realtime.connect(model="gpt-realtime") as conn:
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "audio": {
+                        "input": {"format": {"type": "audio/pcma"}},
+                        "output": {"format": {"type": "audio/pcma"}},
+                    },
+                }
+            )
+            async for event in conn:
+                if event.type == "session.updated":
+                    break
+        session = await sim.wait_for_session(0)
+        assert session.input_format == "audio/pcma" and session.output_format == "audio/pcma"
+        await client.close()
