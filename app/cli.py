@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
     p.set_defaults(func=_demo)
 
+    from app.staff_cli import add_commands as add_staff_commands
+
+    add_staff_commands(sub)
+
     p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8766)
