@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The axis is at least this wide (px), and at least this many px per second of call.
-MIN_WIDTH_PX = 960
-PX_PER_S = 24
+MIN_WIDTH_PX = 640
+PX_PER_S = 20
 LABEL_PX_PER_CHAR = 6.6
-LABEL_MAX_CHARS = 28
+LABEL_MAX_CHARS = 36
 GAP_PX = 6
+# Points this far along the axis draw their label to their left (it would not fit after).
+FLIP_AFTER = 0.8
 
 _CALL_LANE_KINDS = {
     "call_started": "call started",
@@ -87,6 +89,10 @@ class Swimlanes:
     def pct(self, ms: float) -> float:
         """Position of `ms` on the axis, in percent."""
         return round(max(0.0, min(100.0, ms / self.duration_ms * 100)), 3)
+
+    def flip(self, item: Item) -> bool:
+        """A point near the right edge: its label goes to the left of it."""
+        return item.end_ms is None and item.start_ms > self.duration_ms * FLIP_AFTER
 
     def span_pct(self, item: Item) -> float:
         if item.end_ms is None:
@@ -368,20 +374,26 @@ def _call_lane(events: list[dict[str, Any]]) -> Lane:
     return lane
 
 
-def _pack(lane: Lane, px_per_ms: float) -> None:
+def _pack(lane: Lane, px_per_ms: float, duration_ms: float) -> None:
     """Rows so that no two items (with their labels) overlap at the narrowest width."""
-    ends: list[float] = []
-    for item in sorted(lane.items, key=lambda i: i.start_ms):
+    spans: list[tuple[float, float, Item]] = []
+    for item in lane.items:
         label_ms = (len(item.label) * LABEL_PX_PER_CHAR + GAP_PX + 10) / px_per_ms
-        end = max(item.end_ms or item.start_ms, item.start_ms + label_ms)
+        if item.end_ms is None and item.start_ms > duration_ms * FLIP_AFTER:  # drawn flipped
+            spans.append((item.start_ms - label_ms, item.start_ms, item))
+        else:
+            end = max(item.end_ms or item.start_ms, item.start_ms + label_ms)
+            spans.append((item.start_ms, end, item))
+    ends: list[float] = []
+    for lo, hi, item in sorted(spans, key=lambda s: s[0]):
         for row, row_end in enumerate(ends):
-            if row_end <= item.start_ms:
+            if row_end <= lo:
                 item.row = row
-                ends[row] = end
+                ends[row] = hi
                 break
         else:
             item.row = len(ends)
-            ends.append(end)
+            ends.append(hi)
     lane.rows = max(1, len(ends))
 
 
@@ -415,6 +427,6 @@ def layout(view: dict[str, Any]) -> Swimlanes:
     duration = max([last, 1000.0, *ends]) * 1.02
     width = max(MIN_WIDTH_PX, math.ceil(duration / 1000 * PX_PER_S))
     for lane in lanes:
-        _pack(lane, width / duration)
+        _pack(lane, width / duration, duration)
     transcript = sorted(caller_lines + agent_lines, key=lambda line: line.t_ms)
     return Swimlanes(duration, lanes, _ticks(duration, width), transcript, width)

@@ -169,7 +169,7 @@ async def test_calls_list_filters_by_phone_time_range_status_leg_and_unsettled_o
     assert await ids(
         since=(now - timedelta(hours=2, minutes=1)).isoformat(),
         until=(now - timedelta(minutes=30)).isoformat(),
-    ) == [sip, sam]  # noqa: E501
+    ) == [sip, sam]
     # Status, leg, several values.
     assert await ids(status=["in_progress", "failed"]) == [sip, sam]
     assert await ids(leg="sip") == [sip]
@@ -280,7 +280,7 @@ async def test_viewers_see_phone_numbers_masked_and_operators_see_them_whole(
             call_id,
             CallEventKind.CALLER_TRANSCRIPT,
             {"text": "my number is +1 555 123 0000 and my PIN is 4 3 2 1", "turn_id": 1},
-        )  # noqa: E501
+        )
     )
     await service.runtime.events.flush()
     op_id = await seed_operation(engine, call_id, S.UNKNOWN, caller="+15551230000")
