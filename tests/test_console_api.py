@@ -17,7 +17,14 @@ from starlette.routing import Mount, WebSocketRoute
 
 from app.staff import Role
 from telephony.call_events import CallEvent, CallEventKind
-from tests.console_support import add_staff, bearer, logged_in, seed_call, seed_operation
+from tests.console_support import (
+    add_staff,
+    age_operation,
+    bearer,
+    logged_in,
+    seed_call,
+    seed_operation,
+)
 from tests.e2e_support import Service, running_service
 from tools.states import OperationStatus
 
@@ -422,3 +429,55 @@ async def test_openapi_schema_needs_a_login_and_documents_statuses_bodies_and_co
     body = action["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert body.endswith("/RecordOutcomeBody")
     assert not any(p.startswith("/console") for p in paths)  # pages are not API
+
+
+async def test_operations_are_listed_open_first_and_paged_without_repeats(
+    service: Service, engine: AsyncEngine
+) -> None:
+    call_id = await seed_call(engine)
+    settled = await seed_operation(engine, call_id, S.COMMITTED)
+    flying = await seed_operation(engine, call_id, S.ADMITTED)
+    unknown = await seed_operation(engine, call_id, S.UNKNOWN)
+    person = await seed_operation(engine, None, S.UNKNOWN, tool="no_such_tool")
+    stuck = await seed_operation(engine, None, S.FAILED_RETRYABLE)
+    await age_operation(engine, stuck, 3600)
+    waiting = await seed_operation(engine, None, S.AWAITING_CONFIRMATION)
+    headers = await bearer(engine, Role.VIEWER)
+    async with httpx.AsyncClient(base_url=service.url, headers=headers) as http:
+        body = (await http.get("/api/operations")).json()
+        paged: list[str] = []
+        cursor = None
+        while True:
+            params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+            page = (await http.get("/api/operations", params=params)).json()
+            paged += [o["operation_id"] for o in page["operations"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        only_stuck = (await http.get("/api/operations", params={"state": "stuck"})).json()
+        of_call = (await http.get("/api/operations", params={"call_id": call_id})).json()
+        detail = (await http.get(f"/api/operations/{unknown}")).json()
+    listed = [(o["operation_id"], o["console_state"]) for o in body["operations"]]
+    assert listed == [
+        (str(person), "awaiting_person"),
+        (str(unknown), "unknown"),
+        (str(stuck), "stuck"),
+        (str(flying), "in_flight"),
+        (str(waiting), "awaiting_caller"),
+        (str(settled), "settled"),
+    ]
+    assert body["counts"] == {
+        "awaiting_person": 1, "unknown": 1, "stuck": 1, "in_flight": 1,
+        "awaiting_caller": 1, "settled": 1,
+    }  # fmt: skip
+    assert paged == [op for op, _ in listed]
+    assert [o["operation_id"] for o in only_stuck["operations"]] == [str(stuck)]
+    assert {o["operation_id"] for o in of_call["operations"]} == {
+        str(settled), str(flying), str(unknown)
+    }  # fmt: skip
+    assert [e["to_status"] for e in detail["events"]] == ["admitted", "running", "unknown"]
+    assert detail["operation"]["call_id"] == call_id and detail["operation"]["turn_id"] == 1
+    assert detail["actions"]["reconcile"]["allowed"] is True
+    assert detail["actions"]["resend_sms"] == {
+        "allowed": False, "why": "no SMS delivery exists for this operation"
+    }  # fmt: skip
