@@ -5,6 +5,7 @@ switched on); viewers get phone numbers masked; nobody gets PINs or secrets.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -162,7 +163,9 @@ async def calls_stream(
     _q: Annotated[NoQuery, Query()],
 ) -> Response:
     """`changed` whenever a call starts, a call's events are written or an operation moves."""
-    return _sse(request, console.live, [ALL_CALLS], lambda: _calls_snapshot(engine))
+    return _sse(
+        request, console.live, [ALL_CALLS], lambda: _calls_snapshot(engine), min_interval_s=1.0
+    )
 
 
 async def _view_or_404(
@@ -619,8 +622,11 @@ def _sse(
     hub: LiveHub,
     keys: list[str],
     snapshot: Callable[[], Awaitable[tuple[Any, ...]]],
+    *,
+    min_interval_s: float = 0.0,
 ) -> StreamingResponse:
-    """An SSE response that says `changed` each time `snapshot()` differs from before."""
+    """An SSE response that says `changed` each time `snapshot()` differs from before, at
+    most once per `min_interval_s` (a busy list must not cost a query per event written)."""
 
     async def events() -> AsyncIterator[str]:
         last = await snapshot()
@@ -633,6 +639,8 @@ def _sse(
             if now != last:
                 last = now
                 yield f"event: changed\ndata: {json.dumps({'version': list(now)})}\n\n"
+                if min_interval_s:
+                    await asyncio.sleep(min_interval_s)  # rate limit, not synchronisation
             else:
                 yield KEEPALIVE
 

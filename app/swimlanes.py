@@ -76,6 +76,7 @@ class TranscriptLine:
     text: str
     unheard: str = ""  # agent text generated but never heard (cut by a barge-in)
     note: str = ""
+    turn_id: int | None = None
 
 
 @dataclass
@@ -130,7 +131,10 @@ def _caller_lane(events: list[dict[str, Any]], end_ms: float) -> tuple[Lane, lis
             open_item = None
         elif kind == "caller_transcript":
             text = str(data.get("text") or "")
-            lines.append(TranscriptLine(t, "caller", text))
+            turn = data.get("turn_id")
+            lines.append(
+                TranscriptLine(t, "caller", text, turn_id=turn if isinstance(turn, int) else None)
+            )
             target = by_turn.get(data.get("turn_id"))
             if target is None:
                 target = Item(t, None, "", "", "speech caller point")
