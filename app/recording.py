@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import sys
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from telephony.audio import alaw_to_pcm16, mulaw_to_pcm16, pcm16_to_wav
+from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
 from telephony.leg import AudioFormat, AudioIn, CallLeg, LegEvent
 from telephony.playback import PlaybackTracker
 
@@ -97,25 +95,25 @@ class CallRecorder:
     def frames(self) -> int:
         return len(self._caller) + len(self._agent)
 
-    # Rendering: pure, CPU-bound; run in a thread.
+    # Rendering: pure, CPU-bound, run in a thread. The tracks are laid out and interleaved in
+    # G.711 (one byte a sample: plain copies) and decoded once, in C, so rendering a long call
+    # holds the GIL for little time while other calls' audio runs on the event loop.
 
-    def _decode(self, payload: bytes | str) -> bytes:
+    def _g711(self, payload: bytes | str) -> bytes:
         if isinstance(payload, str):
             try:
-                payload = base64.b64decode(payload)
+                return base64.b64decode(payload)
             except (binascii.Error, ValueError):
                 return b""
-        if self.audio_format == "audio/pcma":
-            return alaw_to_pcm16(payload)
-        return mulaw_to_pcm16(payload)
+        return payload
 
     def _caller_track(self) -> list[tuple[int, bytes]]:
-        """(start sample, PCM) of every caller frame."""
+        """(start sample, G.711 bytes) of every caller frame."""
         placed: list[tuple[int, bytes]] = []
         anchor: tuple[float, int] | None = None  # (arrival ms, stream timestamp ms)
         cursor = 0
         for arrival, stamp, payload in self._caller:
-            pcm = self._decode(payload)
+            data = self._g711(payload)
             arrival_ms = (arrival - self.started) * 1000.0
             if stamp is not None and stamp >= 0:
                 if anchor is None:
@@ -124,64 +122,54 @@ class CallRecorder:
             else:
                 at_ms = max(arrival_ms, cursor / SAMPLES_PER_MS)
             start = max(0, round(at_ms * SAMPLES_PER_MS))
-            placed.append((start, pcm))
-            cursor = start + len(pcm) // 2
+            placed.append((start, data))
+            cursor = start + len(data)
         return placed
 
     def _agent_track(self) -> list[tuple[int, bytes]]:
-        """(start sample, PCM) of agent audio as played, cut at each clear."""
+        """(start sample, G.711 bytes) of agent audio as played, cut at each clear."""
         placed: list[tuple[int, bytes]] = []
         cursor = 0  # where the audio queued so far ends, in samples
-        for at, audio in self._agent:
+        for at, data in self._agent:
             now = max(0, round((at - self.started) * RATE))
-            if not audio:  # a clear: nothing after `now` was ever heard
-                kept: list[tuple[int, bytes]] = []
-                for start, pcm in placed:
-                    if start >= now:
-                        continue
-                    end = start + len(pcm) // 2
-                    kept.append((start, pcm if end <= now else pcm[: (now - start) * 2]))
-                placed = kept
+            if not data:  # a clear: nothing after `now` was ever heard
+                placed = [
+                    (start, chunk if start + len(chunk) <= now else chunk[: now - start])
+                    for start, chunk in placed
+                    if start < now
+                ]
                 cursor = min(cursor, now)
                 continue
-            pcm = self._decode(audio)
             start = max(cursor, now)
-            placed.append((start, pcm))
-            cursor = start + len(pcm) // 2
+            placed.append((start, data))
+            cursor = start + len(data)
         return placed
 
     def render(self) -> Recording:
         """The stereo WAV: caller left, agent right, on the recorder's clock."""
         caller = self._caller_track()
         agent = self._agent_track()
-        samples = max(
-            [s + len(p) // 2 for s, p in caller] + [s + len(p) // 2 for s, p in agent] + [0]
-        )
-        left = _lay(caller, samples)
-        right = _lay(agent, samples)
-        stereo = array("h", bytes(4 * samples))
-        stereo[0::2] = left
-        stereo[1::2] = right
-        if sys.byteorder == "big":
-            stereo.byteswap()
+        samples = max([s + len(d) for s, d in caller] + [s + len(d) for s, d in agent] + [0])
+        codec: Codec = "pcma" if self.audio_format == "audio/pcma" else "pcmu"
+        silence = silence_byte(codec)
+        stereo = bytearray(2 * samples)
+        stereo[0::2] = _lay(caller, samples, silence)
+        stereo[1::2] = _lay(agent, samples, silence)
         return Recording(
-            wav=pcm16_to_wav(stereo.tobytes(), RATE, channels=2),
+            # G.711 decodes sample by sample, so the interleaved bytes decode to stereo PCM.
+            wav=pcm16_to_wav(decode(bytes(stereo), codec), RATE, channels=2),
             duration_ms=samples // SAMPLES_PER_MS,
             started_at=self.started_at,
             truncated=self.truncated,
         )
 
 
-def _lay(pieces: list[tuple[int, bytes]], samples: int) -> array[int]:
-    track = array("h", bytes(2 * samples))
-    for start, pcm in pieces:
-        chunk = array("h")
-        chunk.frombytes(pcm[: len(pcm) - len(pcm) % 2])
-        if sys.byteorder == "big":
-            chunk.byteswap()
-        end = min(samples, start + len(chunk))
-        track[start:end] = chunk[: end - start]
-    return track
+def _lay(pieces: list[tuple[int, bytes]], samples: int, silence: int) -> bytes:
+    track = bytearray([silence]) * samples
+    for start, data in pieces:
+        end = min(samples, start + len(data))
+        track[start:end] = data[: end - start]
+    return bytes(track)
 
 
 class RecordingLeg:

@@ -22,11 +22,11 @@ from app.operation_actions import TITLES, Action
 from app.operation_query import ConsoleState
 from app.routes_console_api import (
     ConsoleDep,
-    _view_or_404,
     calls_page,
     operation_detail,
     operations_page,
     run_action,
+    view_or_404,
 )
 from app.staff import Role, StaffError
 from app.swimlanes import layout
@@ -116,6 +116,7 @@ async def calls_list(request: Request, engine: EngineDep, who: ViewerPageDep) ->
     if page["next_cursor"]:
         next_url = "/console/calls?" + urlencode([*args.items(), ("cursor", page["next_cursor"])])
     context = {
+        "nav": "calls",
         "page": page,
         "q": q,
         "error": error,
@@ -141,9 +142,15 @@ async def call_page(
     console: ConsoleDep,
     who: ViewerPageDep,
 ) -> Response:
-    view = await _view_or_404(engine, console, call_id, who)
+    view = await view_or_404(engine, console, call_id, who)
     lanes = layout(view)
-    context = {"view": view, "call": view["call"], "lanes": lanes, "recording": view["recording"]}
+    context = {
+        "nav": "calls",
+        "view": view,
+        "call": view["call"],
+        "lanes": lanes,
+        "recording": view["recording"],
+    }
     name = (
         "console/_call_live.html" if request.query_params.get("fragment") else "console/call.html"
     )
@@ -163,6 +170,7 @@ async def operations_list(
             [*args.items(), ("cursor", page["next_cursor"])]
         )
     context = {
+        "nav": "operations",
         "page": page,
         "q": q,
         "error": error,
@@ -187,7 +195,13 @@ async def operation_page(
     who: ViewerPageDep,
 ) -> Response:
     detail = await operation_detail(engine, console, operation_id, who)
-    context = {"d": detail, "op": detail["operation"], "titles": TITLES, "states": STATE_TITLES}
+    context = {
+        "nav": "operations",
+        "d": detail,
+        "op": detail["operation"],
+        "titles": TITLES,
+        "states": STATE_TITLES,
+    }
     name = (
         "console/_operation_live.html"
         if request.query_params.get("fragment")
@@ -244,7 +258,9 @@ async def operation_action(
 @router.get("/tokens", response_class=HTMLResponse)
 async def tokens_page(request: Request, engine: EngineDep, who: AdminPageDep) -> Response:
     tokens = await api_tokens.list_tokens(engine)
-    return _render(request, "console/tokens.html", who, {"tokens": tokens, "created": None})
+    return _render(
+        request, "console/tokens.html", who, {"nav": "tokens", "tokens": tokens, "created": None}
+    )
 
 
 @router.post("/tokens", response_class=HTMLResponse)
@@ -268,7 +284,7 @@ async def create_token(
         request,
         "console/tokens.html",
         who,
-        {"tokens": tokens, "created": created, "error": error},
+        {"nav": "tokens", "tokens": tokens, "created": created, "error": error},
         status=400 if error else 200,
     )
 
@@ -290,7 +306,7 @@ async def revoke_token(
 @router.get("/staff", response_class=HTMLResponse)
 async def staff_page(request: Request, engine: EngineDep, who: AdminPageDep) -> Response:
     accounts = await staff.list_staff(engine)
-    return _render(request, "console/staff.html", who, {"accounts": accounts})
+    return _render(request, "console/staff.html", who, {"nav": "staff", "accounts": accounts})
 
 
 @router.post("/staff/{username}/{change}")

@@ -168,7 +168,7 @@ async def calls_stream(
     )
 
 
-async def _view_or_404(
+async def view_or_404(
     engine: AsyncEngine, console: Console, call_id: uuid.UUID, principal: Principal
 ) -> dict[str, Any]:
     view = await call_view(
@@ -190,7 +190,7 @@ async def call_timeline(
     """The call, its operations, its recording, and every event in time order: what was
     said, what the model asked, what policy decided, what the system of record confirmed,
     how outcomes reached the caller."""
-    return await _view_or_404(engine, console, call_id, principal)
+    return await view_or_404(engine, console, call_id, principal)
 
 
 async def _call_snapshot(engine: AsyncEngine, call_id: uuid.UUID) -> tuple[Any, ...]:

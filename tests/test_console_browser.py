@@ -227,6 +227,8 @@ async def test_reconciling_an_unknown_operation_updates_its_history_live_for_oth
         )
         history = await watcher.locator("#history-rows").inner_text()
         facts = await watcher.locator(".facts").inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        await watcher.screenshot(path=str(ARTIFACTS / "console-operation.png"), full_page=True)
         not_reloaded = await watcher.evaluate("window.__notReloaded === true")
         after = await watcher.locator("#history-rows tr").count()
         await watcher.context.close()
