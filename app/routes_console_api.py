@@ -22,6 +22,7 @@ from app.auth import AdminDep, OperatorDep, Principal, ViewerDep
 from app.call_store import call_events, calls
 from app.call_view import call_view
 from app.console import Console
+from app.console_models import call_recordings_table as recordings_t
 from app.console_schemas import (
     ActionBody,
     ActionResult,
@@ -212,6 +213,8 @@ async def _call_snapshot(engine: AsyncEngine, call_id: uuid.UUID) -> tuple[Any, 
                     )
                     .where(ops_t.c.call_id == key)
                     .scalar_subquery(),
+                    # The recording lands after the call's last event (no notification).
+                    sa.exists().where(recordings_t.c.call_id == call_id),
                 )
             )
         ).one()

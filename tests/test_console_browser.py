@@ -338,3 +338,34 @@ async def test_a_forged_csrf_token_is_refused_and_changes_nothing(
 
     assert response.status == 403
     assert status == "unknown" and trail == 3  # admitted, running, unknown: nothing added
+
+
+async def test_a_call_in_progress_updates_live_and_gets_its_player_when_it_ends(
+    engine: AsyncEngine, browser: Any
+) -> None:
+    from app.recording import CallRecorder
+    from telephony.call_events import CallEvent, CallEventKind
+
+    call_id = await seed_call(engine, status="in_progress")
+    await add_staff(engine, "liv", Role.VIEWER)
+    async with running_service(engine, console_http_basic=False) as svc:
+        events = svc.runtime.events
+        events.emit(CallEvent(call_id, CallEventKind.CALL_STARTED, {"from": "+15551230000"}))
+        await events.flush()
+        page = await log_in(browser, svc.url, "liv", PASSWORD)
+        await page.goto(f"{svc.url}/console/calls/{call_id}")
+        await page.wait_for_selector("#call-live[data-connected='1']")
+        await page.evaluate("window.__notReloaded = true")
+        no_player = await page.locator("#recording").count()
+        events.emit(CallEvent(call_id, CallEventKind.CALLER_TRANSCRIPT, {"text": "Is it raining?"}))
+        await page.wait_for_selector(".transcript li:has-text('Is it raining?')")
+        live = await page.evaluate("window.__notReloaded === true")
+        # The call ends; its recording is stored a moment later: the page gets its player.
+        events.emit(CallEvent(call_id, CallEventKind.CALL_ENDED, {"reason": "hangup"}))
+        await events.flush()
+        recorder = CallRecorder("audio/pcmu", max_ms=60_000)
+        recorder.caller_audio(b"\x00" * 8000, 0)
+        await svc.runtime.console.recordings.save(call_id, recorder.render())
+        await page.wait_for_selector("#recording", timeout=WAIT_MS)
+        await page.context.close()
+    assert no_player == 0 and live

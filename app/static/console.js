@@ -90,7 +90,18 @@ function details() {
   });
 }
 
+// A call that ended while watched: once its recording is stored, load the page with its player.
+function reloadForRecording() {
+  document.addEventListener("console:refreshed", () => {
+    const state = document.getElementById("live-state");
+    if (state && state.dataset.recording === "1" && !document.getElementById("recording")) {
+      window.location.reload();
+    }
+  });
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  reloadForRecording();
   document.querySelectorAll("[data-live]").forEach(liveSection);
   playhead();
   details();
