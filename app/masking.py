@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 MASK = "•"
@@ -69,8 +70,18 @@ def mask_phone(value: str) -> str:
     return "".join(out)
 
 
+_DIGIT = re.compile(r"\d")
+
+
+@lru_cache(maxsize=4096)
+def _is_secret_key(key: str) -> bool:
+    return _SECRET_KEY.search(key) is not None
+
+
 def mask_text(text: str) -> str:
     """Phone numbers and PIN-like digit runs inside free text."""
+    if _DIGIT.search(text) is None:
+        return text  # most text: nothing to mask, and no regex substitution to pay for
     text = _PHONE_IN_TEXT.sub(lambda m: mask_phone(m.group(0)), text)
     return _PIN_IN_TEXT.sub(lambda m: re.sub(r"\d", MASK, m.group(0)), text)
 
@@ -100,7 +111,7 @@ class Masker:
         out: dict[str, Any] = {}
         redact_args = bool(value.get("redacted_arguments"))
         for k, v in value.items():
-            if isinstance(k, str) and _SECRET_KEY.search(k) and not isinstance(v, bool):
+            if isinstance(k, str) and _is_secret_key(k) and not isinstance(v, bool):
                 out[k] = REDACTED if v not in (None, "") else v
             elif k in ("arguments", "raw_arguments") and redact_args:
                 out[k] = {"redacted": True}
