@@ -31,3 +31,4 @@ bench: install
 	$(BIN)/python bench/bridge.py
 	$(BIN)/python bench/operations.py
 	$(BIN)/python bench/sip_rtp.py
+	$(BIN)/python bench/console.py

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_tools_check)
     sp = toolsub.add_parser("schema", help="print the JSON schema of a tools file (for editors)")
     sp.set_defaults(func=_tools_schema)
+    from app.staff_cli import add_commands as add_staff_commands
+
+    add_staff_commands(sub)
 
     p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")
     p.add_argument("--host", default="127.0.0.1")

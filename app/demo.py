@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import secrets
 import socket
 import sys
 import time
@@ -109,6 +108,7 @@ def _free_socket() -> socket.socket:
 
 async def demo(settings: Settings, out: Path) -> int:
     began = time.monotonic()
+    console_url = f"http://{settings.host}:{settings.port}/console/calls"
     print("voice-agent demo: one simulated booking call, offline")
     where = (
         "DATABASE_URL" if settings.database_url else f"embedded PostgreSQL in {settings.data_dir}"
@@ -146,7 +146,6 @@ async def demo(settings: Settings, out: Path) -> int:
                 "public_base_url": f"http://127.0.0.1:{port}",
                 "host": "127.0.0.1",
                 "port": port,
-                "console_password": SecretStr(secrets.token_urlsafe(12)),
                 "sor_base_url": sor_url,
                 # The scripted call books a table: the demo always runs the restaurant.
                 "tools": None,
@@ -209,6 +208,7 @@ async def demo(settings: Settings, out: Path) -> int:
     if effects is not None:
         print(f"System of record: {effects.bookings_inserted} booking(s) made")
     print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
+    print(f"See it in the staff console: `voice-agent serve`, then {console_url}/{call['id']}")
     print(f"Done in {time.monotonic() - began:.1f} s.")
     if failure is not None:
         print(failure, file=sys.stderr)

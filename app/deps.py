@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, status
-from fastapi.security import HTTPBasic, HTTPBasicCredentials
+from fastapi import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.requests import HTTPConnection
 
@@ -54,27 +52,3 @@ CompensationDep = Annotated[Compensation | None, Depends(get_compensation)]
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 RegistryDep = Annotated[CallRegistry, Depends(get_registry)]
 EventsDep = Annotated[EventWriter, Depends(get_events)]
-
-_basic = HTTPBasic(realm="voice-agent console")
-
-
-def require_staff(
-    runtime: RuntimeDep, credentials: Annotated[HTTPBasicCredentials, Depends(_basic)]
-) -> str:
-    """HTTP Basic against the console user/password; returns the user name."""
-    user_ok = secrets.compare_digest(
-        credentials.username.encode(), runtime.settings.console_user.encode()
-    )
-    password_ok = secrets.compare_digest(
-        credentials.password.encode(), runtime.console_password.encode()
-    )
-    if not (user_ok and password_ok):
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="bad credentials",
-            headers={"WWW-Authenticate": 'Basic realm="voice-agent console"'},
-        )
-    return credentials.username
-
-
-StaffDep = Annotated[str, Depends(require_staff)]

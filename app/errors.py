@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from telephony.errors import MalformedFrame, StreamRejected, TelephonyError
 
@@ -43,7 +44,7 @@ class NotFound(AppError):
 
 
 class Conflict(AppError):
-    """The request conflicts with the current state (e.g. settling a settled operation)."""
+    """The request conflicts with the current state (the message says why)."""
 
 
 class DatabaseUnavailable(AppError):
@@ -60,12 +61,45 @@ class TokenRejected(AppError):
         self.reason = reason
 
 
+class NotAuthenticated(AppError):
+    """No valid credentials on an API request (no token, session or allowed Basic)."""
+
+
+class LoginRequired(AppError):
+    """A console page asked for without a session: go to the login page, then come back."""
+
+    def __init__(self, next_path: str) -> None:
+        super().__init__(next_path)
+        self.next_path = next_path
+
+
+class Forbidden(AppError):
+    """Authenticated, but the role does not allow this."""
+
+
+class CsrfRejected(AppError):
+    """A state-changing console request without the session's CSRF token."""
+
+
+class TooManyAttempts(AppError):
+    """Login rate limit: too many failures for the account or the source address."""
+
+    def __init__(self, reason: str, retry_after_s: int) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 _HTTP: list[tuple[type[Exception], int]] = [
+    (NotAuthenticated, 401),
+    (LoginRequired, 303),
+    (Forbidden, 403),
+    (CsrfRejected, 403),
+    (TooManyAttempts, 429),
+    (Conflict, 409),
     (BadSignature, 403),
     (PayloadTooLarge, 413),
     (BadRequest, 400),
     (NotFound, 404),
-    (Conflict, 409),
     (DatabaseUnavailable, 503),
     (TokenRejected, 403),
 ]
@@ -77,6 +111,10 @@ _WS: list[tuple[type[Exception], int]] = [
     (DatabaseUnavailable, WS_TRY_AGAIN_LATER),
     (TelephonyError, WS_INTERNAL_ERROR),
 ]
+
+
+# Errors whose message is written for the API's user (the others answer with their name).
+_SPEAKS = (NotAuthenticated, Forbidden, CsrfRejected, TooManyAttempts, Conflict, NotFound)
 
 
 def http_status(exc: BaseException) -> int:
@@ -101,7 +139,21 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> Response:
         status = http_status(exc)
         log.info("%s %s -> %d (%s)", request.method, request.url.path, status, type(exc).__name__)
-        headers = {"Retry-After": "1"} if getattr(exc, "retryable", False) else None
+        if isinstance(exc, LoginRequired):
+            return RedirectResponse(
+                "/console/login?next=" + quote(exc.next_path, safe="/"), status_code=303
+            )
+        headers: dict[str, str] = {}
+        if getattr(exc, "retryable", False):
+            headers["Retry-After"] = "1"
+        if isinstance(exc, TooManyAttempts):
+            headers["Retry-After"] = str(exc.retry_after_s)
+        if isinstance(exc, NotAuthenticated):
+            headers["WWW-Authenticate"] = 'Bearer realm="voice-agent"'
+        if request.url.path.startswith("/api/"):
+            # The JSON API answers JSON; what the message says is safe to show (no internals).
+            detail = str(exc) if isinstance(exc, _SPEAKS) else type(exc).__name__
+            return JSONResponse({"detail": detail}, status_code=status, headers=headers)
         return PlainTextResponse(type(exc).__name__, status_code=status, headers=headers)
 
     app.add_exception_handler(AppError, handle)

@@ -27,6 +27,8 @@ from telephony.call_events import CallEvent, CallEventKind
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# One notification per call per batch, in the batch's transaction (see app.live_updates).
+_NOTIFY = sa.text("SELECT pg_notify('call_events', c) FROM unnest(CAST(:ids AS text[])) AS c")
 
 
 class EventWriter:
@@ -244,6 +246,8 @@ class EventWriter:
                 )
             if rows:
                 await conn.execute(sa.insert(call_events), rows)
+                # Console pages watching these calls (on any replica) look again.
+                await conn.execute(_NOTIFY, {"ids": [str(k) for k in next_seq]})
         self._seq.update(next_seq)
         self.written += len(rows)
         for event in batch:

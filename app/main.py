@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,9 +12,10 @@ from fastapi import FastAPI
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import routes_api, routes_health, routes_operations, routes_twilio
+from app import routes_health, routes_operations, routes_twilio
 from app.call_control import CallControl
 from app.calls import CallRegistry
+from app.console import install_console, start_console
 from app.db import make_engine, plain_url, resolve_database_url
 from app.delivery import ResultDelivery
 from app.errors import install_error_handlers
@@ -60,19 +59,6 @@ def _make_twilio_client(settings: Settings) -> Any:
         settings.twilio_auth_token.get_secret_value(),
         settings.twilio_api_base_url,
     )
-
-
-def _console_password(settings: Settings) -> str:
-    if settings.console_password is not None:
-        return settings.console_password.get_secret_value()
-    password = secrets.token_urlsafe(12)
-    # Local development convenience: shown once on the terminal, never logged.
-    print(
-        f"console login (generated; set CONSOLE_PASSWORD to choose one): "
-        f"{settings.console_user} / {password}",
-        file=sys.stderr,
-    )
-    return password
 
 
 async def _start_worker(
@@ -137,6 +123,14 @@ def create_app(
         listener = PgListener(plain_url(db_url))
         delivery.subscribe(listener)
         control.subscribe(listener)
+        console = await start_console(
+            settings,
+            db,
+            plain_url(db_url),
+            registry=tools.registry if tools is not None else tool_catalog.registry,
+            provider=tool_catalog.router,
+            listener=listener,
+        )
         await listener.start()
         runtime = Runtime(
             settings=settings,
@@ -148,8 +142,8 @@ def create_app(
             openai=client,
             bridge_config=bridge_config or bridge_config_from(settings, tool_catalog),
             twilio=_make_twilio_client(settings),
-            console_password=_console_password(settings),
             tools=tools,
+            console=console,
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
@@ -164,6 +158,7 @@ def create_app(
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
             if runtime.sip is not None:
                 await runtime.sip.stop()
+            await console.aclose()
             await listener.stop()
             await delivery.stop()
             await control.stop()
@@ -178,10 +173,13 @@ def create_app(
             if own_engine:
                 await db.dispose()
 
-    app = FastAPI(title="voice-agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The OpenAPI schema is served behind authentication by the console (/api/openapi.json).
+    app = FastAPI(
+        title="voice-agent", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     install_error_handlers(app)
     app.include_router(routes_twilio.router)
-    app.include_router(routes_api.router)
     app.include_router(routes_health.router)
     app.include_router(routes_operations.router)
+    install_console(app)
     return app

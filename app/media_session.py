@@ -10,9 +10,11 @@ from sqlalchemy.exc import DBAPIError
 
 from app import call_store
 from app.call_store import CallRow, CallStatus
+from app.recording import RecordingLeg
 from app.runtime import Runtime
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.leg import CallLeg
 from telephony.tool_gateway import CallContext
 from telephony.twilio_events import StartInfo
 from telephony.twilio_leg import TextWebSocket, TwilioLeg
@@ -68,9 +70,14 @@ async def run_media_session(
         await _hang_up_via_rest(runtime, sink, call, reason)
 
     leg = TwilioLeg(ws, start, sink, call.id, chunk_ms=runtime.settings.twilio_media_chunk_ms)
+    # Recording taps the leg here, between it and the bridge (app.recording): neither knows.
+    recordings = runtime.console.recordings if runtime.console is not None else None
+    recorder = recordings.start(leg.audio_format) if recordings is not None else None
+    bridge_leg: CallLeg = RecordingLeg(leg, recorder) if recorder is not None else leg
     bridge = Bridge(
-        leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai, on_fatal=hang_up
-    )
+        bridge_leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai,
+        on_fatal=hang_up,
+    )  # fmt: skip
     entry = runtime.registry.attach(call.call_sid, call.id, bridge)
     entry.socket = ws
     try:
@@ -94,6 +101,8 @@ async def run_media_session(
                 )
             )
         await runtime.events.flush(FLUSH_TIMEOUT_S)
+        if recorder is not None and recordings is not None:
+            await recordings.finish(call.id, recorder)
 
 
 async def _hang_up_via_rest(runtime: Runtime, sink: CallSink, call: CallRow, reason: str) -> None:

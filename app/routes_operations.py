@@ -1,19 +1,20 @@
-"""Operations over HTTP: the provider's signed callback, the operation with its trail, and
-the operations waiting for staff (an `unknown` no lookup can resolve) with their settlement."""
+"""Operations over HTTP: the provider's signed callback, and the settlement and cancel requests
+staff make (the console API lists and shows operations)."""
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.exc import DataError
 
-from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep, StaffDep
+from app.auth import OperatorDep
+from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep
 from app.errors import BadRequest, BadSignature, Conflict, NotFound, PayloadTooLarge
-from tools import ledger, staff
+from tools import staff
 from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
 from tools.cancellation import request_cancel
 from tools.errors import IdempotencyConflict, OperationNotFound
@@ -111,58 +112,6 @@ def _operation_json(op: OperationRecord) -> dict[str, Any]:
     }
 
 
-@router.get("/api/operations")
-async def list_operations(
-    engine: EngineDep,
-    _staff: StaffDep,
-    awaiting: Literal["staff"] = Query(description="operations waiting for a person"),
-    limit: int = Query(100, ge=1, le=500),
-) -> dict[str, Any]:
-    """Operations waiting for staff (oldest first): their outcome is unknown and their
-    provider offers no lookup, so a person must check with the provider and settle them."""
-    async with engine.connect() as conn:
-        found = await staff.list_awaiting(conn, limit=limit)
-    return {
-        "awaiting": awaiting,
-        "operations": [
-            {**_operation_json(op), "awaiting_staff_since": _iso(since)} for op, since in found
-        ],
-    }
-
-
-@router.get("/api/operations/{operation_id}")
-async def get_operation(
-    operation_id: uuid.UUID, engine: EngineDep, _staff: StaffDep
-) -> dict[str, Any]:
-    """One operation and its append-only trail of events."""
-    async with engine.connect() as conn:
-        op = await ledger.get_operation(conn, operation_id)
-        if op is None:
-            raise NotFound(str(operation_id))
-        events = await ledger.get_events(conn, operation_id)
-        since = await staff.awaiting_since(conn, op)
-    return {
-        "operation": {
-            **_operation_json(op),
-            "awaiting_staff": since is not None,
-            "awaiting_staff_since": _iso(since),
-        },
-        "events": [
-            {
-                "id": e.id,
-                "at": _iso(e.at),
-                "kind": e.kind,
-                "from_status": e.from_status.value if e.from_status else None,
-                "to_status": e.to_status.value if e.to_status else None,
-                "actor": e.actor,
-                "reason": e.reason,
-                "data": e.data,
-            }
-            for e in events
-        ],
-    }
-
-
 class Settle(BaseModel):
     """A member of staff's finding at the provider about an `unknown` operation."""
 
@@ -175,7 +124,7 @@ class Settle(BaseModel):
 
 @router.post("/api/operations/{operation_id}/settle")
 async def settle_operation(
-    operation_id: uuid.UUID, body: Settle, runtime: RuntimeDep, user: StaffDep
+    operation_id: uuid.UUID, body: Settle, runtime: RuntimeDep, user: OperatorDep
 ) -> dict[str, Any]:
     """Settle an `unknown` operation: it happened (`committed`), it did not (`not_applied`),
     or it did not and is to be sent again (`retry`). Recorded with the staff member's name."""
@@ -185,7 +134,7 @@ async def settle_operation(
             runtime.engine,
             operation_id,
             body.verdict,
-            actor=f"staff:{user}",
+            actor=user.actor,
             note=body.note,
             reference=body.reference,
             registry=tools.registry if tools is not None else None,
@@ -210,7 +159,7 @@ class CancelRequest(BaseModel):
 
 @router.post("/api/operations/{operation_id}/cancel")
 async def cancel_operation(
-    operation_id: uuid.UUID, body: CancelRequest, runtime: RuntimeDep, user: StaffDep
+    operation_id: uuid.UUID, body: CancelRequest, runtime: RuntimeDep, user: OperatorDep
 ) -> dict[str, Any]:
     """Ask to cancel: at once if nothing was sent; else only the provider can confirm it
     (its cancel hook), and a commit that lands anyway is compensated."""
@@ -223,7 +172,7 @@ async def cancel_operation(
             tools.registry,
             tools.catalog.router,
             operation_id,
-            actor=f"staff:{user}",
+            actor=user.actor,
             reason=body.reason,
         )
     except OperationNotFound as exc:

@@ -29,6 +29,6 @@ class Runtime:
     openai: AsyncOpenAI
     bridge_config: BridgeConfig
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
-    console_password: str
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
     sip: Any = None  # app.sip_calls.SipService when SIP_BIND is set
+    console: Any = None  # app.console.Console: recordings, live updates, operation actions

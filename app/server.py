@@ -37,6 +37,8 @@ class ServiceServer(uvicorn.Server):
             server.close()  # no new calls while the live ones wind down
         runtime = getattr(getattr(self.config.app, "state", None), "runtime", None)
         if runtime is not None:
+            if runtime.console is not None:
+                runtime.console.live.close()  # console live streams end, or they hold shutdown
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
         await super().shutdown(sockets)
 

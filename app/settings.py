@@ -87,9 +87,32 @@ class Settings(BaseSettings):
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
     accounts_file: Path | None = None
 
-    # Staff console login.
+    # Staff console. CONSOLE_USER/CONSOLE_PASSWORD name the first admin, created on start when
+    # no staff account exists (no password: one is generated and shown once on the terminal).
     console_user: str = "admin"
     console_password: SecretStr | None = None
+    # HTTP Basic (staff name and password) on the JSON API, for old scripts; off by default:
+    # integrations use API tokens.
+    console_http_basic: bool = False
+    # A console session ends after this long without use, and after `max` in any case.
+    console_session_idle_s: float = Field(default=8 * 3600, gt=0)
+    console_session_max_s: float = Field(default=7 * 24 * 3600, gt=0)
+    # Session cookies carry `Secure`; unset: when PUBLIC_BASE_URL is https (TLS at a proxy).
+    console_cookie_secure: bool | None = None
+    # Failed logins tolerated per account and per source address within the window.
+    login_max_failures_per_account: int = Field(default=5, ge=1)
+    login_max_failures_per_source: int = Field(default=20, ge=1)
+    login_failure_window_s: float = Field(default=900, gt=0)
+    # An operation in flight with no change for this long is "stuck" in the console.
+    operation_stuck_after_s: float = Field(default=600, gt=0)
+
+    # Call recordings (both sides, stereo WAV: caller left, agent right).
+    recording_enabled: bool = True
+    # Where: "postgres" (large objects in DATABASE_URL) or "file" (RECORDING_DIR).
+    recording_store: Literal["postgres", "file"] = "postgres"
+    recording_dir: Path | None = None  # unset: DATA_DIR/recordings
+    # Longer calls keep their first this-many seconds (and say so).
+    recording_max_s: float = Field(default=4 * 3600, gt=0)
 
     log_level: str = "INFO"
     worker_concurrency: int = Field(default=4, ge=1)
@@ -109,6 +132,16 @@ class Settings(BaseSettings):
         return hmac.new(
             self.twilio_auth_token.get_secret_value().encode(), b"stream-token", hashlib.sha256
         ).digest()
+
+    def cookie_secure(self) -> bool:
+        """Whether console cookies need TLS: explicit, else when the public URL is https."""
+        if self.console_cookie_secure is not None:
+            return self.console_cookie_secure
+        return self.public_base_url.startswith("https://")
+
+    def recordings_path(self) -> Path:
+        """The file store's directory."""
+        return self.recording_dir or self.data_dir / "recordings"
 
     def public_ws_base(self) -> str:
         """The public base URL with a WebSocket scheme."""

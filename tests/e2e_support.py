@@ -64,6 +64,8 @@ def make_settings(port: int, **overrides: Any) -> Settings:
         "stream_token_secret": "stream-secret-for-tests",
         "console_user": CONSOLE[0],
         "console_password": CONSOLE[1],
+        # The older tests read the JSON API with the first admin's name and password.
+        "console_http_basic": True,
         "realtime_reconnect_budget_s": 3.0,
         **overrides,
     }

@@ -113,11 +113,12 @@ async def test_a_lost_answer_without_a_lookup_waits_for_staff_and_is_never_resen
     asked = [e for e in events if e.kind == "decision" and e.data.get("awaiting") == "staff"]
     assert len(asked) == 1 and asked[0].actor == "reconciler"
     # Staff see it: in the list of operations waiting for them, and on the operation.
-    listed = (await _api(service, "GET", "/api/operations", params={"awaiting": "staff"})).json()
+    listed = (
+        await _api(service, "GET", "/api/operations", params={"state": "awaiting_person"})
+    ).json()
     assert [o["operation_id"] for o in listed["operations"]] == [str(op.operation_id)]
-    assert listed["operations"][0]["awaiting_staff_since"] is not None
     one = (await _api(service, "GET", f"/api/operations/{op.operation_id}")).json()
-    assert one["operation"]["awaiting_staff"] is True
+    assert one["operation"]["console_state"] == "awaiting_person"
     # What the caller would hear meanwhile is the truth: not confirmed, a person checks.
     spec = service.runtime.tools.registry.get("request_nurse_callback")  # type: ignore[union-attr]
     assert spec.on_unknown is OnUnknown.ASK_STAFF
@@ -153,7 +154,9 @@ async def test_staff_settle_it_as_committed_with_the_reference_they_found(
     )
     assert again.status_code == 409
     assert (await get_op(engine, op.operation_id)).status is S.COMMITTED
-    listed = (await _api(service, "GET", "/api/operations", params={"awaiting": "staff"})).json()
+    listed = (
+        await _api(service, "GET", "/api/operations", params={"state": "awaiting_person"})
+    ).json()
     assert listed["operations"] == []
     assert clinic.api.effects().callbacks == 1
 
@@ -189,7 +192,7 @@ async def test_settling_needs_staff_a_known_operation_and_a_verdict(
     engine: AsyncEngine, service: Service
 ) -> None:
     async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
-        anonymous = await http.get("/api/operations", params={"awaiting": "staff"})
+        anonymous = await http.get("/api/operations", params={"state": "awaiting_person"})
     assert anonymous.status_code == 401
     missing = await _api(
         service,

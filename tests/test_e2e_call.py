@@ -331,7 +331,9 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
     clean_db: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "heard.wav"
-    settings = Settings(database_url=clean_db, openai_api_key=None, console_password="x")
+    settings = Settings(
+        database_url=clean_db, openai_api_key=None, console_password="demo-password"
+    )
     assert await demo(settings, out) == 0
     printed = capsys.readouterr().out
     table = printed[printed.index("t ms") :]
@@ -364,7 +366,8 @@ async def test_voice_agent_serve_answers_calls_with_the_local_simulator(
         "DATABASE_URL": clean_db,
         "PORT": str(port),
         "PUBLIC_BASE_URL": base,
-        "CONSOLE_PASSWORD": "pw",
+        "CONSOLE_PASSWORD": "serve-test-password",
+        "CONSOLE_HTTP_BASIC": "true",
         "LOG_LEVEL": "WARNING",
     }
     proc = await asyncio.create_subprocess_exec(
@@ -385,7 +388,8 @@ async def test_voice_agent_serve_answers_calls_with_the_local_simulator(
                 await caller.dial()
                 await caller.wait_for(lambda c: c.heard_ms >= 1000, 15)
                 await caller.hangup()
-            calls = (await http.get("/api/calls", auth=("admin", "pw"))).json()["calls"]
+            auth = ("admin", "serve-test-password")
+            calls = (await http.get("/api/calls", auth=auth)).json()["calls"]
     finally:
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(20):

@@ -264,7 +264,7 @@ async def test_a_plugin_installed_outside_the_repo_is_loaded_by_import_path_and_
             "TWILIO_API_BASE_URL": api.base_url,
             "PORT": str(port),
             "PUBLIC_BASE_URL": base,
-            "CONSOLE_PASSWORD": "pw",
+            "CONSOLE_PASSWORD": "plugin-test-password",
             "SWEEP_INTERVAL_S": "1",
             "LOG_LEVEL": "WARNING",
         }
@@ -277,6 +277,10 @@ async def test_a_plugin_installed_outside_the_repo_is_loaded_by_import_path_and_
             async with httpx.AsyncClient(base_url=base) as http:
 
                 async def ready() -> bool:
+                    if proc.returncode is not None:
+                        log.flush()
+                        output = (tmp_path / "serve.log").read_text(errors="replace")
+                        raise AssertionError(f"serve exited early:\n{output[-3000:]}")
                     try:
                         return (await http.get("/readyz")).status_code == 200
                     except httpx.TransportError:
@@ -325,10 +329,13 @@ async def test_a_plugin_installed_outside_the_repo_is_loaded_by_import_path_and_
                 e for _, e in sim.sessions[0].received if e.get("type") == "session.update"
             )
         finally:
-            proc.send_signal(signal.SIGINT)
-            async with asyncio.timeout(30):
-                await proc.wait()
-            log.close()
+            try:
+                if proc.returncode is None:
+                    proc.send_signal(signal.SIGINT)
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            finally:
+                log.close()
     output = (tmp_path / "serve.log").read_text(errors="replace")
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]

@@ -1,0 +1,129 @@
+"""The staff console's services and routes, wired into the app in one place.
+
+`start_console` builds what the console needs for the life of the process: the recorder of
+calls, the live-update hub (subscribed to the process's notification listener), the
+operation actions (with a reconciler that asks the system of record), and the first admin
+account. `install_console` adds its pages, JSON API, login, static files and the OpenAPI
+schema (behind authentication) to the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from app.live_updates import LiveHub
+from app.operation_actions import OperationActions
+from app.pg_listener import PgListener
+from app.recording_store import Recordings
+from app.settings import Settings
+from app.sms_resend import NoSmsDelivery, SmsDeliveries
+from app.staff import ensure_first_admin
+from tools.executor import enqueue_operation, make_app, make_enqueue
+from tools.provider import Provider
+from tools.reconcile import Reconciler
+from tools.registry import Registry
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+@dataclass
+class Console:
+    """What the console's routes use."""
+
+    registry: Registry
+    recordings: Recordings
+    live: LiveHub
+    actions: OperationActions
+    _closers: list[Any]
+
+    async def aclose(self) -> None:
+        self.live.close()
+        for close in self._closers:
+            try:
+                await close()
+            except Exception:
+                log.exception("closing a console resource failed")
+
+
+async def start_console(
+    settings: Settings,
+    engine: AsyncEngine,
+    database_url: str,
+    *,
+    registry: Registry,
+    provider: Provider,
+    listener: PgListener,
+    sms: SmsDeliveries | None = None,
+) -> Console:
+    """The console's services for this process (call before `listener.start()`)."""
+    await ensure_first_admin(
+        engine,
+        settings.console_user,
+        settings.console_password.get_secret_value() if settings.console_password else None,
+    )
+    live = LiveHub()
+    live.subscribe(listener)
+    # Deferral runs on the caller's connection, so this job-queue app is never opened.
+    jobs = make_app(database_url, max_pool_size=1)
+    enqueue = make_enqueue(jobs)
+
+    async def enqueue_at(conn: AsyncConnection, op_id: uuid.UUID, at: datetime | None) -> None:
+        await enqueue_operation(jobs, conn, op_id, schedule_at=at)
+
+    # Reconciling asks the system of record through the catalog's providers, as the workers'
+    # reconciler does (the caller owns the catalog and closes it).
+    def reconciler(actor: str) -> Reconciler | None:
+        return Reconciler(
+            engine=engine, registry=registry, provider=provider, enqueue=enqueue_at, actor=actor
+        )
+
+    actions = OperationActions(
+        engine,
+        registry,
+        enqueue=enqueue,
+        reconciler=reconciler,
+        sms=sms or NoSmsDelivery(),
+        stuck_after_s=settings.operation_stuck_after_s,
+    )
+    return Console(
+        registry=registry,
+        recordings=Recordings(engine, settings),
+        live=live,
+        actions=actions,
+        _closers=[],
+    )
+
+
+def install_console(app: FastAPI) -> None:
+    """Add the console's routes to `app` (created with `openapi_url=None`)."""
+    from app import routes_auth, routes_console, routes_console_api
+
+    app.include_router(routes_auth.router)
+    app.include_router(routes_console_api.router)
+    app.include_router(routes_console.router)
+    app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = get_openapi(
+                title="voice-agent",
+                version="1",
+                description=routes_console_api.API_DESCRIPTION,
+                routes=app.routes,
+            )
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
+    routes_console_api.add_schema_route(app)

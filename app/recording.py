@@ -1,0 +1,204 @@
+"""Call recording: both sides of a call, tapped at the call-leg seam, as one stereo WAV.
+
+`RecordingLeg` wraps any `CallLeg` (the Twilio leg today, a SIP leg tomorrow) between the leg
+and the bridge, so neither knows about recording:
+- caller audio is recorded as it arrives (each `AudioIn` the bridge reads);
+- agent audio is recorded as it is handed to the leg to play (`play`), and a `clear` (barge-in)
+  cuts whatever of it had not been played yet: the recording holds what the caller heard.
+
+Per frame the tap only appends a tuple to a list (the audio is not copied or decoded). The
+tracks are laid out on one clock and encoded (`CallRecorder.render`, pure and CPU-bound, run
+in a thread) when the call ends: caller on the left channel, agent on the right, 16-bit PCM at
+8 kHz, which every browser plays and seeks.
+
+Caller frames are placed by the stream's own timestamps (Twilio's `timestamp`, ms since the
+stream started), anchored at the first frame's arrival; agent audio plays from when it was
+handed over or when the audio before it ends, whichever is later (Twilio plays a stream's
+media back to back in real time), up to the moment of a clear.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
+from telephony.leg import AudioFormat, AudioIn, CallLeg, LegEvent
+from telephony.playback import PlaybackTracker
+
+RATE = 8000
+SAMPLES_PER_MS = RATE // 1000
+CONTENT_TYPE = "audio/wav"
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """A rendered recording."""
+
+    wav: bytes
+    duration_ms: int
+    started_at: datetime
+    truncated: bool
+    sample_rate: int = RATE
+    channels: int = 2
+
+
+class CallRecorder:
+    """Collects one call's audio as it passes, cheaply; renders it once the call is over."""
+
+    def __init__(
+        self,
+        audio_format: AudioFormat,
+        *,
+        max_ms: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.audio_format = audio_format
+        self._clock = clock
+        self.started = clock()
+        self.started_at = datetime.now(UTC)
+        self._max_s = max_ms / 1000.0
+        # (arrival s, stream timestamp ms or None, payload bytes or base64 text)
+        self._caller: list[tuple[float, int | None, bytes | str]] = []
+        # (at s, audio bytes); empty audio marks a clear
+        self._agent: list[tuple[float, bytes]] = []
+        self.truncated = False
+
+    def _full(self, now: float) -> bool:
+        if now - self.started > self._max_s:
+            self.truncated = True
+            return True
+        return False
+
+    def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
+        """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
+        now = self._clock()
+        if not self._full(now):
+            self._caller.append((now, timestamp_ms, payload))
+
+    def agent_audio(self, audio: bytes) -> None:
+        """Agent audio handed to the leg to play."""
+        now = self._clock()
+        if audio and not self._full(now):
+            self._agent.append((now, audio))
+
+    def cleared(self) -> None:
+        """The leg dropped all agent audio not yet played (barge-in)."""
+        self._agent.append((self._clock(), b""))
+
+    @property
+    def frames(self) -> int:
+        return len(self._caller) + len(self._agent)
+
+    # Rendering: pure, CPU-bound, run in a thread. The tracks are laid out and interleaved in
+    # G.711 (one byte a sample: plain copies) and decoded once, in C, so rendering a long call
+    # holds the GIL for little time while other calls' audio runs on the event loop.
+
+    def _g711(self, payload: bytes | str) -> bytes:
+        if isinstance(payload, str):
+            try:
+                return base64.b64decode(payload)
+            except (binascii.Error, ValueError):
+                return b""
+        return payload
+
+    def _caller_track(self) -> list[tuple[int, bytes]]:
+        """(start sample, G.711 bytes) of every caller frame."""
+        placed: list[tuple[int, bytes]] = []
+        anchor: tuple[float, int] | None = None  # (arrival ms, stream timestamp ms)
+        cursor = 0
+        for arrival, stamp, payload in self._caller:
+            data = self._g711(payload)
+            arrival_ms = (arrival - self.started) * 1000.0
+            if stamp is not None and stamp >= 0:
+                if anchor is None:
+                    anchor = (arrival_ms, stamp)
+                at_ms = anchor[0] + (stamp - anchor[1])
+            else:
+                at_ms = max(arrival_ms, cursor / SAMPLES_PER_MS)
+            start = max(0, round(at_ms * SAMPLES_PER_MS))
+            placed.append((start, data))
+            cursor = start + len(data)
+        return placed
+
+    def _agent_track(self) -> list[tuple[int, bytes]]:
+        """(start sample, G.711 bytes) of agent audio as played, cut at each clear."""
+        placed: list[tuple[int, bytes]] = []
+        cursor = 0  # where the audio queued so far ends, in samples
+        for at, data in self._agent:
+            now = max(0, round((at - self.started) * RATE))
+            if not data:  # a clear: nothing after `now` was ever heard
+                placed = [
+                    (start, chunk if start + len(chunk) <= now else chunk[: now - start])
+                    for start, chunk in placed
+                    if start < now
+                ]
+                cursor = min(cursor, now)
+                continue
+            start = max(cursor, now)
+            placed.append((start, data))
+            cursor = start + len(data)
+        return placed
+
+    def render(self) -> Recording:
+        """The stereo WAV: caller left, agent right, on the recorder's clock."""
+        caller = self._caller_track()
+        agent = self._agent_track()
+        samples = max([s + len(d) for s, d in caller] + [s + len(d) for s, d in agent] + [0])
+        codec: Codec = "pcma" if self.audio_format == "audio/pcma" else "pcmu"
+        silence = silence_byte(codec)
+        stereo = bytearray(2 * samples)
+        stereo[0::2] = _lay(caller, samples, silence)
+        stereo[1::2] = _lay(agent, samples, silence)
+        return Recording(
+            # G.711 decodes sample by sample, so the interleaved bytes decode to stereo PCM.
+            wav=pcm16_to_wav(decode(bytes(stereo), codec), RATE, channels=2),
+            duration_ms=samples // SAMPLES_PER_MS,
+            started_at=self.started_at,
+            truncated=self.truncated,
+        )
+
+
+def _lay(pieces: list[tuple[int, bytes]], samples: int, silence: int) -> bytes:
+    track = bytearray([silence]) * samples
+    for start, data in pieces:
+        end = min(samples, start + len(data))
+        track[start:end] = data[: end - start]
+    return bytes(track)
+
+
+class RecordingLeg:
+    """A `CallLeg` that records what passes through it (see the module docstring)."""
+
+    def __init__(self, inner: CallLeg, recorder: CallRecorder) -> None:
+        self.inner = inner
+        self.recorder = recorder
+        self.audio_format: AudioFormat = inner.audio_format
+        self.playback: PlaybackTracker = inner.playback
+
+    async def events(self) -> AsyncIterator[LegEvent]:
+        record = self.recorder.caller_audio
+        async for event in self.inner.events():
+            if type(event) is AudioIn:
+                record(event.audio, event.timestamp_ms)
+            yield event
+
+    async def play(self, item_id: str, audio: bytes) -> None:
+        self.recorder.agent_audio(audio)
+        await self.inner.play(item_id, audio)
+
+    async def clear(self) -> None:
+        self.recorder.cleared()
+        await self.inner.clear()
+
+    async def close(self, reason: str) -> None:
+        await self.inner.close(reason)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else a leg offers (its stream sid, counters) reads through.
+        return getattr(self.inner, name)

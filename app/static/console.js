@@ -1,0 +1,108 @@
+// The staff console's only script: live refresh over server-sent events, and the recording's
+// playhead on the timeline. Pages work without it (reload to see changes).
+"use strict";
+
+// Replace a page section with its server-rendered fragment whenever the server says it changed.
+function liveSection(section) {
+  const source = section.dataset.live;
+  const fragment = section.dataset.fragment;
+  if (!source || !fragment || !window.EventSource) return;
+  let pending = null;
+  let running = false;
+  async function refresh() {
+    if (running) { pending = pending || setTimeout(() => { pending = null; refresh(); }, 300); return; }
+    running = true;
+    try {
+      const response = await fetch(fragment, { credentials: "same-origin", headers: { "X-Requested-With": "fetch" } });
+      if (response.redirected || response.status === 401 || response.status === 303) {
+        window.location.reload();  // the session ended: the page redirects to the login
+        return;
+      }
+      if (response.ok) {
+        section.innerHTML = await response.text();
+        section.dataset.version = String(Number(section.dataset.version || 0) + 1);
+        document.dispatchEvent(new CustomEvent("console:refreshed", { detail: section }));
+      }
+    } finally {
+      running = false;
+    }
+  }
+  const events = new EventSource(source, { withCredentials: true });
+  events.addEventListener("changed", () => {
+    if (!pending) pending = setTimeout(() => { pending = null; refresh(); }, 250);
+  });
+  events.addEventListener("ready", () => { section.dataset.live_ready = "1"; section.setAttribute("data-connected", "1"); });
+}
+
+// The recording's playhead: a line across all lanes at the audio's position on the timeline.
+function playhead() {
+  const audio = document.getElementById("recording");
+  if (!audio) return;
+  const offset = Number(audio.dataset.offsetMs || 0);
+  function lanes() { return document.querySelector(".lanes"); }
+  function place() {
+    const box = lanes();
+    if (!box) return;
+    const line = box.querySelector(".playhead");
+    const duration = Number(box.dataset.durationMs || 1);
+    const t = offset + audio.currentTime * 1000;
+    line.hidden = false;
+    line.style.left = Math.max(0, Math.min(100, (t / duration) * 100)) + "%";
+    line.dataset.t = String(Math.round(t));
+    let current = null;
+    document.querySelectorAll(".transcript li[data-t]").forEach((li) => {
+      li.classList.remove("playing");
+      if (Number(li.dataset.t) <= t) current = li;
+    });
+    if (current && !audio.paused) current.classList.add("playing");
+  }
+  let frame = null;
+  function tick() { place(); frame = audio.paused ? null : requestAnimationFrame(tick); }
+  audio.addEventListener("play", () => { if (!frame) frame = requestAnimationFrame(tick); });
+  audio.addEventListener("timeupdate", place);
+  audio.addEventListener("seeked", place);
+  document.addEventListener("console:refreshed", place);
+  function seekTo(t) {
+    const at = Math.max(0, (t - offset) / 1000);
+    if (Number.isFinite(audio.duration)) audio.currentTime = Math.min(at, audio.duration);
+    else audio.currentTime = at;
+    place();
+  }
+  // Click on a track: jump there. Click a transcript line: jump to it.
+  document.addEventListener("click", (event) => {
+    const li = event.target.closest(".transcript li[data-t]");
+    if (li) { seekTo(Number(li.dataset.t)); return; }
+    const track = event.target.closest(".lane .track");
+    if (track && !event.target.closest("a")) {
+      const rect = track.getBoundingClientRect();
+      const duration = Number(lanes().dataset.durationMs || 1);
+      seekTo(((event.clientX - rect.left) / rect.width) * duration);
+    }
+  });
+}
+
+// Tap an item to read its details (no hover on phones).
+function details() {
+  document.addEventListener("click", (event) => {
+    const item = event.target.closest(".item");
+    const box = document.getElementById("item-detail");
+    if (item && box && !item.href) box.textContent = item.title;
+  });
+}
+
+// A call that ended while watched: once its recording is stored, load the page with its player.
+function reloadForRecording() {
+  document.addEventListener("console:refreshed", () => {
+    const state = document.getElementById("live-state");
+    if (state && state.dataset.recording === "1" && !document.getElementById("recording")) {
+      window.location.reload();
+    }
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  reloadForRecording();
+  document.querySelectorAll("[data-live]").forEach(liveSection);
+  playhead();
+  details();
+});

@@ -1,0 +1,249 @@
+"""Call recordings: both sides tapped at the leg seam, laid out on one clock, cut where the
+caller stopped hearing the agent, stored in Postgres or files, served by byte range."""
+
+from __future__ import annotations
+
+import io
+import uuid
+import wave
+from array import array
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.recording import CallRecorder, RecordingLeg
+from app.recording_store import FileStore, LargeObjectStore, get_recording
+from app.staff import Role
+from telephony import audio
+from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.playback import PlaybackTracker
+from tests.console_support import bearer
+from tests.e2e_support import call_stack, wait_until
+from tests.test_e2e_call import hear_greeting, scenario
+
+RATE = 8000
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tone(ms: int) -> bytes:
+    return audio.pcm16_to_mulaw(audio.tone_pcm16(440, ms, amplitude=0.4))
+
+
+def channels(wav: bytes) -> tuple[array[int], array[int]]:
+    with wave.open(io.BytesIO(wav)) as r:
+        assert (r.getnchannels(), r.getsampwidth(), r.getframerate()) == (2, 2, RATE)
+        frames = array("h", r.readframes(r.getnframes()))
+    return frames[0::2], frames[1::2]
+
+
+def active_ms(track: array[int], start_ms: int, end_ms: int) -> int:
+    """Milliseconds (in 10 ms steps) of `track` within [start, end) that hold sound."""
+    total = 0
+    for ms in range(start_ms, end_ms, 10):
+        window = track[ms * 8 : (ms + 10) * 8]
+        if window and max(abs(v) for v in window) > 200:
+            total += 10
+    return total
+
+
+def test_agent_audio_is_recorded_as_played_and_cut_where_a_clear_stopped_it() -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=60_000, clock=clock)
+    # Caller frames by the stream's timestamps, 20 ms each, from 0 to 1 s.
+    clock.now = 100.05
+    for n in range(50):
+        rec.caller_audio(tone(20), n * 20)
+    # Agent: 1 s handed over at 0.2 s, and a barge-in clears it at 0.6 s.
+    clock.now = 100.2
+    rec.agent_audio(tone(1000))
+    clock.now = 100.6
+    rec.cleared()
+    # Then 300 ms more at 0.9 s (plays at once: nothing is queued before it).
+    clock.now = 100.9
+    rec.agent_audio(tone(300))
+    recording = rec.render()
+    caller, agent = channels(recording.wav)
+
+    assert recording.duration_ms == 1200
+    assert active_ms(caller, 50, 1050) == 1000
+    assert active_ms(caller, 0, 50) == 0
+    assert active_ms(agent, 200, 600) == 400  # what was heard before the clear
+    assert active_ms(agent, 600, 900) == 0  # the other 600 ms were never heard
+    assert active_ms(agent, 900, 1200) == 300
+    assert active_ms(agent, 0, 200) == 0
+
+
+def test_agent_audio_handed_over_faster_than_real_time_plays_back_to_back() -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcma", max_ms=60_000, clock=clock)
+    for _ in range(5):  # five 200 ms deltas arrive within one instant
+        rec.agent_audio(audio.pcm16_to_alaw(audio.tone_pcm16(300, 200, amplitude=0.4)))
+    _, agent = channels(rec.render().wav)
+    assert active_ms(agent, 0, 1000) == 1000
+
+
+def test_caller_frames_sent_as_base64_text_are_recorded_like_bytes() -> None:
+    import base64
+
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=60_000, clock=clock)
+    for n in range(10):
+        rec.caller_audio(base64.b64encode(tone(20)).decode(), n * 20)
+    rec.caller_audio("not base64!", 200)
+    caller, _ = channels(rec.render().wav)
+    assert active_ms(caller, 0, 200) == 200
+
+
+def test_a_recording_longer_than_its_limit_keeps_its_start_and_says_so() -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=1000, clock=clock)
+    for n in range(100):
+        clock.now = 100 + n * 0.02
+        rec.caller_audio(tone(20), n * 20)
+    recording = rec.render()
+    assert recording.truncated
+    assert recording.duration_ms <= 1020
+
+
+class FakeLeg:
+    """A CallLeg that plays back what the test gives it."""
+
+    audio_format = "audio/pcmu"
+
+    def __init__(self, events: list[LegEvent]) -> None:
+        self._events = events
+        self.playback = PlaybackTracker()
+        self.played: list[tuple[str, bytes]] = []
+        self.clears = 0
+        self.closed: str | None = None
+        self.stream_sid = "MZ1"
+
+    async def events(self) -> AsyncIterator[LegEvent]:
+        for e in self._events:
+            yield e
+
+    async def play(self, item_id: str, data: bytes) -> None:
+        self.played.append((item_id, data))
+
+    async def clear(self) -> None:
+        self.clears += 1
+
+    async def close(self, reason: str) -> None:
+        self.closed = reason
+
+
+async def test_the_recording_leg_passes_everything_through_and_taps_audio_only() -> None:
+    inner = FakeLeg([AudioIn(tone(20), 0), DtmfIn("5"), AudioIn(tone(20), 20), LegClosed("stop")])
+    rec = CallRecorder("audio/pcmu", max_ms=10_000)
+    leg = RecordingLeg(inner, rec)  # type: ignore[arg-type]
+    seen = [e async for e in leg.events()]
+    await leg.play("item_1", tone(100))
+    await leg.clear()
+    await leg.close("bye")
+
+    assert [type(e).__name__ for e in seen] == ["AudioIn", "DtmfIn", "AudioIn", "LegClosed"]
+    assert inner.played == [("item_1", tone(100))] and inner.clears == 1
+    assert inner.closed == "bye"
+    assert leg.playback is inner.playback and leg.stream_sid == "MZ1"
+    assert rec.frames == 4  # two caller frames, one agent delta, one clear
+
+
+@pytest.mark.parametrize("kind", ["postgres", "file"])
+async def test_stores_keep_recordings_and_read_them_back_by_byte_range(
+    engine: AsyncEngine, tmp_path: Path, kind: str
+) -> None:
+    store = (
+        LargeObjectStore(engine, chunk_bytes=1000) if kind == "postgres" else FileStore(tmp_path)
+    )
+    data = bytes(range(256)) * 20  # 5120 bytes: several large-object chunks
+    locator = await store.put(str(uuid.uuid4()), data)
+    assert await store.read(locator, 0, 10) == data[:10]
+    assert await store.read(locator, 2500, 1000) == data[2500:3500]
+    assert await store.read(locator, 5000, 1000) == data[5000:]
+    await store.delete(locator)
+
+
+async def test_the_file_store_reads_only_its_own_directory(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "recordings")
+    with pytest.raises(ValueError):
+        await store.read("../secrets.wav", 0, 10)
+
+
+@pytest.fixture(params=["postgres", "file"])
+def recording_store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    if request.param == "file":
+        return {"recording_store": "file", "recording_dir": tmp_path / "rec"}
+    return {"recording_store": "postgres"}
+
+
+async def test_a_call_with_a_barge_in_is_recorded_as_the_caller_heard_it_and_served_by_range(
+    engine: AsyncEngine, recording_store: dict[str, object]
+) -> None:
+    async with call_stack(engine, scenario(reply_ms=4000), **recording_store) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        before = await hear_greeting(caller)
+        await caller.play_speech(800)
+        await caller.wait_for(lambda c: c.heard_ms >= before + 1500, 10)
+        await caller.play_speech(600)  # barge-in: most of the 4 s reply is never heard
+        await caller.wait_for(lambda c: len(c.clears) == 1, 10)
+        await caller.play_silence(1500)
+        await caller.hangup()
+        await stack.events(caller)
+        call_id = await stack.call_id(caller)
+        await wait_until(lambda: get_recording(engine, call_id), 20, "recording stored")
+        headers = await bearer(engine, Role.VIEWER)
+        async with httpx.AsyncClient(base_url=stack.service.url, headers=headers) as http:
+            whole = await http.get(f"/api/calls/{call_id}/recording")
+            head = await http.get(
+                f"/api/calls/{call_id}/recording", headers={"Range": "bytes=0-43"}
+            )
+            tail = await http.get(
+                f"/api/calls/{call_id}/recording", headers={"Range": "bytes=-100"}
+            )
+            beyond = await http.get(
+                f"/api/calls/{call_id}/recording", headers={"Range": "bytes=99999999-"}
+            )
+            timeline = (await http.get(f"/api/calls/{call_id}/timeline")).json()
+        heard = caller.heard_timeline_mulaw()
+        dropped_ms = caller.clears[0].dropped_ms
+    caller_track, agent_track = channels(whole.content)
+    # The caller heard `heard` from the stream's start; the agent channel holds the same.
+    heard_pcm = array("h", audio.mulaw_to_pcm16(heard))
+    heard_active = active_ms(heard_pcm, 0, len(heard_pcm) // 8)
+    recorded_active = active_ms(agent_track, 0, len(agent_track) // 8)
+    size = len(whole.content)
+
+    assert whole.status_code == 200 and whole.headers["content-type"] == "audio/wav"
+    assert whole.headers["accept-ranges"] == "bytes"
+    assert abs(recorded_active - heard_active) <= 200, (recorded_active, heard_active)
+    assert dropped_ms > 1000  # …and none of what the clear dropped is in the recording
+    assert active_ms(caller_track, 0, len(caller_track) // 8) >= 1300  # 800 + 600 ms spoken
+    assert head.status_code == 206 and head.content == whole.content[:44]
+    assert head.headers["content-range"] == f"bytes 0-43/{size}"
+    assert tail.status_code == 206 and tail.content == whole.content[-100:]
+    assert beyond.status_code == 416 and beyond.headers["content-range"] == f"bytes */{size}"
+    recording = timeline["recording"]
+    assert recording["url"] == f"/api/calls/{call_id}/recording" and recording["channels"] == 2
+    assert 0 < recording["offset_ms"] < 2000  # it starts with the media stream, after the webhook
+
+
+async def test_recording_can_be_switched_off(engine: AsyncEngine) -> None:
+    async with call_stack(engine, scenario(reply_ms=800), recording_enabled=False) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear_greeting(caller)
+        await caller.hangup()
+        await stack.events(caller)
+        call_id = await stack.call_id(caller)
+    assert await get_recording(engine, call_id) is None
