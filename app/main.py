@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,8 +16,16 @@ from fastapi import FastAPI
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import routes_api, routes_health, routes_operations, routes_twilio
+from app import (
+    routes_api,
+    routes_deliveries,
+    routes_health,
+    routes_operations,
+    routes_sms,
+    routes_twilio,
+)
 from app.call_control import CallControl
+from app.call_liveness import CallHeartbeat
 from app.calls import CallRegistry
 from app.db import make_engine, plain_url, resolve_database_url
 from app.delivery import ResultDelivery
@@ -24,6 +34,7 @@ from app.event_writer import EventWriter
 from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
+from app.sms import SmsChannel
 from app.stream_token import StreamTokens
 from app.tool_wiring import build_tools
 from app.twilio_rest import close_twilio_client, make_twilio_client
@@ -74,6 +85,11 @@ def _console_password(settings: Settings) -> str:
     return password
 
 
+def holder_id() -> str:
+    """This process, as written into the calls it holds: host, pid and a random tail."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"[:128]
+
+
 async def _start_worker(settings: Settings, engine: AsyncEngine, url: str | None) -> Any:
     """The in-process operation worker; calls still run (tools queue up) if it cannot start."""
     from app.worker import start_inprocess_worker
@@ -119,11 +135,17 @@ def create_app(
         events.start()
         calls = CallRegistry(settings.max_live_calls, settings.stream_token_ttl_s)
         tools = build_tools(settings, db, plain_url(db_url)) if gateway is None else None
+        registry = tools.registry if tools is not None else restaurant_catalog()
+        holder = holder_id()
+        sms = SmsChannel.from_settings(settings, db, registry, actor=f"replica:{holder}")
         delivery = ResultDelivery(
             db,
-            tools.registry if tools is not None else restaurant_catalog(),
-            calls.live_by_call_id,
+            registry,
+            calls.entry_by_call_id,
             calls.live_call_ids,
+            holder=holder,
+            max_reoffers=settings.announce_max_reoffers,
+            sms=sms,
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended
@@ -132,6 +154,14 @@ def create_app(
         delivery.subscribe(listener)
         control.subscribe(listener)
         await listener.start()
+        heartbeat = CallHeartbeat(db, calls, holder=holder, interval_s=settings.call_heartbeat_s)
+        heartbeat.start()
+        try:
+            from app.worker import sync_webhooks
+
+            await sync_webhooks(settings, db)
+        except Exception:
+            log.exception("the configured webhooks (WEBHOOKS) could not be applied")
         runtime = Runtime(
             settings=settings,
             engine=db,
@@ -144,6 +174,9 @@ def create_app(
             twilio=_make_twilio_client(settings),
             console_password=_console_password(settings),
             tools=tools,
+            delivery=delivery,
+            sms=sms,
+            holder=holder,
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url) if with_worker else None
@@ -151,8 +184,10 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await heartbeat.stop()
             await listener.stop()
             await delivery.stop()
+            await sms.aclose()
             await control.stop()
             if tools is not None:
                 await tools.aclose()
@@ -171,4 +206,6 @@ def create_app(
     app.include_router(routes_api.router)
     app.include_router(routes_health.router)
     app.include_router(routes_operations.router)
+    app.include_router(routes_sms.router)
+    app.include_router(routes_deliveries.router)
     return app

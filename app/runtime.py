@@ -31,3 +31,6 @@ class Runtime:
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
     console_password: str
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
+    delivery: Any = None  # app.delivery.ResultDelivery: late results of this process's calls
+    sms: Any = None  # app.sms.SmsChannel: SMS follow-ups (and staff resends)
+    holder: str = "replica"  # this process, as written into the calls it holds
