@@ -311,6 +311,7 @@ class ResultDelivery:
     async def _offer(self, delivery_id: uuid.UUID) -> GateDecision | None:
         result: LateResult | None = None
         entry: LiveCallEntry | None = None
+        message: SmsRecord | None = None
         async with self._engine.begin() as conn:
             delivery = await deliveries.get(conn, delivery_id, for_update=True)
             if delivery is None or delivery.state is not D.PENDING or delivery.call_id is None:
@@ -358,7 +359,7 @@ class ResultDelivery:
                 if self._sms is None:
                     await deliveries.enqueue(conn, delivery.id)  # a worker sends it
                 else:
-                    await self._sms.start(
+                    message = await self._sms.start(
                         conn,
                         delivery,
                         op,
@@ -369,6 +370,9 @@ class ResultDelivery:
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
                 await settle_without_telling(conn, delivery, gate, self.actor)
             # HOLD: stays pending; the compensation's outcome re-drives it.
+        if message is not None and self._sms is not None:
+            # Persisted with its job first; sending right away only saves the job's pickup.
+            await self._sms.drive(message.id)
         if result is not None:
             assert entry is not None and delivery.call_id is not None
             self._call_of[str(delivery_id)] = delivery.call_id

@@ -248,6 +248,8 @@ async def admit_operation(
     expires_at: datetime | None = None,
     compensates_operation_id: uuid.UUID | None = None,
     overflow: str | None = None,
+    conflict_key: str | None = None,
+    held_by_operation_id: uuid.UUID | None = None,
     actor: str = "policy",
     reason: str = "admitted by policy",
     data: Mapping[str, Any] | None = None,
@@ -285,6 +287,8 @@ async def admit_operation(
             expires_at=expires_at,
             compensates_operation_id=compensates_operation_id,
             overflow=overflow,
+            conflict_key=conflict_key,
+            held_by_operation_id=held_by_operation_id,
         )
         .on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"])
         .returning(*ops_t.c)
