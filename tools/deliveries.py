@@ -430,9 +430,16 @@ async def ledger_context(conn: AsyncConnection, op: OperationRecord) -> LedgerCo
                 ops_t.c.operation_id != op.operation_id,
                 ops_t.c.compensates_operation_id.is_(None),
                 ops_t.c.created_at >= op.created_at,
-                ops_t.c.status.in_(
-                    [S.AWAITING_CONFIRMATION.value, S.COMMITTED.value]
-                    + [s.value for s in IN_FLIGHT]
+                sa.or_(
+                    ops_t.c.status.in_(
+                        [S.AWAITING_CONFIRMATION.value, S.COMMITTED.value]
+                        + [s.value for s in IN_FLIGHT]
+                    ),
+                    # Held back by this one and dropped with the call: still worth a word.
+                    sa.and_(
+                        ops_t.c.status == S.CANCELLED.value,
+                        ops_t.c.held_by_operation_id == op.operation_id,
+                    ),
                 ),
             )
             .order_by(ops_t.c.created_at)

@@ -83,12 +83,12 @@ class OperationRecord:
     readback: str | None
     confirm_by: datetime | None
     overflow: str | None
-    conflict_key: str | None
-    held_by_operation_id: uuid.UUID | None
     created_at: datetime
     updated_at: datetime
     committed_at: datetime | None
     finished_at: datetime | None
+    conflict_key: str | None = None
+    held_by_operation_id: uuid.UUID | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> OperationRecord:
