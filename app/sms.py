@@ -351,7 +351,7 @@ class SmsChannel:
         if message.from_number:
             kwargs["from_"] = message.from_number
         oldest = message.created_at - CLOCK_SKEW
-        async for candidate in self._client.messages.stream_async(**kwargs):
+        async for candidate in await self._client.messages.stream_async(**kwargs):
             created = getattr(candidate, "date_created", None)
             if created is not None and created < oldest:
                 break  # older than our message: it is not further down either

@@ -135,4 +135,6 @@ def sms_advances(current: SmsStatus, new: SmsStatus) -> bool:
         return False
     if current is M.UNKNOWN and new is M.PENDING:
         return True  # reconciliation proved it never reached Twilio
+    if current is M.REQUESTING and new is M.UNKNOWN:
+        return True  # the answer to the send was lost
     return RANK[new] > RANK[current]
