@@ -129,7 +129,7 @@ async def test_a_send_twilio_never_got_is_sent_again_once_it_is_proved_missing(
     api.fail_next(1, status=503)  # a server error: maybe made, maybe not
     sms = sms_channel(engine, api)
     try:
-        op_id, message_id = await _texted_delivery(engine, sms)
+        _op_id, message_id = await _texted_delivery(engine, sms)
         first = await sms.drive(message_id)
         assert first is not None and first.status is M.UNKNOWN
         attempted = (await _message(engine, message_id)).attempted_at
@@ -152,7 +152,7 @@ async def test_a_rate_limited_send_is_released_and_tried_again(
     api.fail_next(1, status=429, code=20429)
     sms = sms_channel(engine, api)
     try:
-        op_id, message_id = await _texted_delivery(engine, sms)
+        _op_id, message_id = await _texted_delivery(engine, sms)
         first = await sms.drive(message_id)
         assert first is not None and first.status is M.PENDING
         again = await sms.drive(message_id)
@@ -299,8 +299,14 @@ async def test_staff_resend_sends_a_new_message_and_is_refused_while_one_is_unde
         )
         assert pending is not None
         await deliveries.create_sms(
-            conn, pending, to_number=CALLER, from_number=OUR_NUMBER, messaging_service_sid=None,
-            body="x", reference=None, requested_by="test",
+            conn,
+            pending,
+            to_number=CALLER,
+            from_number=OUR_NUMBER,
+            messaging_service_sid=None,
+            body="x",
+            reference=None,
+            requested_by="test",
         )
     with pytest.raises(ResendRefused, match="still under way"):
         await resend_sms(engine, delivery.id, "alice", "again", sms=sms)
