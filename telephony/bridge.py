@@ -909,7 +909,7 @@ class Bridge:
             return
         session = self._session
         if session is None or self._state is not BridgeState.LIVE:
-            reason = "the Realtime session is reconnecting"
+            reason = "the Realtime session is not ready (connecting)"
         elif self._caller_speaking:
             reason = "the caller is speaking"
         elif session.response is not ResponseState.IDLE:
