@@ -2,7 +2,8 @@
 worker, late-result delivery) -> Realtime simulator, with the demo system of record.
 
 The model proposes (scripted function calls), policy admits, the worker commits at the SOR,
-and the conversation communicates (the late result is announced, or deferred after hang-up).
+and the conversation communicates (the late result is announced and heard, or texted after
+hang-up).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.delivery import ANNOUNCED, DEFERRED
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
 from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
@@ -150,20 +150,32 @@ async def wait_for_operation(
     return found[-1]
 
 
-async def wait_for_decision(
-    engine: AsyncEngine, operation_id: uuid.UUID, reason: str
-) -> dict[str, Any]:
-    async def decided() -> bool:
-        return any(
-            e["kind"] == "decision" and e["actor"] == "delivery" and e["reason"] == reason
-            for e in await trail(engine, operation_id)
-        )
+async def delivery_row(engine: AsyncEngine, operation_id: uuid.UUID) -> dict[str, Any] | None:
+    found = await rows(engine, "SELECT * FROM deliveries WHERE operation_id = :o", o=operation_id)
+    return found[0] if found else None
 
-    await wait_until(decided, WAIT_S, f"delivery decision {reason!r}")
-    return next(
-        e
-        for e in await trail(engine, operation_id)
-        if e["actor"] == "delivery" and e["kind"] == "decision"
+
+async def wait_for_delivery(
+    engine: AsyncEngine, operation_id: uuid.UUID, state: str, within: float = WAIT_S
+) -> dict[str, Any]:
+    """Until the outcome's delivery reaches `state`; returns its row."""
+
+    async def reached() -> bool:
+        row = await delivery_row(engine, operation_id)
+        return row is not None and row["state"] == state
+
+    await wait_until(reached, within, f"delivery {state}")
+    row = await delivery_row(engine, operation_id)
+    assert row is not None
+    return row
+
+
+async def delivery_trail(engine: AsyncEngine, operation_id: uuid.UUID) -> list[dict[str, Any]]:
+    return await rows(
+        engine,
+        "SELECT e.* FROM delivery_events e JOIN deliveries d ON d.id = e.delivery_id "
+        "WHERE d.operation_id = :o ORDER BY e.id",
+        o=operation_id,
     )
 
 
@@ -225,7 +237,7 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         op = await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, CONFIRMED)
         await caller.hangup()
         events = await stack.events(caller)
@@ -249,9 +261,15 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
     actors = [e["actor"] for e in op_events if e["kind"] == "transition"]
     assert actors[:2] == ["policy", "model"]
     assert all(a.startswith("worker:") for a in actors[2:]), actors
-    delivery = [e for e in op_events if e["actor"] == "delivery"]
-    assert [(e["kind"], e["reason"]) for e in delivery] == [("decision", ANNOUNCED)]
-    assert delivery[0]["id"] > op_events[3]["id"]
+    # The outcome's delivery: decided, handed to the call, and heard there.
+    told = await delivery_trail(engine, operation_id)
+    assert [e["to_state"] for e in told if e["kind"] == "transition"] == [
+        "pending",
+        "offered",
+        "heard",
+    ]
+    assert [e["data"]["action"] for e in told if e["kind"] == "decision"] == ["announce"]
+    assert told[0]["at"] >= op_events[3]["at"]  # opened with the commit
     # Both function calls are on record and map to the one operation.
     assert [(c["tool"], c["decision"]) for c in calls] == [
         ("book_table", "needs_confirmation"),
@@ -272,7 +290,7 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
     assert response.status_code == 200
     timeline = response.json()
     entries = timeline["events"]
-    assert {e["source"] for e in entries} == {"call", "tool_call", "operation"}
+    assert {e["source"] for e in entries} == {"call", "tool_call", "operation", "delivery"}
     assert [e["kind"] for e in entries if e["source"] == "call"] == [e["kind"] for e in events]
     story = [
         (
@@ -282,7 +300,8 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
             e["data"].get("to"),
         )
         for e in entries
-        if e["source"] != "call" or e["kind"] in ("function_call", "result_announced")
+        if e["source"] in ("tool_call", "operation")
+        or e["kind"] in ("function_call", "result_announced")
     ]
     assert story == [
         ("call", "function_call", "book_table", None),
@@ -293,9 +312,12 @@ async def test_caller_books_a_table_and_the_timeline_shows_request_policy_admiss
         ("operation", "op_transition", "book_table", "admitted"),
         ("operation", "op_transition", "book_table", "running"),
         ("operation", "op_transition", "book_table", "committed"),
-        ("operation", "op_decision", "book_table", None),
         ("call", "result_announced", None, None),
     ], story
+    told_entries = [(e["kind"], e["data"].get("to")) for e in entries if e["source"] == "delivery"]
+    assert told_entries[0] == ("delivery_transition", "pending")
+    assert ("delivery_transition", "heard") == told_entries[-1]
+    assert [d["state"] for d in timeline["deliveries"]] == ["heard"]
     committed = next(e for e in entries if e["data"].get("to") == "committed")
     assert committed["data"]["operation_id"] == str(operation_id)
     assert committed["data"]["reference"] == ops[0]["provider_ref"]
@@ -332,7 +354,7 @@ async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_co
         status_at_barge_in = (await operations_of(engine, call_id))[0]["status"]
         # The barge-in stopped speech, not the booking.
         await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, CONFIRMED)
         await caller.hangup()
         events = await stack.events(caller)
@@ -370,7 +392,7 @@ async def test_duplicate_function_calls_in_one_call_make_one_booking(
         call_id = await stack.call_id(caller)
         await caller.play_speech(500)
         op = await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, CONFIRMED)
         await caller.hangup()
         await stack.events(caller)
@@ -393,7 +415,7 @@ async def test_duplicate_function_calls_in_one_call_make_one_booking(
     assert ops[0]["attempts"] == 1
 
 
-async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
+async def test_caller_hangs_up_before_the_commit_and_the_outcome_goes_by_sms(
     engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
 ) -> None:
     sor.set_faults(Faults(latency_s=2.0))
@@ -405,19 +427,30 @@ async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
         events = await stack.events(caller)
         ended = next(e for e in await call_events_at(engine, call_id) if e["kind"] == "call_ended")
         committed = await wait_for_operation(engine, call_id, "committed")
-        decision = await wait_for_decision(engine, op["operation_id"], DEFERRED)
+        await wait_for_delivery(engine, op["operation_id"], "texted")
         effects = await sor.side_effects()
         op_events = await trail(engine, op["operation_id"])
+        told = await delivery_trail(engine, op["operation_id"])
+        messages = stack.api.messages_to(caller.from_number)
 
     assert effects.bookings_inserted == 1
     assert committed["provider_ref"].startswith("BK")
     commit_event = next(e for e in op_events if e["to_status"] == "committed")
     assert commit_event["at"] > ended["at"]  # the commit landed after the hang-up
-    assert decision["kind"] == "decision" and decision["id"] > commit_event["id"]
     assert [e["reason"] for e in op_events if e["actor"] == "delivery"] == [
         "call ended while in flight: the outcome will be delivered out of call",
-        DEFERRED,
     ]
+    assert [e["to_state"] for e in told if e["kind"] == "transition"] == [
+        "pending",
+        "texting",
+        "texted",
+    ]
+    assert told[0]["at"] >= commit_event["at"]
+    assert [e["reason"] for e in told if e["kind"] == "decision"] == ["the call has ended: by SMS"]
+    # Exactly one SMS, with the booking reference and nothing internal.
+    assert len(messages) == 1
+    assert f"Ref {committed['provider_ref']}." in messages[0].body
+    assert str(op["operation_id"]) not in messages[0].body
     kinds = [e["kind"] for e in events]
     assert "result_announced" not in kinds  # nothing was spoken about it
     assert "late_result" not in [e["data"].get("reason") for e in events]
