@@ -1,7 +1,9 @@
 """A standalone operation worker process for crash tests: `python -m tests.worker_main`.
 
 The same `OperationWorker` as `voice-agent worker`, with the test catalog (short
-deadlines) and a fast heartbeat, and no sweeper: recovery is someone else's job.
+deadlines) and a fast heartbeat, and no sweeper: recovery is someone else's job. With
+`--deliveries` it also runs the delivery tasks (the restaurant catalog, SMS through the
+Twilio API at `--twilio-api`), as a worker process of a deployment does.
 """
 
 from __future__ import annotations
@@ -11,28 +13,49 @@ import asyncio
 import signal
 
 from app.db import make_engine
-from app.worker import OperationWorker
+from app.settings import Settings
+from app.worker import OperationWorker, build_delivery
 from tests.sor_support import exec_registry
+from tools.restaurant.catalog import restaurant_catalog
 from tools.restaurant.client import SorClient
 from tools.restaurant.provider import SorProvider
 
 
-async def main(database_url: str, sor_url: str, deadline_s: float) -> int:
+async def main(
+    database_url: str,
+    sor_url: str,
+    deadline_s: float,
+    deliveries: bool = False,
+    twilio_api: str | None = None,
+    public_url: str = "http://127.0.0.1:9",
+) -> int:
     engine = make_engine(database_url, pool_size=2, max_overflow=2)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with SorClient(sor_url) as client:
+        delivery = None
+        registry = exec_registry(deadline_s=deadline_s)
+        if deliveries:
+            registry = restaurant_catalog()
+            settings = Settings(
+                database_url=database_url,
+                twilio_api_base_url=twilio_api,
+                public_base_url=public_url,
+            )
+            delivery = build_delivery(settings, engine, registry)
         worker = OperationWorker(
             database_url=database_url,
             engine=engine,
-            registry=exec_registry(deadline_s=deadline_s),
+            registry=registry,
             provider=SorProvider(client),
-            concurrency=1,
+            concurrency=1 if delivery is None else 2,
             heartbeat_s=0.2,
             poll_interval_s=0.2,
             sweep=False,
+            delivery=delivery,
+            callback_base_url=public_url if deliveries else None,
         )
         await worker.start()
         print(f"ready {worker.worker_id}", flush=True)
@@ -47,5 +70,19 @@ if __name__ == "__main__":
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--sor-url", required=True)
     parser.add_argument("--deadline", type=float, default=30.0)
+    parser.add_argument("--deliveries", action="store_true")
+    parser.add_argument("--twilio-api", default=None)
+    parser.add_argument("--public-url", default="http://127.0.0.1:9")
     args = parser.parse_args()
-    raise SystemExit(asyncio.run(main(args.database_url, args.sor_url, args.deadline)))
+    raise SystemExit(
+        asyncio.run(
+            main(
+                args.database_url,
+                args.sor_url,
+                args.deadline,
+                args.deliveries,
+                args.twilio_api,
+                args.public_url,
+            )
+        )
+    )
