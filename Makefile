@@ -30,3 +30,4 @@ lint: install
 bench: install
 	$(BIN)/python bench/bridge.py
 	$(BIN)/python bench/operations.py
+	$(BIN)/python bench/delivery.py

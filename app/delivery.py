@@ -57,6 +57,7 @@ from tools.relevance import (
     sms_capable,
 )
 from tools.results import announcement_text, describe_operation
+from tools.states import OperationStatus
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class DeliveryDecision:
     op: OperationRecord
     context: LedgerContext
     newer: list[str]  # descriptions of the newer, conflicting requests
+    undone: list[str]  # descriptions of compensations of it that went through
 
 
 async def evaluate(
@@ -142,6 +144,7 @@ async def evaluate(
         caller=op.caller,
         live_caller=live_caller,
         told_in_reply=ctx.told_in_reply,
+        told_with_original=ctx.told_with_original,
         newer=tuple(newer),
         compensation_statuses=tuple(c.status for c in ctx.compensations),
         turns_since=turns_since,
@@ -151,7 +154,14 @@ async def evaluate(
         opted_out=ctx.opted_out,
         needs_verification=bool(spec and spec.needs_verification),
     )
-    return DeliveryDecision(decide(facts), op, ctx, texts)
+    undone = [
+        describe_operation(registry.get(c.tool), _as_record(op, c))
+        if c.tool in registry
+        else c.tool.replace("_", " ")
+        for c in ctx.compensations
+        if c.status is OperationStatus.COMMITTED
+    ]
+    return DeliveryDecision(decide(facts), op, ctx, texts, undone)
 
 
 def _as_record(op: OperationRecord, other: deliveries.Related) -> OperationRecord:
@@ -365,6 +375,7 @@ class ResultDelivery:
                         op,
                         reason=gate.reason,
                         newer=found.newer,
+                        undone=found.undone,
                         actor=self.actor,
                     )
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
@@ -407,6 +418,7 @@ class ResultDelivery:
                 newer=found.newer,
                 repeat=delivery.cuts > 0,
                 turns_since=turns_since,
+                undone=found.undone,
             )
         else:
             text = f"The request {op.tool} ended as {op.status.value}."

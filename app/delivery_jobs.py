@@ -147,7 +147,13 @@ class DeliveryDriver:
             await record_decision(conn, delivery, gate, ACTOR)
             if gate.action is Action.TEXT:
                 message = await self.sms.start(
-                    conn, delivery, op, reason=gate.reason, newer=found.newer, actor=ACTOR
+                    conn,
+                    delivery,
+                    op,
+                    reason=gate.reason,
+                    newer=found.newer,
+                    undone=found.undone,
+                    actor=ACTOR,
                 )
                 message_id = message.id if message is not None else None
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):

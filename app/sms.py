@@ -123,10 +123,19 @@ class SmsChannel:
 
     # --- composing (inside the caller's transaction) ---------------------------------------
 
-    def body(self, op: OperationRecord, newer: list[str] | None = None) -> str:
+    def body(
+        self,
+        op: OperationRecord,
+        newer: list[str] | None = None,
+        undone: list[str] | None = None,
+    ) -> str:
         if op.tool in self._registry:
             return sms_text(
-                self._registry.get(op.tool), op, sender=self.config.sender_name, newer=newer
+                self._registry.get(op.tool),
+                op,
+                sender=self.config.sender_name,
+                newer=newer,
+                undone=undone,
             )
         text = f"Update on your request: it ended {op.status.value}."
         return f"{self.config.sender_name}: {text}" if self.config.sender_name else text
@@ -139,6 +148,7 @@ class SmsChannel:
         *,
         reason: str,
         newer: list[str] | None = None,
+        undone: list[str] | None = None,
         actor: str | None = None,
         data: dict[str, Any] | None = None,
     ) -> SmsRecord | None:
@@ -164,7 +174,7 @@ class SmsChannel:
             to_number=delivery.caller,
             from_number=self.config.from_number,
             messaging_service_sid=self.config.messaging_service_sid,
-            body=self.body(op, newer),
+            body=self.body(op, newer, undone),
             reference=op.provider_ref,
             requested_by=who,
         )

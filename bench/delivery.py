@@ -149,7 +149,12 @@ async def _commit(engine: AsyncEngine, op_id: uuid.UUID) -> float:
     """Commit one operation; the monotonic time its commit became durable."""
     async with engine.begin() as conn:
         await ledger.transition(
-            conn, op_id, S.RUNNING, S.COMMITTED, actor="bench", reason="ok",
+            conn,
+            op_id,
+            S.RUNNING,
+            S.COMMITTED,
+            actor="bench",
+            reason="ok",
             provider_ref="BKBENCH234",
         )
     return time.monotonic()
@@ -160,16 +165,15 @@ async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str,
     async with (
         RealtimeSimulator(SCENARIO, realtime_factor=0.0, record=False) as sim,
         FakeTwilioApi() as api,
-        service(
-            engine, openai_base_url=sim.base_url, twilio_api_base_url=api.base_url
-        ) as (app, _settings),
+        service(engine, openai_base_url=sim.base_url, twilio_api_base_url=api.base_url) as (
+            app,
+            _settings,
+        ),
     ):
         runtime = app.state.runtime
         for n, rounds in ((1, 5 if quick else 20), (50, 1 if quick else 3)):
             callers = [
-                FakeTwilioCaller(
-                    runtime.settings.public_base_url, from_number=f"+1555{i:07d}"
-                )
+                FakeTwilioCaller(runtime.settings.public_base_url, from_number=f"+1555{i:07d}")
                 for i in range(n)
             ]
             for c in callers:
@@ -190,16 +194,18 @@ async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str,
                         for sid in sids
                     )
                 )
-                await _wait(lambda t=t0: all(_first_media_after(c, t) for c in callers))
+                await _wait(lambda t=t0, cs=callers: all(_first_media_after(c, t) for c in cs))
                 bare += [_first_media_after(c, t0) - t0 for c in callers]  # type: ignore[operator]
                 await _quiet(callers)
                 # Ours: commit -> delivery row + NOTIFY -> gate -> durable offer -> bridge.
-                calls = [(runtime.registry.get(sid).call_id, c.from_number)
-                         for sid, c in zip(sids, callers, strict=True)]
+                calls = [
+                    (runtime.registry.get(sid).call_id, c.from_number)
+                    for sid, c in zip(sids, callers, strict=True)
+                ]
                 ops = await _running_ops(engine, calls)
                 committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
                 start = min(committed)
-                await _wait(lambda t=start: all(_first_media_after(c, t) for c in callers))
+                await _wait(lambda t=start, cs=callers: all(_first_media_after(c, t) for c in cs))
                 ours += [
                     _first_media_after(c, t) - t  # type: ignore[operator]
                     for c, t in zip(callers, committed, strict=True)
@@ -215,7 +221,7 @@ async def sms_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     async with (
         FakeTwilioApi(sms_step_delay_s=0.01) as api,
-        service(engine, twilio_api_base_url=api.base_url, sweep_interval_s=1.0) as (app, _),
+        service(engine, twilio_api_base_url=api.base_url, sweep_interval_s=1.0) as (_app, _),
     ):
         client = make_twilio_client(DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, api.base_url)
         try:
@@ -241,8 +247,7 @@ async def sms_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
                     committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
                     await _wait(lambda nums=numbers: all(_request_at(api, x) for x in nums))
                     ours += [
-                        _request_at(api, num) - t
-                        for num, t in zip(numbers, committed, strict=True)
+                        _request_at(api, num) - t for num, t in zip(numbers, committed, strict=True)
                     ]
                 rows.append(_row(f"SMS, {n} at once", ours, bare))
         finally:

@@ -365,3 +365,65 @@ async def test_a_call_live_on_another_process_is_left_to_it_and_looked_at_again(
             {"d": str(delivery.id)},
         )
     assert later == 1
+
+
+async def test_an_outcome_being_undone_waits_for_its_compensation_and_is_told_with_it(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    from tools.compensation import admit_compensation
+    from tools.restaurant.catalog import restaurant_catalog
+
+    call_id = await make_call(engine)
+    op_id = await admitted(engine, call_id)
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="go")
+    async with engine.begin() as conn:
+        await ledger.request_cancel(conn, op_id, actor="model", reason="the caller cancelled")
+    async with engine.begin() as conn:
+        # It went through anyway; as the executor does, its cancel is admitted with it.
+        done = await ledger.transition(
+            conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok", provider_ref="BK7QX2MHN4"
+        )
+        assert done is not None
+        comp = await admit_compensation(
+            conn,
+            done,
+            "cancel_booking",
+            {"booking_id": "BK7QX2MHN4"},
+            enqueue=_no_job,
+            actor="w",
+            reason="cancel requested while running",
+        )
+    here = FakeLiveCall()
+    async with replica(engine, clean_db, {call_id: here}) as delivery:
+        await delivery.catch_up()
+
+        async def held() -> bool:
+            return any(
+                e.kind == "decision" and e.data.get("action") == "hold"
+                for e in await trail(engine, op_id)
+            )
+
+        await wait_until(held, 10, "held for the compensation")
+        assert here.results == []  # "booked" is not said while it is being undone
+        await finish_compensation(engine, comp.operation_id)
+        await wait_until(lambda: len(here.results) == 1, 10, "told once the cancel settled")
+    text = here.results[0].text
+    assert "Done and confirmed" in text
+    assert "It has since been undone: the cancellation of booking BK7QX2MHN4 went through." in text
+    assert (await delivery_of(engine, comp.operation_id)).state is D.NOT_NEEDED
+    assert decisions(await trail(engine, comp.operation_id)) == [
+        "told together with the outcome it undoes"
+    ]
+    assert restaurant_catalog().get("cancel_booking").name == "cancel_booking"
+
+
+async def _no_job(conn: object, operation_id: uuid.UUID) -> None:
+    return None
+
+
+async def finish_compensation(engine: AsyncEngine, op_id: uuid.UUID) -> None:
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="go")
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok")

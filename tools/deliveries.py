@@ -415,6 +415,8 @@ class LedgerContext:
     # A tool reply in the call already carried this very outcome to the model.
     told_in_reply: bool
     opted_out: bool
+    # This compensates an operation whose delivery waited for it: that one tells both.
+    told_with_original: bool = False
 
 
 async def ledger_context(conn: AsyncConnection, op: OperationRecord) -> LedgerContext:
@@ -464,7 +466,21 @@ async def ledger_context(conn: AsyncConnection, op: OperationRecord) -> LedgerCo
         )
     ).first() is not None
     opted_out = await is_opted_out(conn, op.caller) if op.caller else False
-    return LedgerContext(op, tuple(conflicts), tuple(compensations), told, opted_out)
+    with_original = False
+    if op.compensates_operation_id is not None:
+        with_original = (
+            await conn.execute(
+                sa.select(sa.literal(1))
+                .select_from(dev_t.join(dl_t, dl_t.c.id == dev_t.c.delivery_id))
+                .where(
+                    dl_t.c.operation_id == op.compensates_operation_id,
+                    dev_t.c.kind == "decision",
+                    dev_t.c.data["action"].astext == "hold",
+                )
+                .limit(1)
+            )
+        ).first() is not None
+    return LedgerContext(op, tuple(conflicts), tuple(compensations), told, opted_out, with_original)
 
 
 def _related(row: Any, origin: uuid.UUID) -> Related:

@@ -63,6 +63,7 @@ class GateFacts:
     caller: str | None
     live_caller: str | None = None
     told_in_reply: bool = False
+    told_with_original: bool = False  # a compensation whose original's delivery waited for it
     newer: tuple[Newer, ...] = ()
     compensation_statuses: tuple[OperationStatus, ...] = ()
     turns_since: int | None = None  # caller turns since the request (live calls only)
@@ -109,6 +110,9 @@ def decide(f: GateFacts) -> GateDecision:
     if f.told_in_reply:
         checks["already_communicated"] = "the tool reply carried this outcome"
         return done(Action.NOT_NEEDED, "already told: the tool reply carried this outcome")
+    if f.told_with_original:
+        checks["already_communicated"] = "told with the outcome it undoes"
+        return done(Action.NOT_NEEDED, "told together with the outcome it undoes")
     checks["already_communicated"] = False
 
     # A conflicting effect settles first: a booking being undone is told with its undoing.

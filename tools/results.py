@@ -185,9 +185,12 @@ def announcement_text(
     newer: list[str] | None = None,
     repeat: bool = False,
     turns_since: int | None = None,
+    undone: list[str] | None = None,
 ) -> str:
     """What the model is asked to tell the caller about a finished operation."""
     text = status_message(spec, op)
+    if undone:
+        text += f" It has since been undone: {' and '.join(undone)} went through."
     if newer:
         text = f"About the earlier request: {text} {conflict_sentence(op, newer)}"
     elif turns_since:
@@ -203,6 +206,7 @@ def sms_text(
     *,
     sender: str | None = None,
     newer: list[str] | None = None,
+    undone: list[str] | None = None,
 ) -> str:
     """A short, plain SMS about an outcome: what, how it ended, and the provider's reference.
 
@@ -217,6 +221,8 @@ def sms_text(
             text = f"Cancelled, nothing was done: {what}."
         case _:
             text = f"Sorry, we could not complete {what}. Nothing was changed."
+    if undone and op.status is S.COMMITTED:
+        text += f" It has since been undone: {' and '.join(undone)} went through."
     if newer:
         asked = " and ".join(newer)
         text += f" You also asked for {asked}; that was not done. Call us to change it."
