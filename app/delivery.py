@@ -355,6 +355,7 @@ class ResultDelivery:
                     delivery.id,
                     D.PENDING,
                     D.OFFERED,
+                    locked=delivery,
                     actor=self.actor,
                     reason="handed to the live call",
                     channel="call",

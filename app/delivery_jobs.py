@@ -111,7 +111,9 @@ class DeliveryDriver:
         """Decide one pending delivery out of the call (see the module docstring)."""
         message_id: uuid.UUID | None = None
         async with self.engine.begin() as conn:
-            delivery = await deliveries.get(conn, delivery_id, for_update=True)
+            # Locked: the replica holding the call is deciding it right now. If that fails,
+            # the sweeper finds the delivery pending with no job and queues one again.
+            delivery = await deliveries.get(conn, delivery_id, for_update=True, skip_locked=True)
             if delivery is None or delivery.state is not D.PENDING:
                 return None
             op = await ledger.get_operation(conn, delivery.operation_id)
@@ -132,9 +134,11 @@ class DeliveryDriver:
                 )
                 call = CallState.ENDED
             if call is CallState.LIVE_ELSEWHERE:
-                # The holder hears this (again) and decides; if it never does, look again.
-                await deliveries.notify_ready(conn, delivery)
+                # The holder heard the NOTIFY sent with the commit and decides; if it has not
+                # within a nudge interval (a lost notification), remind it; look again later.
                 age = (datetime.now(UTC) - delivery.updated_at).total_seconds()
+                if age >= self.config.nudge_s:
+                    await deliveries.notify_ready(conn, delivery)
                 delay = min(max(self.config.nudge_s, age / 2), 60.0)
                 await deliveries.enqueue(
                     conn, delivery.id, datetime.now(UTC) + timedelta(seconds=delay)

@@ -257,11 +257,16 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
 
 
 async def get(
-    conn: AsyncConnection, delivery_id: uuid.UUID, *, for_update: bool = False
+    conn: AsyncConnection,
+    delivery_id: uuid.UUID,
+    *,
+    for_update: bool = False,
+    skip_locked: bool = False,
 ) -> DeliveryRecord | None:
+    """The delivery (None when missing, or locked by another transaction and `skip_locked`)."""
     stmt = sa.select(dl_t).where(dl_t.c.id == delivery_id)
     if for_update:
-        stmt = stmt.with_for_update()
+        stmt = stmt.with_for_update(skip_locked=skip_locked)
     row = (await conn.execute(stmt)).first()
     return DeliveryRecord.from_row(row) if row is not None else None
 
@@ -294,19 +299,21 @@ async def move(
     actor: str,
     reason: str,
     data: Mapping[str, Any] | None = None,
+    locked: DeliveryRecord | None = None,
     **values: Any,
 ) -> DeliveryRecord | None:
     """Move a delivery `from_state -> to_state` if it is still in `from_state`.
 
     Illegal edges raise `IllegalTransition`; a lost race returns None and changes nothing.
-    The move and its event commit together. `values` may set `SETTABLE` columns.
+    The move and its event commit together. `values` may set `SETTABLE` columns. `locked`
+    is the row as this transaction already read it FOR UPDATE (saves reading it again).
     """
     froms = check_delivery_move(from_state, to_state)
     to = DeliveryState(to_state)
     unknown = set(values) - SETTABLE
     if unknown:
         raise TypeError(f"move cannot set {sorted(unknown)}")
-    current = await get(conn, delivery_id, for_update=True)
+    current = locked if locked is not None else await get(conn, delivery_id, for_update=True)
     if current is None or current.state not in froms:
         return None
     setv: dict[str, Any] = {"state": to.value, "updated_at": sa.func.now(), "reason": reason}
@@ -447,39 +454,58 @@ async def ledger_context(conn: AsyncConnection, op: OperationRecord) -> LedgerCo
             .order_by(ops_t.c.created_at)
         )
         conflicts = [_related(r, op.operation_id) for r in rows]
-    comp_rows = await conn.execute(
-        sa.select(ops_t)
-        .where(ops_t.c.compensates_operation_id == op.operation_id)
-        .order_by(ops_t.c.created_at)
-    )
-    compensations = [_related(r, op.operation_id) for r in comp_rows]
-    told = (
-        await conn.execute(
-            sa.select(sa.literal(1))
-            .select_from(calls_t)
-            .where(
-                calls_t.c.operation_id == op.operation_id,
-                calls_t.c.call_id == op.call_id,
-                calls_t.c.output["status"].astext == op.status.value,
-            )
-            .limit(1)
+    # One round trip for the rest: told already, opted out, waited on by the original.
+    told_q = (
+        sa.select(sa.literal(1))
+        .select_from(calls_t)
+        .where(
+            calls_t.c.operation_id == op.operation_id,
+            calls_t.c.call_id == op.call_id,
+            calls_t.c.output["status"].astext == op.status.value,
         )
-    ).first() is not None
-    opted_out = await is_opted_out(conn, op.caller) if op.caller else False
-    with_original = False
-    if op.compensates_operation_id is not None:
-        with_original = (
-            await conn.execute(
-                sa.select(sa.literal(1))
-                .select_from(dev_t.join(dl_t, dl_t.c.id == dev_t.c.delivery_id))
-                .where(
-                    dl_t.c.operation_id == op.compensates_operation_id,
-                    dev_t.c.kind == "decision",
-                    dev_t.c.data["action"].astext == "hold",
-                )
-                .limit(1)
+        .exists()
+    )
+    opted_q = (
+        sa.select(sa.literal(1))
+        .select_from(opt_t)
+        .where(opt_t.c.phone == op.caller, opt_t.c.opted_out.is_(True))
+        .exists()
+    )
+    held_q = (
+        sa.select(sa.literal(1))
+        .select_from(dev_t.join(dl_t, dl_t.c.id == dev_t.c.delivery_id))
+        .where(
+            dl_t.c.operation_id == op.compensates_operation_id,
+            dev_t.c.kind == "decision",
+            dev_t.c.data["action"].astext == "hold",
+        )
+        .exists()
+    )
+    comp_q = (
+        sa.select(sa.literal(1))
+        .select_from(ops_t)
+        .where(ops_t.c.compensates_operation_id == op.operation_id)
+        .exists()
+    )
+    flags = (
+        await conn.execute(
+            sa.select(
+                told_q.label("told"),
+                opted_q.label("opted_out"),
+                (held_q if op.compensates_operation_id is not None else sa.false()).label("held"),
+                comp_q.label("compensated"),
             )
-        ).first() is not None
+        )
+    ).one()
+    compensations: list[Related] = []
+    if flags.compensated:
+        comp_rows = await conn.execute(
+            sa.select(ops_t)
+            .where(ops_t.c.compensates_operation_id == op.operation_id)
+            .order_by(ops_t.c.created_at)
+        )
+        compensations = [_related(r, op.operation_id) for r in comp_rows]
+    told, opted_out, with_original = bool(flags.told), bool(flags.opted_out), bool(flags.held)
     return LedgerContext(op, tuple(conflicts), tuple(compensations), told, opted_out, with_original)
 
 
