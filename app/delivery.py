@@ -65,6 +65,7 @@ D = DeliveryState
 CHANNEL = deliveries.NOTIFY_CHANNEL
 
 __all__ = [
+    "HOLD_RECHECK_S",
     "DeliveryDecision",
     "ResendRefused",
     "ResultDelivery",
@@ -169,6 +170,13 @@ def _as_record(op: OperationRecord, other: deliveries.Related) -> OperationRecor
     from dataclasses import replace
 
     return replace(op, operation_id=other.operation_id, tool=other.tool, args=other.args)
+
+
+HOLD_RECHECK_S = 30.0
+
+
+def _hold_until() -> datetime:
+    return datetime.now(UTC) + timedelta(seconds=HOLD_RECHECK_S)
 
 
 async def record_decision(
@@ -381,7 +389,9 @@ class ResultDelivery:
                     )
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
                 await settle_without_telling(conn, delivery, gate, self.actor)
-            # HOLD: stays pending; the compensation's outcome re-drives it.
+            elif gate.action is Action.HOLD:
+                # The compensation's outcome re-drives it; until then nobody needs to look.
+                await deliveries.defer_until(conn, delivery.id, _hold_until())
         if message is not None and self._sms is not None:
             # Persisted with its job first; sending right away only saves the job's pickup.
             await self._sms.drive(message.id)

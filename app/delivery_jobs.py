@@ -29,7 +29,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import call_liveness
 from app.call_store import CallStatus
-from app.delivery import call_state_of, evaluate, record_decision, settle_without_telling
+from app.delivery import (
+    HOLD_RECHECK_S,
+    call_state_of,
+    evaluate,
+    record_decision,
+    settle_without_telling,
+)
 from app.sms import SmsChannel
 from tools import deliveries, jobs, ledger, webhooks
 from tools.delivery_states import DeliveryState
@@ -162,7 +168,11 @@ class DeliveryDriver:
                 message_id = message.id if message is not None else None
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
                 await settle_without_telling(conn, delivery, gate, ACTOR)
-            # HOLD: the compensation's outcome re-drives it.
+            elif gate.action is Action.HOLD:
+                # The compensation's outcome re-drives it; until then nobody needs to look.
+                await deliveries.defer_until(
+                    conn, delivery.id, datetime.now(UTC) + timedelta(seconds=HOLD_RECHECK_S)
+                )
         if message_id is not None:
             # Persisted (and its own job queued) before this send: a crash here loses nothing.
             await self.sms.drive(message_id)

@@ -251,6 +251,10 @@ class AnnouncementTracker:
             if ann.timer is not None:
                 ann.timer.cancel()
 
+    def carries(self, delivery_id: str) -> bool:
+        """Whether an open announcement carries this delivery."""
+        return any(r.delivery_id == delivery_id for a in self._open.values() for r in a.results)
+
     def open_count(self) -> int:
         return len(self._open)
 

@@ -891,10 +891,22 @@ class Bridge:
         """Speak a late result at the next safe moment; False if the call is ending."""
         if self._ended.is_set() or self._state in (BridgeState.FAILING, BridgeState.ENDED):
             return False
+        if result.delivery_id is not None and self._carries(result.delivery_id):
+            return True  # offered again while still on its way: it is said once
         self._late.append(result)
         await self._drain()
         self._report_held()
         return True
+
+    def _carries(self, delivery_id: str) -> bool:
+        """Whether this delivery is already queued or being announced."""
+        queued = [*self._late, *(r for c in self._creates for r in c.late)]
+        session = self._session
+        if session is not None and session.requested is not None:
+            queued.extend(session.requested.late)
+        return any(r.delivery_id == delivery_id for r in queued) or self._announcing.carries(
+            delivery_id
+        )
 
     def _item_audio(self, response_id: str) -> list[ItemAudio]:
         return [

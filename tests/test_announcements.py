@@ -200,3 +200,20 @@ async def test_a_dropped_session_offers_a_queued_announcement_again_to_the_next(
     await again.response_done("resp_new")
     await wait_until(lambda: A.HEARD in c.reports.statuses(), 5, "heard after reconnect")
     assert c.reports.statuses()[-2:] == [A.SPOKEN, A.HEARD]
+
+
+async def test_the_same_delivery_offered_twice_while_queued_is_said_once(make_call):
+    c = await make_call()
+    conn = await c.call.server.connection()
+    await c.call.event(CallEventKind.REALTIME_CONNECTED)
+    await conn.response_created("resp_busy")
+    await c.call.event(CallEventKind.RESPONSE_CREATED)
+    assert await c.bridge.deliver_result(RESULT)
+    again = LateResult("op-1", "Your table at 21:00 is booked.", delivery_id="d-1")
+    assert await c.bridge.deliver_result(again)  # taken back and offered again meanwhile
+    await conn.response_done("resp_busy")
+    await _announce(c, conn, "resp_late", 200)
+    await conn.response_done("resp_late")
+    await wait_until(lambda: A.HEARD in c.reports.statuses(), 5, "heard")
+    assert len(conn.of_type("conversation.item.create")) == 1
+    assert c.reports.statuses() == [A.HELD, A.SPOKEN, A.HEARD]

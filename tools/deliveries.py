@@ -251,6 +251,9 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
         # The original's delivery may be held until its compensation settles: look again.
         original = await for_operation(conn, op.compensates_operation_id)
         if original is not None and original.state is D.PENDING:
+            await conn.execute(
+                dl_t.update().where(dl_t.c.id == original.id).values(next_attempt_at=None)
+            )
             await notify_ready(conn, original)
             await enqueue(conn, original.id)
     return delivery
@@ -364,6 +367,15 @@ async def update(
         return None
     await record_event(conn, delivery_id, kind="note", actor=actor, reason=reason, data=data)
     return DeliveryRecord.from_row(row)
+
+
+async def defer_until(conn: AsyncConnection, delivery_id: uuid.UUID, at: datetime) -> None:
+    """Leave a pending delivery alone until `at` (the sweeper does not re-queue it before)."""
+    await conn.execute(
+        dl_t.update()
+        .where(dl_t.c.id == delivery_id, dl_t.c.state == D.PENDING.value)
+        .values(next_attempt_at=at)
+    )
 
 
 async def redrive_for_call(
