@@ -32,6 +32,7 @@ from tests.delivery_support import (
 from tests.e2e_support import wait_until
 from tools import deliveries, ledger
 from tools.delivery_states import DeliveryState
+from tools.restaurant.catalog import restaurant_catalog
 from tools.states import OperationStatus
 
 S = OperationStatus
@@ -371,7 +372,6 @@ async def test_an_outcome_being_undone_waits_for_its_compensation_and_is_told_wi
     engine: AsyncEngine, clean_db: str
 ) -> None:
     from tools.compensation import admit_compensation
-    from tools.restaurant.catalog import restaurant_catalog
 
     call_id = await make_call(engine)
     op_id = await admitted(engine, call_id)
@@ -427,3 +427,38 @@ async def finish_compensation(engine: AsyncEngine, op_id: uuid.UUID) -> None:
         await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="go")
     async with engine.begin() as conn:
         await ledger.transition(conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok")
+
+
+async def test_a_notification_the_holder_missed_is_repeated_by_the_job(
+    engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
+) -> None:
+    from app.delivery import CHANNEL, ResultDelivery
+    from app.pg_listener import PgListener
+    from tests.delivery_support import LiveCallEntry
+
+    call_id = await make_call(engine)
+    op_id = await booked(engine, call_id)  # its NOTIFY went out with nobody listening
+    here = FakeLiveCall()
+    delivery = ResultDelivery(
+        engine,
+        restaurant_catalog(),
+        lambda c: LiveCallEntry("CA1", c, here, from_number=CALLER) if c == call_id else None,
+        lambda: [call_id],
+    )
+    listener = PgListener(clean_db)
+    listener.subscribe(CHANNEL, delivery._on_notify)  # listening now, and no catch-up
+    await listener.start()
+    sms = sms_channel(engine, api)
+    try:
+        assert here.results == []
+        # The job finds the call live elsewhere and, past the nudge interval, says so again.
+        assert (
+            await driver(engine, sms, nudge_s=0).deliver((await delivery_of(engine, op_id)).id)
+            == "wait"
+        )
+        await wait_until(lambda: len(here.results) == 1, 10, "offered after the nudge")
+    finally:
+        await listener.stop()
+        await delivery.stop()
+        await sms.aclose()
+    assert api.created_messages() == []
