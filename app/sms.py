@@ -177,7 +177,13 @@ class SmsChannel:
             body=self.body(op, newer, undone),
             reference=op.provider_ref,
             requested_by=who,
+            check_at=self._safety_net(),
         )
+
+    def _safety_net(self) -> datetime:
+        """When a message's own job looks at it: whoever persisted it sends it at once, so
+        the job only matters if that process died before sending."""
+        return datetime.now(UTC) + timedelta(seconds=self.config.send_timeout_s + 5)
 
     def status_callback(self, message: SmsRecord) -> str:
         return (
@@ -501,6 +507,7 @@ class SmsChannel:
                 body=self.body(op),
                 reference=op.provider_ref,
                 requested_by=who,
+                check_at=self._safety_net(),
             )
         return await self.drive(message.id) or message
 

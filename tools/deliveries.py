@@ -545,8 +545,11 @@ async def create_sms(
     body: str,
     reference: str | None,
     requested_by: str,
+    check_at: datetime | None = None,
 ) -> SmsRecord:
-    """Persist an SMS for `delivery` (before anything is sent) and defer its job."""
+    """Persist an SMS for `delivery` (before anything is sent) and defer its job, to run at
+    `check_at` (None: at once). A caller that sends right away passes a later time: the job
+    is then only the safety net for a crash before the send."""
     row = (
         await conn.execute(
             sms_t.insert()
@@ -561,6 +564,7 @@ async def create_sms(
                 reference=reference,
                 status=M.PENDING.value,
                 requested_by=requested_by[:128],
+                next_check_at=check_at,
             )
             .returning(*sms_t.c)
         )
@@ -580,7 +584,7 @@ async def create_sms(
         reason="SMS persisted, not sent yet",
         data={"message_id": str(message.id), "status": message.status.value},
     )
-    await enqueue_sms(conn, message.id)
+    await enqueue_sms(conn, message.id, at=check_at)
     return message
 
 
