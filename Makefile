@@ -32,3 +32,4 @@ bench: install
 	$(BIN)/python bench/operations.py
 	$(BIN)/python bench/sip_rtp.py
 	$(BIN)/python bench/console.py
+	$(BIN)/python bench/delivery.py

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlmodel import SQLModel
 
 import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from tools import deliveries
 
 calls = SQLModel.metadata.tables["calls"]
 call_events = SQLModel.metadata.tables["call_events"]
@@ -78,6 +79,8 @@ class CallRow:
     status: str
     stream_sid: str | None
     end_reason: str | None
+    holder: str | None
+    heartbeat_at: datetime | None
     created_at: datetime
     answered_at: datetime | None
     ended_at: datetime | None
@@ -95,6 +98,8 @@ class CallRow:
             status=row["status"],
             stream_sid=row["stream_sid"],
             end_reason=row["end_reason"],
+            holder=row["holder"],
+            heartbeat_at=row["heartbeat_at"],
             created_at=row["created_at"],
             answered_at=row["answered_at"],
             ended_at=row["ended_at"],
@@ -196,7 +201,8 @@ async def transition(
     """Move the call to `target` if that is legal from its current status; else None.
 
     A conditional update, so two parties ending the same call (status callback, media
-    socket, shutdown) never both win, and a stream can only start once.
+    socket, shutdown) never both win, and a stream can only start once. Ending a call
+    hands its outcomes not yet heard to out-of-call delivery in the same transaction.
     """
     values: dict[str, Any] = {"status": str(target), **fields}
     if target in TERMINAL:
@@ -211,4 +217,11 @@ async def transition(
     )
     async with engine.begin() as conn:
         row = (await conn.execute(stmt)).mappings().first()
+        if row is not None and target in TERMINAL:
+            await deliveries.redrive_for_call(
+                conn,
+                call_id,
+                actor="call-end",
+                reason=f"the call ended ({fields.get('end_reason') or target.value})",
+            )
     return CallRow.from_mapping(row) if row else None

@@ -23,6 +23,7 @@ class LiveCallEntry:
     call_id: str
     live: LiveCall
     socket: Any = None  # the media socket as the leg sees it (app.routes_twilio.FrameGuard)
+    from_number: str | None = None  # the caller's number, as the call row has it
     # Who ended it first (status callback, stop frame, shutdown); later enders don't overwrite.
     end_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -78,10 +79,14 @@ class CallRegistry:
         """The call ended (or was refused) before its stream started."""
         self._reserved.pop(call_sid, None)
 
-    def attach(self, call_sid: str, call_id: str, live: LiveCall) -> LiveCallEntry:
+    def attach(
+        self, call_sid: str, call_id: str, live: LiveCall, from_number: str | None = None
+    ) -> LiveCallEntry:
         """The stream of `call_sid` started: its reservation becomes a live call."""
         self._reserved.pop(call_sid, None)
-        entry = LiveCallEntry(call_sid=call_sid, call_id=call_id, live=live)
+        entry = LiveCallEntry(
+            call_sid=call_sid, call_id=call_id, live=live, from_number=from_number
+        )
         self._live[call_sid] = entry
         return entry
 
@@ -100,10 +105,19 @@ class CallRegistry:
 
     def live_by_call_id(self, call_id: str) -> LiveCall | None:
         """The live call whose `calls.id` is `call_id`, if it runs in this process."""
+        entry = self.entry_by_call_id(call_id)
+        return entry.live if entry is not None else None
+
+    def entry_by_call_id(self, call_id: str) -> LiveCallEntry | None:
+        """The entry of the live call whose `calls.id` is `call_id`, if it runs here."""
         for entry in self._live.values():
             if entry.call_id == call_id and entry.end_reason is None:
-                return entry.live
+                return entry
         return None
+
+    def live_entries(self) -> list[LiveCallEntry]:
+        """Every call whose stream runs in this process and is not ending."""
+        return [e for e in self._live.values() if e.end_reason is None]
 
     def live_count(self) -> int:
         return len(self._live)

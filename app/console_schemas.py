@@ -140,7 +140,7 @@ class CallList(BaseModel):
 
 
 class TimelineEntry(BaseModel):
-    source: Literal["call", "tool_call", "operation"]
+    source: Literal["call", "tool_call", "operation", "delivery"]
     seq: int | None
     kind: str
     at: str
@@ -174,10 +174,29 @@ class RecordingOut(BaseModel):
     offset_ms: float | None = Field(description="Where the recording starts on the timeline.")
 
 
+class DeliverySummary(BaseModel):
+    """How one outcome reached the caller: its channel, state, offers, cuts and SMS."""
+
+    id: str
+    operation_id: str
+    tool: str
+    outcome: str
+    state: str
+    channel: str
+    offers: int
+    cuts: int
+    response_id: str | None
+    reason: str | None
+    heard_at: str | None
+    finished_at: str | None
+    sms: list[dict[str, Any]]
+
+
 class Timeline(BaseModel):
     call: CallOut
     events: list[TimelineEntry]
     operations: list[OperationSummary]
+    deliveries: list[DeliverySummary] = Field(default_factory=list)
     recording: RecordingOut | None
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,8 +15,15 @@ from fastapi import FastAPI
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import routes_health, routes_operations, routes_twilio
+from app import (
+    routes_deliveries,
+    routes_health,
+    routes_operations,
+    routes_sms,
+    routes_twilio,
+)
 from app.call_control import CallControl
+from app.call_liveness import CallHeartbeat
 from app.calls import CallRegistry
 from app.console import install_console, start_console
 from app.db import make_engine, plain_url, resolve_database_url
@@ -23,6 +33,8 @@ from app.event_writer import EventWriter
 from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
+from app.sms import SmsChannel
+from app.sms_resend import LedgerSmsDeliveries
 from app.stream_token import StreamTokens
 from app.tool_wiring import build_tools, load_configured_catalog
 from app.twilio_rest import close_twilio_client, make_twilio_client
@@ -59,6 +71,11 @@ def _make_twilio_client(settings: Settings) -> Any:
         settings.twilio_auth_token.get_secret_value(),
         settings.twilio_api_base_url,
     )
+
+
+def holder_id() -> str:
+    """This process, as written into the calls it holds: host, pid and a random tail."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"[:128]
 
 
 async def _start_worker(
@@ -114,8 +131,17 @@ def create_app(
         tools = (
             build_tools(settings, db, plain_url(db_url), tool_catalog) if gateway is None else None
         )
+        registry = tools.registry if tools is not None else tool_catalog.registry
+        holder = holder_id()
+        sms = SmsChannel.from_settings(settings, db, registry, actor=f"replica:{holder}")
         delivery = ResultDelivery(
-            db, tool_catalog.registry, calls.live_by_call_id, calls.live_call_ids
+            db,
+            registry,
+            calls.entry_by_call_id,
+            calls.live_call_ids,
+            holder=holder,
+            max_reoffers=settings.announce_max_reoffers,
+            sms=sms,
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended
@@ -130,8 +156,17 @@ def create_app(
             registry=tools.registry if tools is not None else tool_catalog.registry,
             provider=tool_catalog.router,
             listener=listener,
+            sms=LedgerSmsDeliveries(db, sms) if sms is not None else None,
         )
         await listener.start()
+        heartbeat = CallHeartbeat(db, calls, holder=holder, interval_s=settings.call_heartbeat_s)
+        heartbeat.start()
+        try:
+            from app.worker import sync_webhooks
+
+            await sync_webhooks(settings, db)
+        except Exception:
+            log.exception("the configured webhooks (WEBHOOKS) could not be applied")
         runtime = Runtime(
             settings=settings,
             engine=db,
@@ -144,6 +179,9 @@ def create_app(
             twilio=_make_twilio_client(settings),
             tools=tools,
             console=console,
+            delivery=delivery,
+            sms=sms,
+            holder=holder,
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
@@ -156,11 +194,13 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await heartbeat.stop()
             if runtime.sip is not None:
                 await runtime.sip.stop()
             await console.aclose()
             await listener.stop()
             await delivery.stop()
+            await sms.aclose()
             await control.stop()
             if worker is not None:
                 await worker.stop()
@@ -181,5 +221,7 @@ def create_app(
     app.include_router(routes_twilio.router)
     app.include_router(routes_health.router)
     app.include_router(routes_operations.router)
+    app.include_router(routes_sms.router)
+    app.include_router(routes_deliveries.router)
     install_console(app)
     return app

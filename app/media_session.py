@@ -69,22 +69,39 @@ async def run_media_session(
     async def hang_up(reason: str) -> None:
         await _hang_up_via_rest(runtime, sink, call, reason)
 
-    leg = TwilioLeg(ws, start, sink, call.id, chunk_ms=runtime.settings.twilio_media_chunk_ms)
+    leg = TwilioLeg(
+        ws,
+        start,
+        sink,
+        call.id,
+        chunk_ms=runtime.settings.twilio_media_chunk_ms,
+        idle_timeout_s=runtime.settings.media_idle_timeout_s,
+    )
     # Recording taps the leg here, between it and the bridge (app.recording): neither knows.
     recordings = runtime.console.recordings if runtime.console is not None else None
     recorder = recordings.start(leg.audio_format) if recordings is not None else None
     bridge_leg: CallLeg = RecordingLeg(leg, recorder) if recorder is not None else leg
     bridge = Bridge(
-        bridge_leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai,
+        bridge_leg,
+        ctx,
+        runtime.gateway,
+        sink,
+        runtime.bridge_config,
+        runtime.openai,
         on_fatal=hang_up,
-    )  # fmt: skip
-    entry = runtime.registry.attach(call.call_sid, call.id, bridge)
+        announcements=runtime.delivery,
+    )
+    entry = runtime.registry.attach(call.call_sid, call.id, bridge, call.from_number)
     entry.socket = ws
     try:
         await bridge.run()
     finally:
         runtime.registry.detach(entry)
         reason = entry.end_reason or sink.end_reason or "stream ended"
+        if runtime.delivery is not None:
+            # What the caller heard of an announcement is durable before the call's end
+            # hands whatever was not heard to SMS.
+            await runtime.delivery.flush(call.id)
         try:
             await call_store.transition(
                 runtime.engine, call.id, CallStatus.COMPLETED, end_reason=reason[:128]

@@ -27,6 +27,11 @@ class Call(SQLModel, table=True):
     status: str = Field(default="ringing", max_length=32)
     stream_sid: str | None = Field(default=None, max_length=64)
     end_reason: str | None = Field(default=None, max_length=128)
+    # The process holding the media stream, and its last heartbeat for this call.
+    holder: str | None = Field(default=None, max_length=128)
+    heartbeat_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
     created_at: datetime = Field(
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=func.now())
     )

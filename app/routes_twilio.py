@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -228,7 +229,12 @@ async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
     claims = runtime.tokens.verify(start.custom_parameters.get("token"), start.call_sid)
     # Across processes: only a ringing call can start its stream, so a replayed token fails here.
     row = await call_store.transition(
-        runtime.engine, claims.call_id, CallStatus.IN_PROGRESS, stream_sid=start.stream_sid
+        runtime.engine,
+        claims.call_id,
+        CallStatus.IN_PROGRESS,
+        stream_sid=start.stream_sid,
+        holder=runtime.holder,
+        heartbeat_at=datetime.now(UTC),
     )
     if row is None:
         raise TokenRejected("reused")

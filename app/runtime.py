@@ -32,3 +32,6 @@ class Runtime:
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
     sip: Any = None  # app.sip_calls.SipService when SIP_BIND is set
     console: Any = None  # app.console.Console: recordings, live updates, operation actions
+    delivery: Any = None  # app.delivery.ResultDelivery: late results of this process's calls
+    sms: Any = None  # app.sms.SmsChannel: SMS follow-ups (and staff resends)
+    holder: str = "replica"  # this process, as written into the calls it holds

@@ -122,8 +122,47 @@ class Settings(BaseSettings):
     # the restaurant catalog: `serve` and `demo` run the demo one in-process.
     sor_base_url: str | None = None
     sor_callback_secret: SecretStr | None = None
-    # How often each worker's sweeper looks for stuck, unknown and expired operations.
+    # How often each worker's sweeper looks for stuck, unknown and expired operations (and
+    # for deliveries, SMS and webhooks that need another look).
     sweep_interval_s: float = Field(default=5.0, gt=0)
+    # Procrastinate queues this process's workers take jobs from (comma-separated).
+    worker_queues: str = "operations,deliveries"
+    # Worker heartbeat, and after how long without one its jobs count as lost.
+    worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    worker_stalled_after_s: float = Field(default=30.0, gt=0)
+
+    # Call liveness: each process heartbeats the calls it holds; a call whose holder said
+    # nothing for CALL_DEAD_AFTER_S is ended by any other process, with the reason on its
+    # timeline. A media stream without a single frame for MEDIA_IDLE_TIMEOUT_S is ended
+    # by its holder.
+    call_heartbeat_s: float = Field(default=5.0, gt=0)
+    call_dead_after_s: float = Field(default=30.0, gt=0)
+    media_idle_timeout_s: float = Field(default=15.0, gt=0)
+
+    # Late results in the call: an announcement cut by a barge-in is offered again at the
+    # next safe moment at most this many times, then it goes by SMS.
+    announce_max_reoffers: int = Field(default=2, ge=0)
+    # An offer the call never reported heard or cut within this is taken back.
+    announce_timeout_s: float = Field(default=120.0, gt=0)
+
+    # SMS follow-ups (Twilio Messaging): from TWILIO_FROM_NUMBER, or a Messaging Service.
+    twilio_messaging_service_sid: str | None = None
+    # Shown at the start of every SMS ("Luigi's: Confirmed: ...").
+    sms_sender_name: str | None = None
+    # How long one create request may take before its outcome counts as unknown.
+    sms_send_timeout_s: float = Field(default=10.0, gt=0)
+    # How long after a send with no status callback its status is fetched from Twilio.
+    sms_status_poll_s: float = Field(default=60.0, gt=0)
+    # A message still `sent` (no receipt) after this counts as delivered as far as we know.
+    sms_settle_s: float = Field(default=6 * 3600.0, gt=0)
+
+    # Integrator webhooks for operation status changes, as JSON:
+    # [{"url": "https://...", "secret": "whsec_...", "description": "..."}]. More can be
+    # added through POST /api/webhooks.
+    webhooks: str | None = None
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    webhook_base_backoff_s: float = Field(default=2.0, gt=0)
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
 
     def stream_secret(self) -> bytes:
         """Key for stream tokens: explicit, else derived from the Twilio auth token."""
@@ -142,6 +181,23 @@ class Settings(BaseSettings):
     def recordings_path(self) -> Path:
         """The file store's directory."""
         return self.recording_dir or self.data_dir / "recordings"
+
+    def queues(self) -> list[str]:
+        """The worker queues, in order."""
+        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+
+    def configured_webhooks(self) -> list[dict[str, str]]:
+        """WEBHOOKS as a list of {url, secret, description}; a malformed value is an error."""
+        if not self.webhooks:
+            return []
+        import json
+
+        data = json.loads(self.webhooks)
+        if not isinstance(data, list) or not all(
+            isinstance(d, dict) and "url" in d and "secret" in d for d in data
+        ):
+            raise ValueError("WEBHOOKS must be a JSON list of {url, secret} objects")
+        return data
 
     def public_ws_base(self) -> str:
         """The public base URL with a WebSocket scheme."""

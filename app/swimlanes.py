@@ -352,9 +352,43 @@ def _delivery_lane(events: list[dict[str, Any]]) -> Lane:
                     href=href,
                 )
             )
-        elif e["source"] == "call" and str(e["kind"]).startswith(("sms", "delivery")):
-            lane.items.append(Item(e["t_ms"], None, _short(e["kind"]), str(d), "delivery sms"))
+        elif e["source"] == "delivery":
+            item = _delivery_item(e)
+            if item is not None:
+                lane.items.append(item)
     return lane
+
+
+# Delivery states worth a mark of their own; the rest (pending, offered) are steps on the way.
+_DELIVERY_MARKS = {
+    "heard": "heard",
+    "texting": "SMS",
+    "texted": "SMS sent",
+    "failed": "not delivered",
+    "not_deliverable": "no SMS number",
+}
+
+
+def _delivery_item(e: dict[str, Any]) -> Item | None:
+    """One entry of the delivery ledger (`delivery_events`) on the deliveries lane."""
+    d = e["data"]
+    href = _op_href(d)
+    reason = str(d.get("reason") or "")
+    if e["kind"] == "delivery_transition":
+        to = str(d.get("to") or "")
+        if to not in _DELIVERY_MARKS:
+            return None
+        css = "delivery sms" if to.startswith(("text", "not_")) else "delivery"
+        title = f"{d.get('tool')}: {to}" + (f" ({reason})" if reason else "")
+        return Item(e["t_ms"], None, _short(_DELIVERY_MARKS[to]), title, css, href=href)
+    if e["kind"] == "delivery_decision":
+        return Item(e["t_ms"], None, _short(reason), f"{d.get('tool')}: {reason}", "delivery",
+                    href=href)  # fmt: skip
+    if e["kind"] == "delivery_sms":
+        status = str(d.get("to") or (d.get("details") or {}).get("status") or "sms")
+        return Item(e["t_ms"], None, _short(f"SMS {status}"), f"SMS {status}", "delivery sms",
+                    href=href)  # fmt: skip
+    return None
 
 
 def _call_lane(events: list[dict[str, Any]]) -> Lane:

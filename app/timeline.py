@@ -1,13 +1,16 @@
 """A call as one timeline: what was said, what the model asked for, what policy decided,
 what the workers and the system of record did, and what the caller was told.
 
-Three sources are merged by time into one ordered list of entries, each tagged with its
+Four sources are merged by time into one ordered list of entries, each tagged with its
 `source`:
 - `call`: the call's events (`call_events`, in `seq` order), as before;
 - `tool_call`: every function call the model made (`tool_calls`) and the policy decision;
 - `operation`: every row of the trail of the call's operations (`operation_events`):
-  transitions (`op_transition`), decisions (`op_decision`, e.g. how the outcome reached the
-  caller) and notes (`op_note`).
+  transitions (`op_transition`), decisions (`op_decision`) and notes (`op_note`);
+- `delivery`: how each outcome reached the caller (`delivery_events`): moves
+  (`delivery_transition`), relevance-gate decisions with their reasons
+  (`delivery_decision`), notes such as "held: the caller is speaking" (`delivery_note`), and
+  every SMS status (`delivery_sms`: pending, queued, sent, delivered, undelivered, failed).
 
 Every entry has `source, seq, kind, at, t_ms, data`; `seq` is the call event's sequence
 number (None for the other sources).
@@ -26,6 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import call_store
 from app.call_store import call_events
+from tools.delivery_models import deliveries_table as deliveries
+from tools.delivery_models import delivery_events_table as delivery_events
+from tools.delivery_models import sms_messages_table as sms_messages
 from tools.ledger_models import operation_events_table as op_events
 from tools.ledger_models import operations_table as operations
 from tools.ledger_models import tool_calls_table as tool_calls
@@ -36,7 +42,7 @@ _CLOCK_SKEW_NS = 1_000_000_000
 
 # Which source comes first when two entries share a timestamp (a tool call and the
 # admission it caused are written in one transaction, so they share `now()`).
-_RANK = {"call": 0, "tool_call": 1, "operation": 2}
+_RANK = {"call": 0, "tool_call": 1, "operation": 2, "delivery": 3}
 
 
 def _t_ms(mono_ns: int, at: datetime, origin_mono: int, origin_at: datetime) -> float:
@@ -51,8 +57,8 @@ def _wall_ms(at: datetime, origin_at: datetime) -> float:
 
 
 async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | None:
-    """{"call", "events", "operations"}: `events` is every entry of the call in time order;
-    None if the call is unknown."""
+    """{"call", "events", "operations", "deliveries"}: `events` is every entry of the call
+    in time order; None if the call is unknown."""
     call = await call_store.get_call(engine, call_id)
     if call is None:
         return None
@@ -93,6 +99,31 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
                 .order_by(op_events.c.id)
             )
         ).all()
+        dl_rows = (
+            await conn.execute(
+                sa.select(deliveries, operations.c.tool)
+                .join(operations, operations.c.operation_id == deliveries.c.operation_id)
+                .where(deliveries.c.call_id == call.id)
+                .order_by(deliveries.c.created_at)
+            )
+        ).all()
+        dev_rows = (
+            await conn.execute(
+                sa.select(delivery_events, deliveries.c.operation_id, operations.c.tool)
+                .join(deliveries, deliveries.c.id == delivery_events.c.delivery_id)
+                .join(operations, operations.c.operation_id == deliveries.c.operation_id)
+                .where(deliveries.c.call_id == call.id)
+                .order_by(delivery_events.c.id)
+            )
+        ).all()
+        sms_rows = (
+            await conn.execute(
+                sa.select(sms_messages)
+                .join(deliveries, deliveries.c.id == sms_messages.c.delivery_id)
+                .where(deliveries.c.call_id == call.id)
+                .order_by(sms_messages.c.created_at)
+            )
+        ).all()
 
     origin_at = rows[0].at if rows else _earliest(tc_rows, ev_rows)
     keyed: list[tuple[float, int, int, dict[str, Any]]] = []
@@ -114,11 +145,15 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
     for ev in ev_rows:
         entry = _operation_entry(ev, origin_at)
         keyed.append((entry["t_ms"], _RANK["operation"], ev.id, entry))
+    for dev in dev_rows:
+        entry = _delivery_entry(dev, origin_at)
+        keyed.append((entry["t_ms"], _RANK["delivery"], dev.id, entry))
     keyed.sort(key=lambda k: k[:3])
     return {
         "call": call.as_json(),
         "events": [k[3] for k in keyed],
         "operations": [_operation_summary(op) for op in op_rows],
+        "deliveries": [_delivery_summary(d, sms_rows) for d in dl_rows],
     }
 
 
@@ -179,6 +214,63 @@ def _operation_entry(ev: Any, origin_at: datetime) -> dict[str, Any]:
     }
 
 
+def _delivery_entry(ev: Any, origin_at: datetime) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "delivery_id": str(ev.delivery_id),
+        "operation_id": str(ev.operation_id),
+        "tool": ev.tool,
+        "from": ev.from_state,
+        "to": ev.to_state,
+        "actor": ev.actor,
+        "reason": ev.reason,
+    }
+    if ev.data:
+        data["details"] = ev.data
+    return {
+        "source": "delivery",
+        "seq": None,
+        "kind": f"delivery_{ev.kind}",
+        "at": ev.at.isoformat(),
+        "t_ms": _wall_ms(ev.at, origin_at),
+        "data": data,
+    }
+
+
+def _delivery_summary(d: Any, sms_rows: Sequence[Any]) -> dict[str, Any]:
+    def iso(value: datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+    return {
+        "id": str(d.id),
+        "operation_id": str(d.operation_id),
+        "tool": d.tool,
+        "outcome": d.outcome,
+        "state": d.state,
+        "channel": d.channel,
+        "offers": d.offers,
+        "cuts": d.cuts,
+        "response_id": d.response_id,
+        "reason": d.reason,
+        "heard_at": iso(d.heard_at),
+        "finished_at": iso(d.finished_at),
+        "sms": [
+            {
+                "id": str(m.id),
+                "to": m.to_number,
+                "status": m.status,
+                "message_sid": m.message_sid,
+                "error_code": m.error_code,
+                "body": m.body,
+                "requested_by": m.requested_by,
+                "created_at": iso(m.created_at),
+                "status_at": iso(m.status_at),
+            }
+            for m in sms_rows
+            if m.delivery_id == d.id
+        ],
+    }
+
+
 def _operation_summary(op: Any) -> dict[str, Any]:
     def iso(value: datetime | None) -> str | None:
         return value.isoformat() if value else None
@@ -215,6 +307,10 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "function_call": ("name", "arguments"),
     "function_output": ("sent", "response", "output"),
     "result_announced": ("operation_ids",),
+    "result_held": ("reason",),
+    "result_heard": ("heard_ms", "audio_ms"),
+    "result_cut": ("heard_ms", "audio_ms", "reason"),
+    "result_not_spoken": ("reason",),
     "call_ended": ("reason",),
 }
 _IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
@@ -253,6 +349,15 @@ def _row(event: dict[str, Any]) -> tuple[str, str]:
             return "op", text
         label = "decision" if event["kind"] == "op_decision" else "note"
         return label, f"{data['tool']}: {data.get('reason') or ''} ({who})"
+    if source == "delivery":
+        # e.g. `delivery: offered (replica:…): handed to the live call`, `sms: delivered`
+        kind = event["kind"].removeprefix("delivery_")
+        details = data.get("details") or {}
+        if kind == "sms":
+            return "sms", f"{data['tool']}: {details.get('status')} ({data['actor']})"
+        if kind == "transition":
+            return "delivery", f"{data['tool']}: {data['to']}: {data.get('reason') or ''}"
+        return f"delivery {kind}", f"{data['tool']}: {data.get('reason') or ''}"
     kind = event["kind"]
     keys = _DETAILS.get(kind)
     if keys is None:

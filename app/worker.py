@@ -1,8 +1,10 @@
-"""Operation workers: Procrastinate workers plus a sweeper, in the server or standalone.
+"""Operation workers: Procrastinate workers plus sweepers, in the server or standalone.
 
 `voice-agent serve` starts one in-process (`start_inprocess_worker`); `voice-agent worker`
 runs `run_worker` until SIGINT/SIGTERM. Both wire the same pieces: the executor's task on
-a Procrastinate app, the configured catalog's providers, and a sweeper loop.
+a Procrastinate app, the configured catalog's providers, the delivery tasks (outcomes to
+callers by call or SMS, integrator webhooks), and the sweeper loops that recover what a crash
+left behind.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import procrastinate
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
+from app.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
 from app.settings import Settings
+from app.sms import SmsChannel
 from app.tool_wiring import load_configured_catalog
+from tools import webhooks
 from tools.catalog import Catalog
 from tools.executor import QUEUE, TASK_NAME, Executor, make_app
+from tools.jobs import DELIVERY_QUEUE
 from tools.provider import Provider
 from tools.registry import Registry
 from tools.sweeper import Sweeper
@@ -48,6 +54,8 @@ class OperationWorker:
         poll_interval_s: float = 1.0,
         shutdown_grace_s: float = 10.0,
         sweep: bool = True,
+        delivery: DeliveryDriver | None = None,
+        queues: list[str] | None = None,
     ) -> None:
         self.app: procrastinate.App = make_app(database_url, max_pool_size=concurrency + 4)
         self.executor = Executor(
@@ -67,6 +75,15 @@ class OperationWorker:
             interval_s=sweep_interval_s,
             stalled_after_s=stalled_after_s,
         )
+        self.delivery = delivery
+        self.delivery_sweeper: DeliverySweeper | None = None
+        if delivery is not None:
+            delivery.register(self.app)
+            self.delivery_sweeper = DeliverySweeper(
+                engine, delivery.config, interval_s=sweep_interval_s
+            )
+        default = [QUEUE, DELIVERY_QUEUE] if delivery is not None else [QUEUE]
+        self.queues = [q for q in (queues or default) if q in default] or default
         self.concurrency = concurrency
         self.heartbeat_s = heartbeat_s
         self.stalled_after_s = stalled_after_s
@@ -85,7 +102,7 @@ class OperationWorker:
         await self.app.open_async()
         self._stop.clear()
         worker = self.app.run_worker_async(
-            queues=[QUEUE],
+            queues=self.queues,
             name=self.worker_id,
             concurrency=self.concurrency,
             wait=True,
@@ -103,6 +120,12 @@ class OperationWorker:
             self._tasks.append(
                 asyncio.create_task(self.sweeper.run(self._stop), name="operation-sweeper")
             )
+            if self.delivery_sweeper is not None:
+                self._tasks.append(
+                    asyncio.create_task(
+                        self.delivery_sweeper.run(self._stop), name="delivery-sweeper"
+                    )
+                )
         log.info("operation worker %s started (concurrency %d)", self.worker_id, self.concurrency)
 
     async def wait(self) -> None:
@@ -124,7 +147,30 @@ class OperationWorker:
                 await task
         self._tasks = []
         await self.app.close_async()
+        if self.delivery is not None:
+            await self.delivery.aclose()
         log.info("operation worker %s stopped", self.worker_id)
+
+
+def delivery_config(settings: Settings) -> DeliveryConfig:
+    """The delivery knobs of a deployment."""
+    return DeliveryConfig(
+        dead_after_s=settings.call_dead_after_s,
+        max_reoffers=settings.announce_max_reoffers,
+        announce_timeout_s=settings.announce_timeout_s,
+        stream_wait_s=settings.stream_token_ttl_s + 30.0,
+        webhook_policy=webhooks.RetryPolicy(
+            max_attempts=settings.webhook_max_attempts,
+            base_s=settings.webhook_base_backoff_s,
+            timeout_s=settings.webhook_timeout_s,
+        ),
+    )
+
+
+def build_delivery(settings: Settings, engine: AsyncEngine, registry: Registry) -> DeliveryDriver:
+    """The delivery tasks of a worker process (SMS through Twilio, webhooks over HTTP)."""
+    sms = SmsChannel.from_settings(settings, engine, registry, actor="sms")
+    return DeliveryDriver(engine, registry, sms, delivery_config(settings))
 
 
 async def start_inprocess_worker(
@@ -161,6 +207,10 @@ async def start_inprocess_worker(
         concurrency=concurrency or settings.worker_concurrency,
         callback_base_url=settings.public_base_url,
         sweep_interval_s=settings.sweep_interval_s,
+        heartbeat_s=settings.worker_heartbeat_s,
+        stalled_after_s=settings.worker_stalled_after_s,
+        delivery=build_delivery(settings, engine, registry),
+        queues=settings.queues(),
     )
     if owned is not None:
         _close_with(worker, owned)
@@ -171,6 +221,13 @@ async def start_inprocess_worker(
             await owned.aclose()
         raise
     return worker
+
+
+async def sync_webhooks(settings: Settings, engine: AsyncEngine) -> None:
+    """Make the configured (WEBHOOKS) subscriptions match the database's."""
+    configured = settings.configured_webhooks()
+    async with engine.begin() as conn:
+        await webhooks.sync_configured(conn, settings.tenant_id, configured)
 
 
 def _close_with(worker: OperationWorker, catalog: Catalog) -> None:
@@ -197,14 +254,20 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await catalog.aclose()
         raise
     engine = make_engine(url)
+    await sync_webhooks(settings, engine)
+    registry = catalog.registry
     worker = OperationWorker(
         database_url=url,
         engine=engine,
-        registry=catalog.registry,
+        registry=registry,
         provider=catalog.router,
         concurrency=concurrency or settings.worker_concurrency,
         callback_base_url=settings.public_base_url,
         sweep_interval_s=settings.sweep_interval_s,
+        heartbeat_s=settings.worker_heartbeat_s,
+        stalled_after_s=settings.worker_stalled_after_s,
+        delivery=build_delivery(settings, engine, registry),
+        queues=settings.queues(),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -40,11 +40,13 @@ from openai.types.realtime import (
 from websockets.exceptions import ConnectionClosed
 
 from telephony import audio
+from telephony.announcements import AnnouncementTracker, ItemAudio
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
 from telephony.session_config import BridgeConfig, instructions_text, session_update
 from telephony.tool_gateway import (
+    AnnouncementSink,
     CallContext,
     FunctionCallRequest,
     LateResult,
@@ -134,6 +136,7 @@ class _CreateRequest:
     turn_id: int | None = None  # None: valid whatever the caller said since
     operation_ids: tuple[str, ...] = ()
     instructions: str | None = None
+    late: tuple[LateResult, ...] = ()  # the late results this response announces
 
 
 @dataclass(slots=True)
@@ -189,6 +192,7 @@ class Bridge:
         config: BridgeConfig,
         client: AsyncOpenAI,
         on_fatal: Callable[[str], Awaitable[None]] | None = None,
+        announcements: AnnouncementSink | None = None,
     ) -> None:
         self.leg = leg
         self.ctx = ctx
@@ -217,6 +221,15 @@ class Bridge:
         self._seen_calls: set[str] = set()
         self._creates: deque[_CreateRequest] = deque()
         self._late: deque[LateResult] = deque()
+        # Follows each response that announces late results until it is heard or not.
+        self._announcing = AnnouncementTracker(
+            announcements,
+            lambda kind, **data: self._emit(kind, **data),
+            lambda: self.leg.playback,
+            self._item_audio,
+            lambda response_id: response_id in self._muted_responses,
+            ctx.call_id,
+        )
         self._history: deque[str] = deque(maxlen=HISTORY_LINES)
         self._recheck: asyncio.TimerHandle | None = None
         self._backlog: deque[bytes] = deque(maxlen=BACKLOG_FRAMES)
@@ -273,6 +286,7 @@ class Bridge:
         for item in self._items.values():
             if item.timer is not None:
                 item.timer.cancel()
+        self._announcing.close()
         await self._cancel(self._tasks)
         if self._tool_tasks:
             # A tool call is not undone by hanging up: let it answer briefly, then stop waiting.
@@ -284,6 +298,7 @@ class Bridge:
         for item_id, item in self._items.items():
             if not item.recorded and item.transcript is not None:
                 self._record_agent_transcript(item_id, item, final=True)
+        self._announcing.settle(f"call ended: {self._end_reason}", self._unspoken_late())
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 await self._gateway.on_call_end(self.ctx)
@@ -531,9 +546,11 @@ class Bridge:
 
     async def _drop_session(self) -> None:
         """Forget per-connection state; audio already with the leg keeps playing."""
+        session = self._session
         await self._close_session()
         self._caller_speaking = False
         self._speech_stopped_at = None
+        self._requeue_late(session)
 
     async def _close_session(self) -> None:
         session, self._session = self._session, None
@@ -698,6 +715,7 @@ class Bridge:
         if session.response is ResponseState.ACTIVE and session.active_response_id:
             self._muted_responses.add(session.active_response_id)
             cancelled = await self._guarded(session, session.conn.response.cancel())
+        self._announcing.check_all()
         self._emit(
             CallEventKind.BARGE_IN,
             item_id=item_id,
@@ -731,6 +749,8 @@ class Bridge:
                 response_id=response_id,
                 operation_ids=list(request.operation_ids),
             )
+        if request is not None and request.late:
+            self._announcing.spoken(response_id, request.late)
 
     async def _on_response_done(self, session: _Session, event: ResponseDoneEvent) -> None:
         response = event.response
@@ -750,6 +770,7 @@ class Bridge:
         for output in response.output or []:
             if isinstance(output, RealtimeConversationItemFunctionCall):
                 self._on_function_call(session, output, response.id or "")
+        self._announcing.done(response.id or "", response.status)
         await self._drain()
 
     async def _on_error(self, session: _Session, event: RealtimeErrorEvent) -> str | None:
@@ -870,9 +891,66 @@ class Bridge:
         """Speak a late result at the next safe moment; False if the call is ending."""
         if self._ended.is_set() or self._state in (BridgeState.FAILING, BridgeState.ENDED):
             return False
+        if result.delivery_id is not None and self._carries(result.delivery_id):
+            return True  # offered again while still on its way: it is said once
         self._late.append(result)
         await self._drain()
+        self._report_held()
         return True
+
+    def _carries(self, delivery_id: str) -> bool:
+        """Whether this delivery is already queued or being announced."""
+        queued = [*self._late, *(r for c in self._creates for r in c.late)]
+        session = self._session
+        if session is not None and session.requested is not None:
+            queued.extend(session.requested.late)
+        return any(r.delivery_id == delivery_id for r in queued) or self._announcing.carries(
+            delivery_id
+        )
+
+    def _item_audio(self, response_id: str) -> list[ItemAudio]:
+        return [
+            ItemAudio(item_id, item.received_ms, item.cut_at_ms)
+            for item_id, item in self._items.items()
+            if item.response_id == response_id
+        ]
+
+    def _report_held(self) -> None:
+        """Late results still queued after a look for a safe moment are held (and why)."""
+        if not self._late:
+            return
+        session = self._session
+        if session is None or self._state is not BridgeState.LIVE:
+            reason = "the Realtime session is not ready (connecting)"
+        elif self._caller_speaking:
+            reason = "the caller is speaking"
+        elif session.response is not ResponseState.IDLE:
+            reason = "a response is under way"
+        else:
+            reason = "the caller just stopped speaking; the model answers first"
+        self._announcing.held(self._late, reason)
+
+    def _requeue_late(self, session: _Session | None) -> None:
+        """The session dropped: results it was about to announce go to the next session
+        (their notes were in the old conversation); what it was saying was not heard."""
+        pending = [c for c in self._creates if c.late]
+        if session is not None and session.requested is not None and session.requested.late:
+            pending.insert(0, session.requested)
+        for request in pending:
+            if request in self._creates:
+                self._creates.remove(request)
+            self._late.extendleft(reversed(request.late))
+        self._announcing.dropped()
+
+    def _unspoken_late(self) -> list[LateResult]:
+        unspoken = list(self._late)
+        self._late.clear()
+        for request in self._creates:
+            unspoken.extend(request.late)
+        session = self._session
+        if session is not None and session.requested is not None:
+            unspoken.extend(session.requested.late)
+        return unspoken
 
     @staticmethod
     def _system_note(text: str) -> Any:
@@ -915,8 +993,10 @@ class Bridge:
                         )
                     ),
                 )
+            # An announcement that lost its create race rides along with the new ones.
+            late = tuple(r for c in self._creates for r in c.late) + tuple(results)
             request = _CreateRequest(
-                "late_result", operation_ids=tuple(r.operation_id for r in results)
+                "late_result", operation_ids=tuple(r.operation_id for r in late), late=late
             )
             self._creates.clear()  # one response carries the queued work too
         else:
@@ -945,6 +1025,13 @@ class Bridge:
             session.move(ResponseState.IDLE)
             session.requested = None
             session.requested_event_id = None
+            if request.late:
+                # The socket is going; the next session gets them (with fresh notes).
+                self._late.extendleft(reversed(request.late))
+
+    async def _drain_then_report(self) -> None:
+        await self._drain()
+        self._report_held()
 
     def _queue_create(self, request: _CreateRequest) -> None:
         self._creates.append(request)
@@ -959,7 +1046,7 @@ class Bridge:
         def fire() -> None:
             self._recheck = None
             if not self._ended.is_set():
-                self._spawn(self._drain(), "drain")
+                self._spawn(self._drain_then_report(), "drain")
 
         self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, fire)
 

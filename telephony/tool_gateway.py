@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 
@@ -47,6 +48,37 @@ class LateResult:
     operation_id: str
     text: str  # compact, speakable statement of the outcome
     data: dict[str, Any] = field(default_factory=dict)
+    # The durable delivery this announcement carries; its reports name it.
+    delivery_id: str | None = None
+
+
+class AnnouncementStatus(StrEnum):
+    """What became of a late result handed to a live call."""
+
+    HELD = "held"  # queued: no safe moment yet (the caller is speaking, a response is active)
+    SPOKEN = "spoken"  # a response carrying it was created (`response_id`)
+    HEARD = "heard"  # the audio of that response was played out in full (confirmed by marks)
+    CUT = "cut"  # its audio was cut (barge-in, hang-up) or never confirmed played
+    NOT_SPOKEN = "not_spoken"  # the call ended, or the response failed, before any audio
+
+
+@dataclass(frozen=True, slots=True)
+class AnnouncementReport:
+    """One step of a late result's way to the caller's ear."""
+
+    operation_id: str
+    delivery_id: str | None
+    status: AnnouncementStatus
+    response_id: str | None = None
+    heard_ms: int = 0
+    audio_ms: int = 0
+    reason: str = ""
+
+
+class AnnouncementSink(Protocol):
+    """Where a live call reports its announcements; `report` must not block."""
+
+    def report(self, report: AnnouncementReport) -> None: ...
 
 
 class ToolGateway(Protocol):
@@ -73,7 +105,11 @@ class LiveCall(Protocol):
     """What the rest of the process may ask of a live call."""
 
     async def deliver_result(self, result: LateResult) -> bool:
-        """Speak a late result at the next safe moment; False if the call cannot take it."""
+        """Speak a late result at the next safe moment; False if the call cannot take it.
+
+        What becomes of it (held, spoken, heard, cut) is reported to the call's
+        `AnnouncementSink`, when it has one.
+        """
         ...
 
     async def end(self, reason: str) -> None:

@@ -198,8 +198,11 @@ def transitions(events: list[ledger.EventRecord]) -> list[tuple[str | None, str 
 
 
 async def count_jobs(database_url: str) -> int:
+    """Operation jobs (deliveries and webhooks have their own queue)."""
     async with await psycopg.AsyncConnection.connect(database_url) as conn:
-        cur = await conn.execute("SELECT count(*) FROM procrastinate_jobs")
+        cur = await conn.execute(
+            "SELECT count(*) FROM procrastinate_jobs WHERE queue_name = 'operations'"
+        )
         row = await cur.fetchone()
     assert row is not None
     return int(row[0])

@@ -32,6 +32,7 @@ def test_catalog_offers_the_restaurant_tools_with_realtime_definitions(catalog: 
         "get_booking",
         "confirm_operation",
         "verify_pin",
+        "resolve_conflict",
     }
     book = defs["book_table"]
     assert book["type"] == "function"

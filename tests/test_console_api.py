@@ -36,6 +36,7 @@ PUBLIC = {
     ("POST", "/twilio/voice"),
     ("POST", "/twilio/status"),
     ("POST", "/twilio/sms-status"),
+    ("POST", "/twilio/sms"),
     ("POST", "/openai/webhook"),
     ("POST", "/operations/{operation_id}/callback"),
     ("WS", "/twilio/media"),
@@ -51,6 +52,7 @@ SIGNED = {
     ("POST", "/twilio/voice"),
     ("POST", "/twilio/status"),
     ("POST", "/twilio/sms-status"),
+    ("POST", "/twilio/sms"),
     ("POST", "/openai/webhook"),
     ("POST", "/operations/{operation_id}/callback"),
 }

@@ -1,181 +1,464 @@
-"""Late results on real Postgres: the replica holding the call announces, once."""
+"""Late results on real Postgres and a real (fake) Twilio API over sockets: every outcome is
+decided once, told in the call that holds it or by SMS, and the trail says why."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
+import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.delivery import ANNOUNCED, DEFERRED, ResultDelivery
-from app.pg_listener import PgListener
-from telephony.tool_gateway import LateResult
+from telephony.sim.fake_twilio_api import FakeTwilioApi
+from telephony.tool_gateway import AnnouncementStatus
+from tests.delivery_support import (
+    CALLER,
+    FakeLiveCall,
+    admitted,
+    booked,
+    decisions,
+    delivery_of,
+    driver,
+    make_call,
+    moves,
+    replica,
+    sms_channel,
+    sms_of,
+    trail,
+)
 from tests.e2e_support import wait_until
-from tools import ledger
+from tools import deliveries, ledger
+from tools.delivery_states import DeliveryState
 from tools.restaurant.catalog import restaurant_catalog
 from tools.states import OperationStatus
 
 S = OperationStatus
-ARGS = {"date": "2026-12-05", "time": "21:00", "party_size": 4, "name": "Ada"}
+D = DeliveryState
 
 
-class FakeLiveCall:
-    """A live call that records what it was asked to say (stands in for the bridge)."""
-
-    def __init__(self, accepts: bool = True) -> None:
-        self.accepts = accepts
-        self.results: list[LateResult] = []
-
-    async def deliver_result(self, result: LateResult) -> bool:
-        if self.accepts:
-            self.results.append(result)
-        return self.accepts
-
-    async def end(self, reason: str) -> None:
-        self.accepts = False
+@pytest.fixture
+async def api() -> AsyncIterator[FakeTwilioApi]:
+    async with FakeTwilioApi(sms_step_delay_s=0.01) as fake:
+        yield fake
 
 
-async def _call(engine: AsyncEngine, *, ended: bool = False) -> str:
-    call_id = uuid.uuid4()
+async def _state(engine: AsyncEngine, op_id: uuid.UUID) -> D:
+    return (await delivery_of(engine, op_id)).state
+
+
+async def test_the_delivery_is_opened_in_the_transaction_that_makes_the_outcome_final(
+    engine: AsyncEngine,
+) -> None:
+    call_id = await make_call(engine)
+    op_id = await admitted(engine, call_id)
     async with engine.begin() as conn:
-        await conn.execute(
-            sa.text(
-                "INSERT INTO calls (id, call_sid, status, ended_at) VALUES (:id, :sid, :st, :end)"
-            ),
-            {
-                "id": call_id,
-                "sid": "CA" + call_id.hex,
-                "st": "completed" if ended else "in_progress",
-                "end": datetime.now(UTC) if ended else None,
-            },
-        )
-    return str(call_id)
+        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="run")
 
+    class Abort(Exception):
+        pass
 
-async def _test_plays_the_worker(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
-    """No job queue here: the test moves the operation itself, as a worker would."""
-
-
-async def _finish(engine: AsyncEngine, call_id: str, final: OperationStatus) -> uuid.UUID:
-    """An admitted booking of `call_id` that runs and ends in `final`."""
-    async with engine.begin() as conn:
-        adm = await ledger.admit_operation(
-            conn,
-            tenant_id="default",
-            tool="book_table",
-            args=ARGS,
-            idempotency_key=f"k-{uuid.uuid4()}",
-            call_id=call_id,
-            caller="+15551230000",
-            enqueue=_test_plays_the_worker,
-        )
-    op_id = adm.operation.operation_id
-    async with engine.begin() as conn:
-        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="worker:t", reason="run")
-    async with engine.begin() as conn:
-        fields = {"provider_ref": "BK1"} if final is S.COMMITTED else {"error": "no tables"}
-        await ledger.transition(
-            conn, op_id, S.RUNNING, final, actor="worker:t", reason="provider said", **fields
-        )
-    return op_id
-
-
-async def _decisions(engine: AsyncEngine, op_id: uuid.UUID) -> list[str]:
+    with pytest.raises(Abort):
+        async with engine.begin() as conn:
+            await ledger.transition(
+                conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok", provider_ref="BK1"
+            )
+            assert await deliveries.for_operation(conn, op_id) is not None
+            raise Abort
     async with engine.connect() as conn:
-        events = await ledger.get_events(conn, op_id)
-    return [e.reason for e in events if e.kind == "decision" and e.actor == "delivery"]
+        assert await deliveries.for_operation(conn, op_id) is None  # rolled back together
+        jobs = await conn.scalar(
+            sa.text("SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome'")
+        )
+    assert jobs == 0
+    async with engine.begin() as conn:
+        await ledger.transition(
+            conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok", provider_ref="BK1"
+        )
+    delivery = await delivery_of(engine, op_id)
+    assert delivery.state is D.PENDING and delivery.outcome is S.COMMITTED
+    async with engine.connect() as conn:
+        queued = await conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
+                "AND args->>'delivery_id' = :d"
+            ),
+            {"d": str(delivery.id)},
+        )
+    assert queued == 1
 
 
-@asynccontextmanager
-async def replica(
-    engine: AsyncEngine, database_url: str, live: dict[str, FakeLiveCall]
-) -> AsyncIterator[ResultDelivery]:
-    """One replica's delivery step: its own LISTEN connection and its own live calls."""
-    delivery = ResultDelivery(engine, restaurant_catalog(), live.get, lambda: list(live))
-    listener = PgListener(database_url)
-    delivery.subscribe(listener)
-    await listener.start()
-    try:
-        yield delivery
-    finally:
-        await listener.stop()
-        await delivery.stop()
+async def test_a_withdrawn_request_needs_no_delivery_and_a_call_less_one_gets_none(
+    engine: AsyncEngine,
+) -> None:
+    call_id = await make_call(engine)
+    op_id = await admitted(engine, call_id)
+    async with engine.begin() as conn:
+        await ledger.request_cancel(conn, op_id, actor="model", reason="caller changed mind")
+    assert await _state(engine, op_id) is D.NOT_NEEDED
+    orphan = await booked(engine, None)
+    async with engine.connect() as conn:
+        assert await deliveries.for_operation(conn, orphan) is None
 
 
 async def test_committed_booking_is_announced_once_by_the_replica_holding_the_call(
     engine: AsyncEngine, clean_db: str
 ) -> None:
-    call_id = await _call(engine)
+    call_id = await make_call(engine)
     here = FakeLiveCall()
     async with (
-        replica(engine, clean_db, {call_id: here}),
-        replica(engine, clean_db, {}),  # another replica hears the same notification
+        replica(engine, clean_db, {call_id: here}, holder="here"),
+        replica(engine, clean_db, {}, holder="elsewhere"),  # hears the same notification
     ):
-        op_id = await _finish(engine, call_id, S.COMMITTED)
+        op_id = await booked(engine, call_id)
         await wait_until(lambda: len(here.results) == 1, 10, "announcement")
-        await wait_until(lambda: _decided(engine, op_id), 10, "decision recorded")
-    assert here.results[0].operation_id == str(op_id)
-    assert here.results[0].text.startswith("Done and confirmed by the restaurant")
-    assert "BK1" in here.results[0].text
-    assert await _decisions(engine, op_id) == [ANNOUNCED]
+        assert await _state(engine, op_id) is D.OFFERED  # handed over, not heard yet
+        here.report(AnnouncementStatus.SPOKEN, response_id="resp_9")
+        here.report(AnnouncementStatus.HEARD, response_id="resp_9", heard_ms=1800, audio_ms=1800)
 
+        async def heard() -> bool:
+            return await _state(engine, op_id) is D.HEARD
 
-async def _decided(engine: AsyncEngine, op_id: uuid.UUID) -> bool:
-    return bool(await _decisions(engine, op_id))
+        await wait_until(heard, 10, "heard")
+    result = here.results[0]
+    assert result.operation_id == str(op_id)
+    assert result.text.startswith("Done and confirmed by the restaurant")
+    assert "BK7QX2MHN4" in result.text
+    delivery = await delivery_of(engine, op_id)
+    assert result.delivery_id == str(delivery.id)
+    assert delivery.response_id == "resp_9" and delivery.offers == 1
+    events = await trail(engine, op_id)
+    assert moves(events) == ["pending", "offered", "heard"]
+    decided = [e for e in events if e.kind == "decision"]
+    assert len(decided) == 1 and decided[0].actor == "replica:here"
+    assert decided[0].data["action"] == "announce"
+    for check in ("same_call", "already_communicated", "current", "disclosure"):
+        assert check in decided[0].data
 
 
 async def test_a_failure_is_announced_truthfully_not_as_done(
     engine: AsyncEngine, clean_db: str
 ) -> None:
-    call_id = await _call(engine)
+    call_id = await make_call(engine)
     here = FakeLiveCall()
     async with replica(engine, clean_db, {call_id: here}):
-        await _finish(engine, call_id, S.FAILED_FINAL)
+        await booked(engine, call_id, S.FAILED_FINAL)
         await wait_until(lambda: len(here.results) == 1, 10, "announcement")
     text = here.results[0].text
     assert text.startswith("That could not be done") and "no tables" in text
     assert "confirmed" not in text
 
 
-async def test_outcome_after_the_call_ended_is_deferred_once_across_replicas(
-    engine: AsyncEngine, clean_db: str
+async def test_outcome_after_the_call_ended_goes_by_exactly_one_sms_whoever_runs_the_job(
+    engine: AsyncEngine, api: FakeTwilioApi
 ) -> None:
-    call_id = await _call(engine, ended=True)
-    async with replica(engine, clean_db, {}) as one, replica(engine, clean_db, {}) as two:
-        op_id = await _finish(engine, call_id, S.COMMITTED)
-        await wait_until(lambda: _decided(engine, op_id), 10, "decision recorded")
-        # However often and wherever it is looked at again, the decision stands alone.
-        assert await one.deliver(op_id) is None
-        assert await two.deliver(op_id) is None
-    assert await _decisions(engine, op_id) == [DEFERRED]
+    call_id = await make_call(engine, ended=True)
+    op_id = await booked(engine, call_id)
+    delivery = await delivery_of(engine, op_id)
+    one, two = sms_channel(engine, api), sms_channel(engine, api)
+    try:
+        # Two workers run the delivery's job at once (a duplicate job, two processes).
+        results = await asyncio.gather(
+            driver(engine, one).deliver(delivery.id), driver(engine, two).deliver(delivery.id)
+        )
+        assert sorted(r or "" for r in results) == ["", "text"]
+        await api.wait_for(lambda a: len(a.created_messages()) == 1)
+        # Whatever looks at it again sends nothing more.
+        assert await driver(engine, one).deliver(delivery.id) is None
+        for message in await sms_of(engine, op_id):
+            await one.drive(message.id)
+    finally:
+        await one.aclose()
+        await two.aclose()
+    creates = api.requests_to("/Messages.json")
+    assert len(creates) == 1 and len(api.created_messages()) == 1
+    sent = api.created_messages()[0]
+    assert sent.to_number == CALLER
+    assert sent.body.startswith("Luigi's: Confirmed: a table for 4 people")
+    assert "Ref BK7QX2MHN4." in sent.body
+    assert str(op_id) not in sent.body and str(delivery.id) not in sent.body
+    assert f"message_id={(await sms_of(engine, op_id))[0].id}" in (sent.status_callback or "")
+    events = await trail(engine, op_id)
+    assert moves(events)[:2] == ["pending", "texting"]
+    assert decisions(events) == ["the call has ended: by SMS"]
 
 
-async def test_a_call_that_is_ending_gets_the_outcome_deferred(
-    engine: AsyncEngine, clean_db: str
+async def test_a_call_that_is_ending_gets_the_outcome_by_sms_instead(
+    engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
 ) -> None:
-    call_id = await _call(engine)
+    call_id = await make_call(engine)
     ending = FakeLiveCall(accepts=False)
-    async with replica(engine, clean_db, {call_id: ending}) as delivery:
-        op_id = await _finish(engine, call_id, S.COMMITTED)
-        await wait_until(lambda: _decided(engine, op_id), 10, "decision recorded")
-        assert await delivery.deliver(op_id) is None  # decided already: never twice
-    async with engine.connect() as conn:
-        events = await ledger.get_events(conn, op_id)
-    notes = [e.reason for e in events if e.actor == "delivery"]
-    assert notes == [ANNOUNCED, DEFERRED]
+    async with replica(engine, clean_db, {call_id: ending}):
+        op_id = await booked(engine, call_id)
+
+        async def back() -> bool:
+            events = await trail(engine, op_id)
+            return moves(events) == ["pending", "offered", "pending"]
+
+        await wait_until(back, 10, "offer taken back")
+    # The call row ends; the job (on any worker) now finds the call over and texts.
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text("UPDATE calls SET status = 'completed', ended_at = now() WHERE id = :c"),
+            {"c": uuid.UUID(call_id)},
+        )
+    sms = sms_channel(engine, api)
+    try:
+        assert await driver(engine, sms).deliver((await delivery_of(engine, op_id)).id) == "text"
+    finally:
+        await sms.aclose()
     assert ending.results == []
+    assert len(api.created_messages()) == 1
 
 
 async def test_outcome_missed_while_not_listening_is_caught_up_on_listen(
     engine: AsyncEngine, clean_db: str
 ) -> None:
-    call_id = await _call(engine)
-    op_id = await _finish(engine, call_id, S.COMMITTED)  # nobody listening yet
+    call_id = await make_call(engine)
+    op_id = await booked(engine, call_id)  # nobody listening yet
     here = FakeLiveCall()
     async with replica(engine, clean_db, {call_id: here}):
         await wait_until(lambda: len(here.results) == 1, 10, "caught-up announcement")
     assert here.results[0].operation_id == str(op_id)
-    assert await _decisions(engine, op_id) == [ANNOUNCED]
+    assert await _state(engine, op_id) is D.OFFERED
+
+
+async def test_a_cut_announcement_is_offered_again_then_goes_by_sms(
+    engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
+) -> None:
+    call_id = await make_call(engine)
+    here = FakeLiveCall()
+    sms = sms_channel(engine, api)
+    try:
+        async with replica(engine, clean_db, {call_id: here}, sms=sms, max_reoffers=1):
+            op_id = await booked(engine, call_id)
+            await wait_until(lambda: len(here.results) == 1, 10, "first offer")
+            here.report(AnnouncementStatus.CUT, heard_ms=400, audio_ms=2000, reason="barge-in")
+            await wait_until(lambda: len(here.results) == 2, 10, "offered again")
+            assert "interrupted the last update" in here.results[1].text
+            here.report(AnnouncementStatus.CUT, heard_ms=300, audio_ms=2000, reason="barge-in")
+            await api.wait_for(lambda a: len(a.created_messages()) == 1)
+    finally:
+        await sms.aclose()
+    assert len(here.results) == 2  # never a third time in the call
+    delivery = await delivery_of(engine, op_id)
+    assert delivery.cuts == 2 and delivery.offers == 2
+    events = await trail(engine, op_id)
+    assert moves(events)[:6] == ["pending", "offered", "pending", "offered", "pending", "texting"]
+    assert decisions(events)[-1] == "cut 2 times in the call: by SMS"
+
+
+async def test_an_anonymous_caller_is_recorded_not_deliverable_not_retried(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    call_id = await make_call(engine, ended=True, from_number="anonymous")
+    op_id = await booked(engine, call_id, caller="anonymous")
+    sms = sms_channel(engine, api)
+    try:
+        assert await driver(engine, sms).deliver((await delivery_of(engine, op_id)).id) == (
+            "not_deliverable"
+        )
+    finally:
+        await sms.aclose()
+    delivery = await delivery_of(engine, op_id)
+    assert delivery.state is D.NOT_DELIVERABLE and delivery.finished_at is not None
+    assert delivery.reason == "no SMS-capable number to text"
+    assert api.created_messages() == []
+
+
+async def test_an_outcome_the_tool_reply_already_carried_is_not_told_again(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    call_id = await make_call(engine)
+    op_id = await booked(engine, call_id)
+    async with engine.begin() as conn:
+        tc, _ = await ledger.record_tool_call(
+            conn,
+            call_id=call_id,
+            provider_call_id="call_dup",
+            tenant_id="default",
+            tool="confirm_operation",
+            raw_arguments="{}",
+        )
+        await ledger.complete_tool_call(
+            conn,
+            tc.id,
+            decision="duplicate",
+            operation_id=op_id,
+            output={"status": "committed", "message": "Done and confirmed"},
+        )
+    here = FakeLiveCall()
+    async with replica(engine, clean_db, {call_id: here}) as delivery:
+        await delivery.catch_up()
+
+        async def settled() -> bool:
+            return await _state(engine, op_id) is D.NOT_NEEDED
+
+        await wait_until(settled, 10, "not needed")
+    assert here.results == []
+    assert decisions(await trail(engine, op_id)) == [
+        "already told: the tool reply carried this outcome"
+    ]
+
+
+async def test_a_call_whose_holder_stopped_heartbeating_is_ended_by_the_job_and_texted(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    stale = datetime.now(UTC) - timedelta(seconds=120)
+    call_id = await make_call(engine, heartbeat_at=stale, holder="host:42:abc")
+    op_id = await booked(engine, call_id)
+    sms = sms_channel(engine, api)
+    try:
+        assert (
+            await driver(engine, sms, dead_after_s=30).deliver(
+                (await delivery_of(engine, op_id)).id
+            )
+            == "text"
+        )
+    finally:
+        await sms.aclose()
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                sa.text("SELECT status, end_reason FROM calls WHERE id = :c"),
+                {"c": uuid.UUID(call_id)},
+            )
+        ).one()
+        ended = (
+            (
+                await conn.execute(
+                    sa.text(
+                        "SELECT data FROM call_events WHERE call_id = :c AND kind = 'call_ended'"
+                    ),
+                    {"c": uuid.UUID(call_id)},
+                )
+            )
+            .scalars()
+            .all()
+        )
+    assert row.status == "completed"
+    assert row.end_reason == "its process stopped (host:42:abc): no heartbeat for 30 s"
+    assert [e["reason"] for e in ended] == [row.end_reason]
+    assert len(api.created_messages()) == 1
+
+
+async def test_a_call_live_on_another_process_is_left_to_it_and_looked_at_again(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    call_id = await make_call(engine)  # fresh heartbeat, held by another process
+    op_id = await booked(engine, call_id)
+    delivery = await delivery_of(engine, op_id)
+    sms = sms_channel(engine, api)
+    try:
+        assert await driver(engine, sms).deliver(delivery.id) == "wait"
+    finally:
+        await sms.aclose()
+    assert await _state(engine, op_id) is D.PENDING
+    assert api.created_messages() == []
+    async with engine.connect() as conn:
+        later = await conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
+                "AND args->>'delivery_id' = :d AND scheduled_at > now()"
+            ),
+            {"d": str(delivery.id)},
+        )
+    assert later == 1
+
+
+async def test_an_outcome_being_undone_waits_for_its_compensation_and_is_told_with_it(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    from tools.compensation import admit_compensation
+
+    call_id = await make_call(engine)
+    op_id = await admitted(engine, call_id)
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="go")
+    async with engine.begin() as conn:
+        await ledger.request_cancel(conn, op_id, actor="model", reason="the caller cancelled")
+    async with engine.begin() as conn:
+        # It went through anyway; as the executor does, its cancel is admitted with it.
+        done = await ledger.transition(
+            conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok", provider_ref="BK7QX2MHN4"
+        )
+        assert done is not None
+        comp = await admit_compensation(
+            conn,
+            done,
+            "cancel_booking",
+            {"booking_id": "BK7QX2MHN4"},
+            enqueue=_no_job,
+            actor="w",
+            reason="cancel requested while running",
+        )
+    here = FakeLiveCall()
+    async with replica(engine, clean_db, {call_id: here}) as delivery:
+        await delivery.catch_up()
+
+        async def held() -> bool:
+            return any(
+                e.kind == "decision" and e.data.get("action") == "hold"
+                for e in await trail(engine, op_id)
+            )
+
+        await wait_until(held, 10, "held for the compensation")
+        assert here.results == []  # "booked" is not said while it is being undone
+        await finish_compensation(engine, comp.operation_id)
+        await wait_until(lambda: len(here.results) == 1, 10, "told once the cancel settled")
+    text = here.results[0].text
+    assert "Done and confirmed" in text
+    assert "It has since been undone: the cancellation of booking BK7QX2MHN4 went through." in text
+    assert (await delivery_of(engine, comp.operation_id)).state is D.NOT_NEEDED
+    assert decisions(await trail(engine, comp.operation_id)) == [
+        "told together with the outcome it undoes"
+    ]
+    assert restaurant_catalog().get("cancel_booking").name == "cancel_booking"
+
+
+async def _no_job(conn: object, operation_id: uuid.UUID) -> None:
+    return None
+
+
+async def finish_compensation(engine: AsyncEngine, op_id: uuid.UUID) -> None:
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="w", reason="go")
+    async with engine.begin() as conn:
+        await ledger.transition(conn, op_id, S.RUNNING, S.COMMITTED, actor="w", reason="ok")
+
+
+async def test_a_notification_the_holder_missed_is_repeated_by_the_job(
+    engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
+) -> None:
+    from app.delivery import CHANNEL, ResultDelivery
+    from app.pg_listener import PgListener
+    from tests.delivery_support import LiveCallEntry
+
+    call_id = await make_call(engine)
+    op_id = await booked(engine, call_id)  # its NOTIFY went out with nobody listening
+    here = FakeLiveCall()
+    delivery = ResultDelivery(
+        engine,
+        restaurant_catalog(),
+        lambda c: LiveCallEntry("CA1", c, here, from_number=CALLER) if c == call_id else None,
+        lambda: [call_id],
+    )
+    listener = PgListener(clean_db)
+    listener.subscribe(CHANNEL, delivery._on_notify)  # listening now, and no catch-up
+    await listener.start()
+    sms = sms_channel(engine, api)
+    try:
+        assert here.results == []
+        # The job finds the call live elsewhere and, past the nudge interval, says so again.
+        assert (
+            await driver(engine, sms, nudge_s=0).deliver((await delivery_of(engine, op_id)).id)
+            == "wait"
+        )
+        await wait_until(lambda: len(here.results) == 1, 10, "offered after the nudge")
+    finally:
+        await listener.stop()
+        await delivery.stop()
+        await sms.aclose()
+    assert api.created_messages() == []

@@ -2,7 +2,8 @@
 worker, late-result delivery) -> Realtime simulator, with a system of record.
 
 The model proposes (scripted function calls), policy admits, the worker commits at the SOR,
-and the conversation communicates (the late result is announced, or deferred after hang-up).
+and the conversation communicates (the late result is announced and heard, or texted after
+hang-up).
 Every flow runs for both domains through the same engine: the restaurant (a Python plugin on
 the demo SOR) and the clinic's appointments (declared in a tools file, on its own REST API).
 """
@@ -20,7 +21,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.delivery import ANNOUNCED, DEFERRED
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
 from tests.domains import DOMAINS, Backend, Domain
@@ -179,20 +179,32 @@ async def wait_for_operation(
     return found[-1]
 
 
-async def wait_for_decision(
-    engine: AsyncEngine, operation_id: uuid.UUID, reason: str
-) -> dict[str, Any]:
-    async def decided() -> bool:
-        return any(
-            e["kind"] == "decision" and e["actor"] == "delivery" and e["reason"] == reason
-            for e in await trail(engine, operation_id)
-        )
+async def delivery_row(engine: AsyncEngine, operation_id: uuid.UUID) -> dict[str, Any] | None:
+    found = await rows(engine, "SELECT * FROM deliveries WHERE operation_id = :o", o=operation_id)
+    return found[0] if found else None
 
-    await wait_until(decided, WAIT_S, f"delivery decision {reason!r}")
-    return next(
-        e
-        for e in await trail(engine, operation_id)
-        if e["actor"] == "delivery" and e["kind"] == "decision"
+
+async def wait_for_delivery(
+    engine: AsyncEngine, operation_id: uuid.UUID, state: str, within: float = WAIT_S
+) -> dict[str, Any]:
+    """Until the outcome's delivery reaches `state`; returns its row."""
+
+    async def reached() -> bool:
+        row = await delivery_row(engine, operation_id)
+        return row is not None and row["state"] == state
+
+    await wait_until(reached, within, f"delivery {state}")
+    row = await delivery_row(engine, operation_id)
+    assert row is not None
+    return row
+
+
+async def delivery_trail(engine: AsyncEngine, operation_id: uuid.UUID) -> list[dict[str, Any]]:
+    return await rows(
+        engine,
+        "SELECT e.* FROM delivery_events e JOIN deliveries d ON d.id = e.delivery_id "
+        "WHERE d.operation_id = :o ORDER BY e.id",
+        o=operation_id,
     )
 
 
@@ -255,7 +267,7 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         op = await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, confirmed)
         await caller.hangup()
         events = await stack.events(caller)
@@ -279,9 +291,15 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
     actors = [e["actor"] for e in op_events if e["kind"] == "transition"]
     assert actors[:2] == ["policy", "model"]
     assert all(a.startswith("worker:") for a in actors[2:]), actors
-    delivery = [e for e in op_events if e["actor"] == "delivery"]
-    assert [(e["kind"], e["reason"]) for e in delivery] == [("decision", ANNOUNCED)]
-    assert delivery[0]["id"] > op_events[3]["id"]
+    # The outcome's delivery: decided, handed to the call, and heard there.
+    told = await delivery_trail(engine, operation_id)
+    assert [e["to_state"] for e in told if e["kind"] == "transition"] == [
+        "pending",
+        "offered",
+        "heard",
+    ]
+    assert [e["data"]["action"] for e in told if e["kind"] == "decision"] == ["announce"]
+    assert told[0]["at"] >= op_events[3]["at"]  # opened with the commit
     # Both function calls are on record and map to the one operation.
     assert [(c["tool"], c["decision"]) for c in calls] == [
         (domain.book_tool, "needs_confirmation"),
@@ -302,7 +320,7 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
     assert response.status_code == 200
     timeline = response.json()
     entries = timeline["events"]
-    assert {e["source"] for e in entries} == {"call", "tool_call", "operation"}
+    assert {e["source"] for e in entries} == {"call", "tool_call", "operation", "delivery"}
     assert [e["kind"] for e in entries if e["source"] == "call"] == [e["kind"] for e in events]
     story = [
         (
@@ -312,7 +330,8 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
             e["data"].get("to"),
         )
         for e in entries
-        if e["source"] != "call" or e["kind"] in ("function_call", "result_announced")
+        if e["source"] in ("tool_call", "operation")
+        or e["kind"] in ("function_call", "result_announced")
     ]
     book = domain.book_tool
     assert story == [
@@ -324,9 +343,12 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
         ("operation", "op_transition", book, "admitted"),
         ("operation", "op_transition", book, "running"),
         ("operation", "op_transition", book, "committed"),
-        ("operation", "op_decision", book, None),
         ("call", "result_announced", None, None),
     ], story
+    told_entries = [(e["kind"], e["data"].get("to")) for e in entries if e["source"] == "delivery"]
+    assert told_entries[0] == ("delivery_transition", "pending")
+    assert ("delivery_transition", "heard") == told_entries[-1]
+    assert [d["state"] for d in timeline["deliveries"]] == ["heard"]
     committed = next(e for e in entries if e["data"].get("to") == "committed")
     assert committed["data"]["operation_id"] == str(operation_id)
     assert committed["data"]["reference"] == ops[0]["provider_ref"]
@@ -365,7 +387,7 @@ async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_co
         status_at_barge_in = (await operations_of(engine, call_id))[0]["status"]
         # The barge-in stopped speech, not the booking.
         await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, confirmed)
         await caller.hangup()
         events = await stack.events(caller)
@@ -404,7 +426,7 @@ async def test_duplicate_function_calls_in_one_call_make_one_booking(
         call_id = await stack.call_id(caller)
         await caller.play_speech(500)
         op = await wait_for_operation(engine, call_id, "committed")
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, domain.confirmed_text)
         await caller.hangup()
         await stack.events(caller)
@@ -439,7 +461,7 @@ async def test_lost_response_is_reconciled_by_asking_the_provider_and_announced_
         caller = stack.caller()
         call_id = await ask_to_book_and_confirm(stack, caller)
         op = await wait_for_operation(engine, call_id, "committed", within=30)
-        await wait_for_decision(engine, op["operation_id"], ANNOUNCED)
+        await wait_for_delivery(engine, op["operation_id"], "heard")
         await wait_spoken(engine, call_id, confirmed)
         await caller.hangup()
         events = await stack.events(caller)
@@ -465,7 +487,7 @@ async def test_lost_response_is_reconciled_by_asking_the_provider_and_announced_
     assert spoken.index(REQUESTED) < spoken.index(confirmed)
 
 
-async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
+async def test_caller_hangs_up_before_the_commit_and_the_outcome_goes_by_sms(
     engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
     backend.set_faults(latency_s=2.0)
@@ -477,19 +499,30 @@ async def test_caller_hangs_up_before_the_commit_and_the_outcome_is_deferred(
         events = await stack.events(caller)
         ended = next(e for e in await call_events_at(engine, call_id) if e["kind"] == "call_ended")
         committed = await wait_for_operation(engine, call_id, "committed")
-        decision = await wait_for_decision(engine, op["operation_id"], DEFERRED)
+        await wait_for_delivery(engine, op["operation_id"], "texted")
         booked = await backend.booked()
         op_events = await trail(engine, op["operation_id"])
+        told = await delivery_trail(engine, op["operation_id"])
+        messages = stack.api.messages_to(caller.from_number)
 
     assert booked == 1
     assert committed["provider_ref"].startswith(domain.reference_prefix)
     commit_event = next(e for e in op_events if e["to_status"] == "committed")
     assert commit_event["at"] > ended["at"]  # the commit landed after the hang-up
-    assert decision["kind"] == "decision" and decision["id"] > commit_event["id"]
     assert [e["reason"] for e in op_events if e["actor"] == "delivery"] == [
         "call ended while in flight: the outcome will be delivered out of call",
-        DEFERRED,
     ]
+    assert [e["to_state"] for e in told if e["kind"] == "transition"] == [
+        "pending",
+        "texting",
+        "texted",
+    ]
+    assert told[0]["at"] >= commit_event["at"]
+    assert [e["reason"] for e in told if e["kind"] == "decision"] == ["the call has ended: by SMS"]
+    # Exactly one SMS, with the booking reference and nothing internal.
+    assert len(messages) == 1
+    assert f"Ref {committed['provider_ref']}." in messages[0].body
+    assert str(op["operation_id"]) not in messages[0].body
     kinds = [e["kind"] for e in events]
     assert "result_announced" not in kinds  # nothing was spoken about it
     assert "late_result" not in [e["data"].get("reason") for e in events]

@@ -340,14 +340,16 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
     for kind in ("call_started", "stream_started", "barge_in", "caller_transcript", "call_ended"):
         assert kind in table, kind
     assert "truncated=true" in table
-    # The booking story: requested, read back, confirmed, committed by a worker, announced.
+    # The booking story: requested, read back, confirmed, committed by a worker, announced,
+    # heard by the caller.
     for shown in (
         "book_table -> needs_confirmation",
         "book_table: admitted",
         "book_table: running (worker:",
         "book_table: committed (worker:",
-        "announced in call (delivery)",
+        "book_table: announce in the call",
         "result_announced",
+        "book_table: heard: the caller heard it",
     ):
         assert shown in table, shown
     assert "System of record: 1 booking(s) made" in printed

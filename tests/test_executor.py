@@ -136,7 +136,9 @@ async def test_rolled_back_admission_leaves_no_operation_and_no_job(
 
 
 async def _jobs_visible_to(conn: object) -> int:
-    result = await conn.execute(sa.text("SELECT count(*) FROM procrastinate_jobs"))  # type: ignore[attr-defined]
+    result = await conn.execute(  # type: ignore[attr-defined]
+        sa.text("SELECT count(*) FROM procrastinate_jobs WHERE queue_name = 'operations'")
+    )
     return int(result.scalar_one())
 
 
@@ -175,7 +177,10 @@ async def test_duplicate_enqueue_makes_one_side_effect(
 async def _jobs_left(engine: AsyncEngine) -> int:
     async with engine.connect() as conn:
         result = await conn.execute(
-            sa.text("SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')")
+            sa.text(
+                "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing') "
+                "AND queue_name = 'operations'"
+            )
         )
         return int(result.scalar_one())
 

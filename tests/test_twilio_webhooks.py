@@ -185,7 +185,12 @@ async def test_health_readiness_and_metrics_answer(engine: AsyncEngine) -> None:
     assert samples["voice_agent_calls_total"] == "1"
     assert samples["voice_agent_calls_rejected_busy_total"] == "1"
     assert samples["voice_agent_live_calls"] == "0"
-    assert {"voice_agent_barge_ins_total", "voice_agent_event_queue_depth"} <= samples.keys()
+    assert {
+        "voice_agent_barge_ins_total",
+        "voice_agent_event_queue_depth",
+        "voice_agent_results_heard_total",
+        "voice_agent_sms_sends_total",
+    } <= samples.keys()
     assert "voice_agent_events_dropped_total" in samples
 
 

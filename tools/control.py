@@ -1,14 +1,16 @@
 """Control tools: handled by the pipeline itself, offered to the model beside any catalog.
 
 `confirm_operation` carries the caller's answer to a readback; `verify_pin` carries a PIN the
-caller spoke aloud. They are the engine's, not a domain's: every catalog whose tools need
-confirmation or verification gets them.
+caller spoke aloud; `resolve_conflict` carries the caller's choice about a request that
+contradicts an earlier one. They are the engine's, not a domain's: every catalog whose tools
+need confirmation, verification or declare conflicts gets them.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,7 +18,8 @@ from tools.registry import ToolKind, ToolSpec
 
 CONFIRM_OPERATION = "confirm_operation"
 VERIFY_PIN = "verify_pin"
-CONTROL_TOOL_NAMES = frozenset({CONFIRM_OPERATION, VERIFY_PIN})
+RESOLVE_CONFLICT = "resolve_conflict"
+CONTROL_TOOL_NAMES = frozenset({CONFIRM_OPERATION, VERIFY_PIN, RESOLVE_CONFLICT})
 
 
 class _Args(BaseModel):
@@ -57,6 +60,30 @@ VERIFY_PIN_SPEC = ToolSpec(
 )
 
 
+class ResolveConflictArgs(_Args):
+    operation_id: uuid.UUID = Field(
+        description="The operation_id of the newer request that is waiting on the earlier one."
+    )
+    choice: Literal["move", "keep_both", "drop"] = Field(
+        description=(
+            "move: undo the earlier one and make the newer one; keep_both: make the newer "
+            "one too; drop: keep only the earlier one."
+        )
+    )
+
+
+RESOLVE_CONFLICT_SPEC = ToolSpec(
+    name=RESOLVE_CONFLICT,
+    description=(
+        "Carry out the caller's choice about a request that contradicts an earlier one, once "
+        "you were told the earlier one's outcome and asked them. Call only with their "
+        "explicit answer: move it, keep both, or leave it as it is (drop the newer one)."
+    ),
+    args_model=ResolveConflictArgs,
+    kind=ToolKind.CONTROL,
+)
+
+
 def control_tools(specs: Iterable[ToolSpec]) -> list[ToolSpec]:
     """The control tools a set of domain tools needs (none when nothing asks for them)."""
     specs = list(specs)
@@ -65,4 +92,6 @@ def control_tools(specs: Iterable[ToolSpec]) -> list[ToolSpec]:
         out.append(CONFIRM_OPERATION_SPEC)
     if any(s.needs_verification for s in specs):
         out.append(VERIFY_PIN_SPEC)
+    if any(s.conflicts is not None for s in specs):
+        out.append(RESOLVE_CONFLICT_SPEC)
     return out

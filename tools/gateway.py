@@ -19,7 +19,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
 from tools import ledger
-from tools.control import ConfirmOperationArgs, VerifyPinArgs
+from tools.compensation import admit_compensation
+from tools.conflicts import (
+    conflict_key,
+    find_earlier,
+    held_output,
+    held_still_output,
+    keep_both_readback,
+)
+from tools.control import ConfirmOperationArgs, ResolveConflictArgs, VerifyPinArgs
 from tools.errors import IdempotencyConflict, InvalidArguments, ToolError, UnknownTool
 from tools.identity import CallerIdentity, CallIdentities, IdentityStore, PinOutcome
 from tools.ledger import Enqueue, OperationRecord, ToolCallRecord
@@ -30,12 +38,13 @@ from tools.results import (
     cancelled_output,
     confirmation_output,
     denied_output,
+    describe_operation,
     error_output,
     operation_output,
     read_output,
     verification_output,
 )
-from tools.states import IN_FLIGHT, OperationStatus
+from tools.states import IN_FLIGHT, OperationStatus, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +227,8 @@ class ToolPipeline:
             if spec.kind is ToolKind.CONTROL:
                 if isinstance(args, ConfirmOperationArgs):
                     return await self._confirm(conn, ctx, tc, args, identity)
+                if isinstance(args, ResolveConflictArgs):
+                    return await self._resolve(conn, ctx, tc, args, identity)
                 if isinstance(args, VerifyPinArgs):
                     outcome = verification.submit(args.digits)
                     out = _pin_output(outcome, verification.attempts_left)
@@ -297,6 +308,32 @@ class ToolPipeline:
             return await self._refuse(conn, tc, norm, decision)
         now = self._clock()
         awaiting = decision.outcome is Outcome.NEEDS_CONFIRMATION
+        readback = decision.readback
+        confirm_by = now + timedelta(seconds=spec.confirm_window_s)
+        ckey = conflict_key(spec, args)
+        held_by: OperationRecord | None = None
+        reason = decision.reason
+        if ckey is not None:
+            earlier = await find_earlier(
+                conn,
+                tenant_id=ctx.tenant_id,
+                caller=ctx.from_number,
+                call_id=ctx.call_id,
+                key=ckey,
+            )
+            if earlier.in_flight is not None:
+                # Never both on the engine's own: this waits until the earlier one settles.
+                held_by = earlier.in_flight
+                awaiting = True
+                readback = readback or f"Please confirm: {spec.describe_args(args)}."
+                settles = held_by.expires_at or now
+                confirm_by = max(confirm_by, settles + timedelta(seconds=spec.confirm_window_s))
+                reason = "held: an earlier conflicting request is in flight"
+            elif earlier.committed is not None:
+                # Both may stand, but only on the caller's explicit yes.
+                awaiting = True
+                readback = keep_both_readback(spec, args, earlier.committed)
+                reason = "an earlier conflicting request went through: keeping both needs a yes"
         try:
             adm = await ledger.admit_operation(
                 conn,
@@ -309,14 +346,16 @@ class ToolPipeline:
                 turn_id=request.turn_id,
                 resource=resource,
                 status=S.AWAITING_CONFIRMATION if awaiting else S.ADMITTED,
-                readback=decision.readback,
-                confirm_by=now + timedelta(seconds=spec.confirm_window_s) if awaiting else None,
+                readback=readback,
+                confirm_by=confirm_by if awaiting else None,
                 expires_at=None
                 if awaiting
                 else now + timedelta(seconds=spec.retry.total_deadline_s),
                 overflow=None if awaiting or decision.overflow is None else decision.overflow.value,
+                conflict_key=ckey,
+                held_by_operation_id=held_by.operation_id if held_by else None,
                 actor="policy",
-                reason=decision.reason,
+                reason=reason,
                 data={"rule": decision.rule, "provider_call_id": request.call_id},
                 enqueue=None if awaiting else self._enqueue,
             )
@@ -327,12 +366,19 @@ class ToolPipeline:
             )
             return _reply(out)
         op = adm.operation
-        out = self._state_output(spec, op)
+        verdict = decision.outcome.value
+        if held_by is not None and op.held_by_operation_id is not None:
+            verdict = "held"
+            out = held_output(spec, op, self._describe(held_by))
+        else:
+            if awaiting and verdict != Outcome.NEEDS_CONFIRMATION.value:
+                verdict = Outcome.NEEDS_CONFIRMATION.value
+            out = self._state_output(spec, op)
         await ledger.complete_tool_call(
             conn,
             tc.id,
-            decision=decision.outcome.value,
-            reason=decision.reason,
+            decision=verdict,
+            reason=reason,
             arguments=norm,
             operation_id=op.operation_id,
             output=out,
@@ -521,7 +567,36 @@ class ToolPipeline:
                 "caller declined",
                 "The caller said no, so it was cancelled.",
             )
-        # Limits are checked again now: admission happens at confirmation, not at request.
+        if op.held_by_operation_id is not None:
+            # A conflicting earlier request is not settled yet: this one waits for it.
+            earlier = await ledger.get_operation(conn, op.held_by_operation_id)
+            if earlier is not None and not is_terminal(earlier.status):
+                return await finish(
+                    "held",
+                    "an earlier conflicting request is still in flight",
+                    held_still_output(op, self._describe(earlier)),
+                )
+        verdict, reason, out, op = await self._admit_confirmed(
+            conn, ctx, tc, op, spec, identity, reason="caller confirmed"
+        )
+        return await finish(verdict, reason, out)
+
+    async def _admit_confirmed(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        tc: ToolCallRecord,
+        op: OperationRecord,
+        spec: ToolSpec,
+        identity: CallerIdentity,
+        *,
+        reason: str,
+        data: Mapping[str, Any] | None = None,
+    ) -> tuple[str, str, dict[str, Any], OperationRecord]:
+        """Admit an operation awaiting confirmation on the caller's yes, checking the
+        limits again (admission happens at confirmation, not at request). Returns the
+        tool-call decision, its reason, the output and the operation as it now is."""
+        now = self._clock()
         op_args = spec.args_model.model_validate(op.args)
         await ledger.lock_scope(conn, ctx.tenant_id, "caller", ctx.from_number or ctx.call_id)
         if op.resource is not None:
@@ -540,11 +615,11 @@ class ToolPipeline:
                 reason=f"refused at confirmation: {decision.reason}",
                 data={"rule": decision.rule},
             )
-            op = moved or op
-            return await finish(
+            return (
                 decision.outcome.value,
                 decision.reason,
                 denied_output(decision.reason, rule=decision.rule),
+                moved or op,
             )
         admitted = await ledger.transition(
             conn,
@@ -552,16 +627,134 @@ class ToolPipeline:
             S.AWAITING_CONFIRMATION,
             S.ADMITTED,
             actor="model",
-            reason="caller confirmed",
-            data={"rule": decision.rule, "provider_call_id": tc.provider_call_id},
+            reason=reason,
+            data={"rule": decision.rule, "provider_call_id": tc.provider_call_id, **(data or {})},
             expires_at=now + timedelta(seconds=spec.retry.total_deadline_s),
             overflow=decision.overflow.value if decision.overflow else None,
         )
         if admitted is None:  # pragma: no cover - the row lock is held
             raise ToolError("operation changed while confirming")
         await self._enqueue(conn, admitted.operation_id)
-        op = admitted
-        return await finish("allow", decision.reason, self._state_output(spec, admitted))
+        return "allow", decision.reason, self._state_output(spec, admitted), admitted
+
+    def _describe(self, op: OperationRecord) -> str:
+        if op.tool in self._registry:
+            return describe_operation(self._registry.get(op.tool), op)
+        return op.tool.replace("_", " ")
+
+    # --- conflicting requests ------------------------------------------------------------
+
+    async def _resolve(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        tc: ToolCallRecord,
+        args: ResolveConflictArgs,
+        identity: CallerIdentity,
+    ) -> ToolReply:
+        """The caller's choice about a request that contradicts an earlier one."""
+        norm = args.model_dump(mode="json")
+        op = await ledger.get_operation(conn, args.operation_id, for_update=True)
+
+        async def finish(
+            decision: str, reason: str, out: dict[str, Any], linked: OperationRecord | None
+        ) -> ToolReply:
+            await ledger.complete_tool_call(
+                conn,
+                tc.id,
+                decision=decision,
+                reason=reason,
+                arguments=norm,
+                operation_id=linked.operation_id if linked else None,
+                output=out,
+            )
+            return _reply(out, linked)
+
+        if op is None or op.tenant_id != ctx.tenant_id or op.call_id != ctx.call_id:
+            return await finish(
+                "deny",
+                "no such request in this call",
+                denied_output("I can't find that request in this call."),
+                None,
+            )
+        spec = self._registry.get(op.tool)
+        if op.status is not S.AWAITING_CONFIRMATION or op.conflict_key is None:
+            return await finish(
+                "duplicate", "nothing waiting to resolve", self._state_output(spec, op), op
+            )
+        if op.held_by_operation_id is not None:
+            earlier = await ledger.get_operation(conn, op.held_by_operation_id)
+        else:
+            found = await find_earlier(
+                conn,
+                tenant_id=ctx.tenant_id,
+                caller=op.caller,
+                call_id=ctx.call_id,
+                key=op.conflict_key,
+                exclude=op.operation_id,
+            )
+            earlier = found.in_flight or found.committed
+        if earlier is not None and not is_terminal(earlier.status):
+            return await finish(
+                "held",
+                "the earlier request is still in flight",
+                held_still_output(op, self._describe(earlier)),
+                op,
+            )
+        if args.choice == "drop":
+            moved = await ledger.transition(
+                conn,
+                op.operation_id,
+                S.AWAITING_CONFIRMATION,
+                S.CANCELLED,
+                actor="model",
+                reason="the caller kept the earlier request instead",
+            )
+            return await finish(
+                "declined",
+                "the caller kept the earlier request",
+                cancelled_output(moved or op, "The caller kept the earlier request."),
+                moved or op,
+            )
+        data: dict[str, Any] = {"choice": args.choice}
+        if earlier is not None:
+            data["earlier_operation_id"] = str(earlier.operation_id)
+        if args.choice == "move" and earlier is not None and earlier.status is S.COMMITTED:
+            earlier_spec = self._registry.get(earlier.tool)
+            if earlier_spec.compensated_by is None or earlier.provider_ref is None:
+                return await finish(
+                    "deny",
+                    "the earlier request cannot be undone automatically",
+                    denied_output(
+                        "I can't undo the earlier request from here; staff can help.",
+                        rule="conflict",
+                    ),
+                    op,
+                )
+            compensation = await admit_compensation(
+                conn,
+                earlier,
+                earlier_spec.compensated_by,
+                {"booking_id": earlier.provider_ref},
+                enqueue=self._enqueue,
+                actor="model",
+                reason=f"the caller moved it to {self._describe(op)}",
+            )
+            data["compensation_operation_id"] = str(compensation.operation_id)
+        why = {
+            "move": "the caller chose to move the earlier request to this one",
+            "keep_both": "the caller explicitly chose to keep both",
+        }[args.choice]
+        verdict, reason, out, op = await self._admit_confirmed(
+            conn, ctx, tc, op, spec, identity, reason=why, data=data
+        )
+        if verdict == "allow" and "compensation_operation_id" in data:
+            out = {**out, "compensation_operation_id": data["compensation_operation_id"]}
+            out["message"] = bounded(
+                f"{out.get('message', '')} The earlier request is being cancelled; that is "
+                "not confirmed yet either."
+            )
+        return await finish(verdict, reason, out, op)
 
     # --- replies -------------------------------------------------------------------------
 

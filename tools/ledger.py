@@ -1,8 +1,9 @@
 """The operations ledger: async functions over a SQLAlchemy `AsyncConnection`.
 
 Every function runs inside a transaction the caller owns (`async with engine.begin() as
-conn`), so admission + enqueue, or a transition + its event + its notification, commit or
-roll back together. `transition` is the only code that changes an operation's status.
+conn`), so admission + enqueue, or a transition + its event + its notification + its
+webhook outbox rows + (when terminal) its delivery, commit or roll back together.
+`transition` is the only code that changes an operation's status.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from tools import deliveries, webhooks
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger_models import operation_events_table as events_t
 from tools.ledger_models import operations_table as ops_t
@@ -85,6 +87,8 @@ class OperationRecord:
     updated_at: datetime
     committed_at: datetime | None
     finished_at: datetime | None
+    conflict_key: str | None = None
+    held_by_operation_id: uuid.UUID | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> OperationRecord:
@@ -192,18 +196,24 @@ async def _insert_event(
     from_status: OperationStatus | None = None,
     to_status: OperationStatus | None = None,
     data: Mapping[str, Any] | None = None,
-) -> None:
-    await conn.execute(
-        events_t.insert().values(
-            operation_id=operation_id,
-            from_status=from_status.value if from_status else None,
-            to_status=to_status.value if to_status else None,
-            kind=kind,
-            actor=actor,
-            reason=reason,
-            data=dict(data or {}),
+) -> tuple[int, datetime]:
+    row = (
+        await conn.execute(
+            events_t.insert()
+            .values(
+                operation_id=operation_id,
+                from_status=from_status.value if from_status else None,
+                to_status=to_status.value if to_status else None,
+                kind=kind,
+                actor=actor,
+                reason=reason,
+                data=dict(data or {}),
+            )
+            .returning(events_t.c.id, events_t.c.at)
         )
-    )
+    ).first()
+    assert row is not None
+    return int(row.id), row.at
 
 
 async def _notify(conn: AsyncConnection, op: OperationRecord) -> None:
@@ -238,6 +248,8 @@ async def admit_operation(
     expires_at: datetime | None = None,
     compensates_operation_id: uuid.UUID | None = None,
     overflow: str | None = None,
+    conflict_key: str | None = None,
+    held_by_operation_id: uuid.UUID | None = None,
     actor: str = "policy",
     reason: str = "admitted by policy",
     data: Mapping[str, Any] | None = None,
@@ -275,6 +287,8 @@ async def admit_operation(
             expires_at=expires_at,
             compensates_operation_id=compensates_operation_id,
             overflow=overflow,
+            conflict_key=conflict_key,
+            held_by_operation_id=held_by_operation_id,
         )
         .on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"])
         .returning(*ops_t.c)
@@ -292,7 +306,7 @@ async def admit_operation(
             )
         return Admission(existing, created=False)
     op = OperationRecord.from_row(row)
-    await _insert_event(
+    event_id, at = await _insert_event(
         conn,
         op.operation_id,
         kind="transition",
@@ -302,6 +316,7 @@ async def admit_operation(
         data=data,
     )
     await _notify(conn, op)
+    await webhooks.record_change(conn, op, None, event_id, at)
     if status is S.ADMITTED:
         assert enqueue is not None
         await enqueue(conn, op.operation_id)
@@ -323,8 +338,10 @@ async def transition(
 
     Illegal edges raise `IllegalTransition` (before touching the database). A lost race
     (the status is no longer one of `from_status`) returns None and changes nothing. On
-    success the row, an `operation_events` row and a `pg_notify` go out in this
-    transaction, and the updated record is returned. `values` may set `SETTABLE_FIELDS`.
+    success the row, an `operation_events` row, a `pg_notify`, the integrator webhook
+    outbox rows and, for a terminal status, the outcome's delivery (with its job) go out in
+    this transaction, and the updated record is returned. `values` may set
+    `SETTABLE_FIELDS`.
     """
     froms = check_transition(from_status, to_status)
     to = OperationStatus(to_status)
@@ -358,7 +375,7 @@ async def transition(
     if row is None:  # pragma: no cover - the row lock makes this unreachable
         return None
     op = OperationRecord.from_row(row)
-    await _insert_event(
+    event_id, at = await _insert_event(
         conn,
         operation_id,
         kind="transition",
@@ -369,6 +386,10 @@ async def transition(
         data=data,
     )
     await _notify(conn, op)
+    await webhooks.record_change(conn, op, prev, event_id, at)
+    if to in TERMINAL:
+        # The outcome's delivery is durable work from the moment the outcome exists.
+        await deliveries.open_for(conn, op)
     return op
 
 

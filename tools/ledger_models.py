@@ -69,6 +69,7 @@ class Operation(SQLModel, table=True):
         Index("ix_operations_resource", "tenant_id", "resource", "status"),
         Index("ix_operations_caller_created", "tenant_id", "caller", "created_at"),
         Index("ix_operations_provider_ref", "tenant_id", "tool", "provider_ref"),
+        Index("ix_operations_conflict", "tenant_id", "caller", "conflict_key"),
     )
 
     operation_id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
@@ -97,6 +98,12 @@ class Operation(SQLModel, table=True):
     readback: str | None = Field(default=None, sa_column=Column(Text))
     confirm_by: datetime | None = _ts()
     overflow: str | None = Field(default=None, max_length=16)  # queued | degraded
+    # The tool's conflict key (e.g. the booking's date): same caller + same key conflict.
+    conflict_key: str | None = Field(default=None, max_length=200)
+    # An earlier conflicting operation still in flight: this one waits until it is settled.
+    held_by_operation_id: uuid.UUID | None = Field(
+        default=None, sa_column=Column(ForeignKey("operations.operation_id"))
+    )
     created_at: datetime | None = _ts(nullable=False, default_now=True)
     updated_at: datetime | None = _ts(nullable=False, default_now=True)
     committed_at: datetime | None = _ts()

@@ -71,6 +71,20 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ConflictRule:
+    """When two requests of the same caller contradict each other.
+
+    Operations of the tool whose `key` (computed from the validated arguments) is equal, made
+    by the same caller, conflict: a second one waits while the first is in flight (the
+    caller decides once it settles: move it, keep both, or leave it), and after the first
+    went through, keeping both takes an explicit yes.
+    """
+
+    key: Callable[[Any], str]  # e.g. lambda a: f"booking-day:{a.date}"
+    what: str = "a request for the same thing"  # speakable: "a booking for the same day"
+
+
+@dataclass(frozen=True, slots=True)
 class PreconditionContext:
     """What a precondition may look at besides the arguments."""
 
@@ -127,6 +141,8 @@ class ToolSpec:
     provider_label: str = "the system of record"
     # Where the tool was declared ("tools.yaml:12"), for messages about it.
     origin: str | None = None
+    # Which earlier requests of the same caller this one contradicts (see ConflictRule).
+    conflicts: ConflictRule | None = None
 
     def definition(self) -> dict[str, Any]:
         """The Realtime `function` tool definition (what the model sees)."""

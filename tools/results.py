@@ -161,3 +161,76 @@ def cancelled_output(op: OperationRecord, reason: str) -> dict[str, Any]:
         "operation_id": str(op.operation_id),
         "message": bounded(f"{reason} Nothing was done."),
     }
+
+
+# --- late results: in-call announcements and SMS ---------------------------------------------
+
+MAX_SMS_CHARS = 320  # two segments at most
+
+
+def conflict_sentence(op: OperationRecord, newer: list[str]) -> str:
+    """What the caller asked for since, truthfully: nothing of it has been done yet."""
+    asked = " and ".join(newer)
+    if op.status is S.COMMITTED:
+        return (
+            f"Meanwhile the caller asked for {asked} instead; that has not been done. Tell "
+            "them the earlier request did go through, then ask whether to move it (cancel "
+            "the earlier one and make the new one), keep both, or leave it as it is."
+        )
+    return (
+        f"Meanwhile the caller asked for {asked}; that has not been done yet. Ask whether "
+        "to go ahead with it now."
+    )
+
+
+def announcement_text(
+    spec: ToolSpec,
+    op: OperationRecord,
+    *,
+    newer: list[str] | None = None,
+    repeat: bool = False,
+    turns_since: int | None = None,
+    undone: list[str] | None = None,
+) -> str:
+    """What the model is asked to tell the caller about a finished operation."""
+    text = status_message(spec, op)
+    if undone:
+        text += f" It has since been undone: {' and '.join(undone)} went through."
+    if newer:
+        text = f"About the earlier request: {text} {conflict_sentence(op, newer)}"
+    elif turns_since:
+        text = f"About the caller's earlier request: {text}"
+    if repeat:
+        text = f"The caller interrupted the last update, so say it again briefly. {text}"
+    return bounded(text, 2 * MAX_MESSAGE_CHARS)
+
+
+def sms_text(
+    spec: ToolSpec,
+    op: OperationRecord,
+    *,
+    sender: str | None = None,
+    newer: list[str] | None = None,
+    undone: list[str] | None = None,
+) -> str:
+    """A short, plain SMS about an outcome: what, how it ended, and the provider's reference.
+
+    No internal ids, no error internals, no PIN (arguments a tool redacts never appear).
+    """
+    what = "your request" if spec.redact_arguments else describe_operation(spec, op)
+    match op.status:
+        case S.COMMITTED:
+            ref = f" Ref {op.provider_ref}." if op.provider_ref else ""
+            text = f"Confirmed: {what}.{ref}"
+        case S.CANCELLED:
+            text = f"Cancelled, nothing was done: {what}."
+        case _:
+            text = f"Sorry, we could not complete {what}. Nothing was changed."
+    if undone and op.status is S.COMMITTED:
+        text += f" It has since been undone: {' and '.join(undone)} went through."
+    if newer:
+        asked = " and ".join(newer)
+        text += f" You also asked for {asked}; that was not done. Call us to change it."
+    if sender:
+        text = f"{sender}: {text}"
+    return bounded(text, MAX_SMS_CHARS)

@@ -5,9 +5,21 @@ calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed cal
   the call (an attached `FakeTwilioCaller` sends `stop` and closes its stream, as Twilio
   would); `Twiml=...` replaces the call's instructions, which ends the media stream.
 - `GET  .../Calls/{CallSid}.json`
-- `POST /2010-04-01/Accounts/{AccountSid}/Messages.json`: 201 with a queued message, then
-  signed status callbacks (`sent`, `delivered`; or `undelivered` / `failed`).
+- `POST /2010-04-01/Accounts/{AccountSid}/Messages.json`: 201 with a queued message (from
+  `From`, or from a number of the Messaging Service named by `MessagingServiceSid`), then
+  signed status callbacks to its `StatusCallback` as Twilio sends them (`sent`, then
+  `delivered`; or `undelivered` / `failed` with an `ErrorCode`). A recipient who texted
+  STOP (`send_inbound_sms`) gets error 21610, as on Twilio.
+- `GET  .../Messages.json`: the list, newest first, with Twilio's filters (`To`, `From`,
+  `DateSent`, `DateSent<`, `DateSent>`; a queued message has no `date_sent`, so a date
+  filter skips it) and paging (`PageSize`, `Page`, `PageToken`, `next_page_uri`).
 - `GET  .../Messages/{MessageSid}.json`
+
+Faults, for the tests of what our side must survive: `lose_message_answers(n)` (the next n
+creates are accepted, and their answer never comes: the client times out), `drop_callbacks`
+(status callbacks are lost), `hold_queued` (messages stay queued until `release_messages`),
+`callback_order="late_sent"` (`delivered` arrives before `sent`), `duplicate_callbacks`,
+`reject_next_message(code)` (a Twilio error on create), and `fail_next` (5xx / 429).
 
 Every request is recorded. Runs in-process on an ephemeral port (uvicorn, this loop).
 """
@@ -25,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import httpx
 import uvicorn
@@ -43,6 +55,19 @@ if TYPE_CHECKING:
 
 API_VERSION = "2010-04-01"
 SmsOutcome: TypeAlias = Literal["delivered", "undelivered", "failed"]
+CallbackOrder: TypeAlias = Literal["normal", "late_sent"]
+# The number a Messaging Service sends from in this fake.
+SERVICE_NUMBER = "+15005550006"
+STOP_WORDS = frozenset({"STOP", "STOPALL", "UNSUBSCRIBE", "CANCEL", "END", "QUIT"})
+START_WORDS = frozenset({"START", "UNSTOP", "YES"})
+# Twilio's error texts for the create refusals tests inject.
+_CREATE_ERRORS: dict[int, tuple[int, str]] = {
+    21610: (400, "Attempt to send to unsubscribed recipient"),
+    21211: (400, "Invalid 'To' Phone Number"),
+    21614: (400, "'To' number is not a valid mobile number"),
+    21612: (400, "The 'To' phone number is not currently reachable via SMS"),
+    21606: (400, "The 'From' phone number provided is not a valid message-capable number"),
+}
 
 # Twilio's error codes for the failures this fake produces.
 _SMS_ERROR_CODES: dict[str, int] = {"undelivered": 30003, "failed": 30008}
@@ -212,6 +237,7 @@ class FakeMessage:
     from_number: str
     body: str
     status_callback: str | None
+    messaging_service_sid: str | None = None
     status: str = "queued"
     statuses: list[str] = field(default_factory=lambda: ["queued"])
     error_code: int | None = None
@@ -234,7 +260,7 @@ class FakeMessage:
             "account_sid": self.account_sid,
             "num_media": "0",
             "status": self.status,
-            "messaging_service_sid": None,
+            "messaging_service_sid": self.messaging_service_sid,
             "sid": self.sid,
             "date_sent": _rfc2822(self.sent) if self.sent else None,
             "date_created": _rfc2822(self.created),
@@ -285,6 +311,17 @@ class FakeTwilioApi:
         self.sms_outcome: SmsOutcome = sms_outcome
         self.sms_outcomes_by_to: dict[str, SmsOutcome] = {}
         self.sms_step_delay_s = sms_step_delay_s
+        # Faults and behaviours of the Messages API (see the module docstring).
+        self.drop_callbacks = False
+        self.hold_queued = False
+        self.callback_order: CallbackOrder = "normal"
+        self.duplicate_callbacks = 0
+        self.hold_max_s = 30.0
+        self.unsubscribed: set[str] = set()
+        self._lose_answers = 0
+        self._reject_codes: list[int] = []
+        self._released = asyncio.Event()
+        self._answers_released = asyncio.Event()
         self.callback_base_url = callback_base_url
         self.call_status_callback_url = call_status_callback_url
         self.timeout = timeout
@@ -302,7 +339,7 @@ class FakeTwilioApi:
         app = Starlette(
             routes=[
                 Route(f"{prefix}/Calls/{{call_sid}}.json", self._call, methods=["GET", "POST"]),
-                Route(f"{prefix}/Messages.json", self._create_message, methods=["POST"]),
+                Route(f"{prefix}/Messages.json", self._messages, methods=["GET", "POST"]),
                 Route(f"{prefix}/Messages/{{message_sid}}.json", self._get_message),
             ]
         )
@@ -361,6 +398,56 @@ class FakeTwilioApi:
         message = "Service Unavailable" if status >= 500 else "Too Many Requests"
         self._failures.extend([(status, code, message)] * count)
 
+    def lose_message_answers(self, count: int = 1) -> None:
+        """The next `count` creates are accepted (the message exists and goes on to be
+        sent) but their HTTP answer never comes, until `release_answers` or `hold_max_s`."""
+        self._lose_answers += count
+        self._answers_released = asyncio.Event()
+
+    def release_answers(self) -> None:
+        self._answers_released.set()
+
+    def reject_next_message(self, code: int) -> None:
+        """The next create is refused with Twilio error `code` (e.g. 21610, 21614)."""
+        self._reject_codes.append(code)
+
+    def release_messages(self) -> None:
+        """Let messages held in `queued` (hold_queued) go on."""
+        self.hold_queued = False
+        self._released.set()
+
+    def created_messages(self) -> list[FakeMessage]:
+        """Messages in the order they were created."""
+        return sorted(self.messages.values(), key=lambda m: m.created)
+
+    def messages_to(self, number: str) -> list[FakeMessage]:
+        return [m for m in self.created_messages() if m.to_number == number]
+
+    async def send_inbound_sms(
+        self, url: str, from_number: str, to_number: str, body: str
+    ) -> int | None:
+        """An SMS from a caller to our number, POSTed (signed) to the messaging webhook
+        `url` as Twilio does; STOP / START also update Twilio's own opt-out list."""
+        word = body.strip().upper()
+        params = {
+            "MessageSid": "SM" + secrets.token_hex(16),
+            "SmsSid": "",
+            "AccountSid": self.account_sid,
+            "From": from_number,
+            "To": to_number,
+            "Body": body,
+            "NumMedia": "0",
+            "ApiVersion": API_VERSION,
+        }
+        params["SmsSid"] = params["MessageSid"]
+        if word in STOP_WORDS:
+            self.unsubscribed.add(from_number)
+            params["OptOutType"] = "STOP"
+        elif word in START_WORDS:
+            self.unsubscribed.discard(from_number)
+            params["OptOutType"] = "START"
+        return await self._callback(url, params)
+
     def requests_to(self, path_suffix: str, method: str = "POST") -> list[RecordedRequest]:
         """Recorded requests whose path ends with `path_suffix`."""
         return [r for r in self.requests if r.method == method and r.path.endswith(path_suffix)]
@@ -384,7 +471,7 @@ class FakeTwilioApi:
 
     # HTTP handlers.
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -506,12 +593,18 @@ class FakeTwilioApi:
             )
         self._changed.set()
 
+    async def _messages(self, request: Request) -> JSONResponse:
+        if request.method == "GET":
+            return await self._list_messages(request)
+        return await self._create_message(request)
+
     async def _create_message(self, request: Request) -> JSONResponse:
         form, refused = await self._admit(request)
         if refused is not None:
             return self._record(request, form, refused)
         to = form.get("To")
-        sender = form.get("From") or form.get("MessagingServiceSid")
+        service = form.get("MessagingServiceSid")
+        sender = form.get("From") or (SERVICE_NUMBER if service else None)
         body = form.get("Body")
         if not to:
             return self._record(
@@ -523,6 +616,12 @@ class FakeTwilioApi:
             )
         if not body and not form.get("MediaUrl"):
             return self._record(request, form, _error(400, 21602, "Message body is required."))
+        code = self._reject_codes.pop(0) if self._reject_codes else None
+        if code is None and to in self.unsubscribed:
+            code = 21610
+        if code is not None:
+            status, text = _CREATE_ERRORS.get(code, (400, "Refused"))
+            return self._record(request, form, _error(status, code, text))
         message = FakeMessage(
             sid="SM" + secrets.token_hex(16),
             account_sid=self.account_sid,
@@ -530,11 +629,54 @@ class FakeTwilioApi:
             from_number=sender,
             body=body or "",
             status_callback=form.get("StatusCallback"),
+            messaging_service_sid=service,
         )
         self.messages[message.sid] = message
         outcome = self.sms_outcomes_by_to.get(to, self.sms_outcome)
         self._spawn(self._deliver(message, outcome), f"fake-twilio-sms-{message.sid}")
-        return self._record(request, form, JSONResponse(message.resource(), status_code=201))
+        response = self._record(request, form, JSONResponse(message.resource(), status_code=201))
+        if self._lose_answers > 0:
+            # Accepted, and the answer is lost: hold it until the client has given up.
+            self._lose_answers -= 1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.hold_max_s):
+                    await self._answers_released.wait()
+        return response
+
+    async def _list_messages(self, request: Request) -> JSONResponse:
+        _, refused = await self._admit(request)
+        query = dict(request.query_params)
+        if refused is not None:
+            return self._record(request, query, refused)
+        selected = [m for m in self.messages.values() if _matches(m, query)]
+        # Newest first; messages not sent yet (no date_sent) are newest of all.
+        selected.sort(key=lambda m: (m.sent or _FAR_FUTURE, m.created), reverse=True)
+        try:
+            size = max(1, min(1000, int(query.get("PageSize", "50"))))
+            page = max(0, int(query.get("Page", "0")))
+        except ValueError:
+            return self._record(request, query, _error(400, 20001, "Invalid paging value"))
+        chunk = selected[page * size : (page + 1) * size]
+        path = f"/{API_VERSION}/Accounts/{self.account_sid}/Messages.json"
+        base = {k: v for k, v in query.items() if k not in ("Page", "PageToken", "PageSize")}
+
+        def uri(n: int) -> str:
+            params = {**base, "PageSize": str(size), "Page": str(n), "PageToken": f"PA{n}"}
+            return f"{path}?{urlencode(params)}"
+
+        more = (page + 1) * size < len(selected)
+        payload = {
+            "messages": [m.resource() for m in chunk],
+            "end": page * size + max(0, len(chunk) - 1),
+            "first_page_uri": uri(0),
+            "next_page_uri": uri(page + 1) if more else None,
+            "page": page,
+            "page_size": size,
+            "previous_page_uri": uri(page - 1) if page > 0 else None,
+            "start": page * size,
+            "uri": uri(page),
+        }
+        return self._record(request, query, JSONResponse(payload))
 
     async def _get_message(self, request: Request) -> JSONResponse:
         form, refused = await self._admit(request)
@@ -549,6 +691,11 @@ class FakeTwilioApi:
 
     async def _deliver(self, message: FakeMessage, outcome: SmsOutcome) -> None:
         steps = ["failed"] if outcome == "failed" else ["sent", outcome]
+        if self.hold_queued:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.hold_max_s):
+                    await self._released.wait()
+        callbacks: list[dict[str, str]] = []
         for status in steps:
             await asyncio.sleep(self.sms_step_delay_s)
             message.status = status
@@ -571,7 +718,20 @@ class FakeTwilioApi:
                 }
                 if message.error_code is not None:
                     params["ErrorCode"] = str(message.error_code)
-                await self._callback(message.status_callback, params)
+                if message.messaging_service_sid:
+                    params["MessagingServiceSid"] = message.messaging_service_sid
+                callbacks.append(params)
+                if self.callback_order == "normal":
+                    await self._send_status(message.status_callback, params)
+        if self.callback_order == "late_sent" and message.status_callback:
+            for params in reversed(callbacks):
+                await self._send_status(message.status_callback, params)
+
+    async def _send_status(self, url: str, params: dict[str, str]) -> None:
+        if self.drop_callbacks:
+            return
+        for _ in range(1 + self.duplicate_callbacks):
+            await self._callback(url, params)
 
     def delivery_url(self, url: str) -> str:
         """Where a callback for `url` is actually sent."""
@@ -581,7 +741,7 @@ class FakeTwilioApi:
         parts = urlsplit(url)
         return urlunsplit((base.scheme, base.netloc, parts.path, parts.query, parts.fragment))
 
-    async def _callback(self, url: str, params: dict[str, str]) -> None:
+    async def _callback(self, url: str, params: dict[str, str]) -> int | None:
         signature = self._validator.compute_signature(url, params)
         target = self.delivery_url(url)
         status_code: int | None = None
@@ -604,6 +764,37 @@ class FakeTwilioApi:
             CallbackRecord(time.monotonic(), url, target, params, signature, status_code, error)
         )
         self._changed.set()
+        return status_code
+
+
+_FAR_FUTURE = datetime.max.replace(tzinfo=UTC)
+
+
+def _parse_when(value: str) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _matches(message: FakeMessage, query: dict[str, str]) -> bool:
+    """Twilio's list filters; a date filter only matches messages that have a date_sent."""
+    if "To" in query and message.to_number != query["To"]:
+        return False
+    if "From" in query and message.from_number != query["From"]:
+        return False
+    for key, test in (
+        ("DateSent", lambda sent, when: sent.date() == when.date()),
+        ("DateSent<", lambda sent, when: sent <= when),
+        ("DateSent>", lambda sent, when: sent >= when),
+    ):
+        if key not in query:
+            continue
+        when = _parse_when(query[key])
+        if when is None or message.sent is None or not test(message.sent, when):
+            return False
+    return True
 
 
 __all__ = [

@@ -20,7 +20,9 @@ A scenario is JSON::
   `function_call`, or both (the reply then plays before the call, like a preamble).
 - `caller_transcript` is how the caller's turn that precedes the step is transcribed.
 - Reply texts may use `{output}` (the latest `function_call_output`, verbatim) or
-  `{output[key]}` (a field of it when it is JSON); missing fields render empty.
+  `{output[key]}` (a field of it when it is JSON); missing fields render empty. `{note}` is
+  the text of the latest system message the client added (how a late result is announced),
+  so the scripted model says what it was asked to say.
 - String arguments may use `{today}` and `{tomorrow}` (ISO dates, UTC), so a scenario does not
   age into the past.
 - When the steps run out, every response speaks `fallback`.
@@ -146,8 +148,9 @@ class Scenario(BaseModel):
         return {"text": value} if isinstance(value, str) else value
 
 
-def render_reply_text(text: str, output: str | None) -> str:
-    """Fill `{output}` / `{output[key]}` from the latest function output (JSON or plain)."""
+def render_reply_text(text: str, output: str | None, note: str | None = None) -> str:
+    """Fill `{output}` / `{output[key]}` from the latest function output (JSON or plain),
+    and `{note}` from the latest system message."""
     if "{" not in text:
         return text
     parsed: Any = output or ""
@@ -156,7 +159,10 @@ def render_reply_text(text: str, output: str | None) -> str:
             parsed = json.loads(output)
         except ValueError:
             parsed = output
-    return _render(text, {"output": _Field(parsed, raw=output or "")})
+    values: dict[str, Any] = {"output": _Field(parsed, raw=output or "")}
+    if note is not None:
+        values["note"] = _Field(note)
+    return _render(text, values)
 
 
 class _Field:

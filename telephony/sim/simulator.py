@@ -740,6 +740,7 @@ class SimulatedSession:
         self._greeting_pending = scenario.greeting is not None
         self._next_step = 0
         self._latest_output: str | None = None
+        self._latest_note: str | None = None  # text of the latest system message we got
         self._rebuild_vad()
 
     # ---- test helpers ------------------------------------------------------------------
@@ -1102,6 +1103,13 @@ class SimulatedSession:
             item = ConversationItemState(
                 id=item_id, type="message", role=spec.role, content=spec.content
             )
+            if spec.role == "system":
+                texts = [
+                    str(part.get("text", ""))
+                    for part in spec.content
+                    if isinstance(part, dict) and part.get("type") == "input_text"
+                ]
+                self._latest_note = " ".join(t for t in texts if t) or self._latest_note
             try:
                 _item_model(item)
             except ValidationError as exc:
@@ -1166,7 +1174,11 @@ class SimulatedSession:
         step = steps[self._next_step]
         self._next_step += 1
         spoken = step.spoken()
-        text = render_reply_text(spoken.text, self._latest_output) if spoken else ""
+        text = (
+            render_reply_text(spoken.text, self._latest_output, note=self._latest_note)
+            if spoken
+            else ""
+        )
         return _ResponsePlan(spoken, text, step.function_call)
 
     async def _on_response_create(self) -> None:

@@ -15,6 +15,7 @@ from tools.control import control_tools
 from tools.policy import date_within, int_at_most, not_blank, slot_in_future, time_between
 from tools.registry import (
     ConcurrencyLimit,
+    ConflictRule,
     Registry,
     RetryPolicy,
     ToolKind,
@@ -185,6 +186,11 @@ def restaurant_tools(
             describe=_describe_booking,
             shape_result=_shape_booking_ref,
             provider_label=LABEL,
+            # A second booking by the same caller for the same day contradicts the first
+            # (the caller changed 21:00 to 21:30): it waits, and the caller decides.
+            conflicts=ConflictRule(
+                key=lambda a: f"booking-day:{a.date}", what="a booking for the same day"
+            ),
         ),
         ToolSpec(
             name="cancel_booking",

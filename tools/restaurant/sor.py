@@ -101,6 +101,10 @@ class Faults(BaseModel):
     hang: int = Field(default=0, ge=0)  # stall before applying, until released
     async_mode: bool = False  # answer 202, apply later, report through the callback URL
     async_delay_s: float = Field(default=0.05, ge=0.0)
+    # With async_mode: apply (and report) only once released, not after the delay.
+    async_hold: bool = False
+    # Send every callback report this many extra times (a provider that retries blindly).
+    duplicate_callbacks: int = Field(default=0, ge=0)
     # Upper bound of a hang, so a forgotten release cannot wedge the service.
     hang_max_s: float = Field(default=60.0, gt=0.0)
 
@@ -372,7 +376,10 @@ class SystemOfRecord:
         )
 
     async def _complete_later(self, key: str, callback_url: str | None, apply: _Apply) -> None:
-        await asyncio.sleep(self.faults.async_delay_s)
+        if self.faults.async_hold:
+            await self._wait_released()
+        else:
+            await asyncio.sleep(self.faults.async_delay_s)
         status, payload = await self._apply_and_record(key, apply)
         if not callback_url:
             return
@@ -385,7 +392,8 @@ class SystemOfRecord:
             reference=str(payload.get("id")) if ok else None,
             error=None if ok else str(payload.get("code")),
         )
-        await self.send_callback(callback_url, report)
+        for _ in range(1 + self.faults.duplicate_callbacks):
+            await self.send_callback(callback_url, report)
 
     async def send_callback(self, url: str, report: CallbackReport) -> int | None:
         """POST a signed report; a few attempts, each with a timeout. Returns the status."""

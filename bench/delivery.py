@@ -1,0 +1,345 @@
+"""Late-result delivery benchmark: commit -> announcement audio sent, commit -> SMS request.
+
+Prints tables (no assertions), each with a baseline measured in the same run:
+
+- announcement: from the commit of an operation (its terminal transition durable) to the first
+  audio frame of the announcement reaching the caller's Twilio stream, for 1 and 50 live calls
+  at once. Baseline: the same calls, the bridge handed the same late result directly
+  (`deliver_result`, no ledger, NOTIFY, relevance gate or durable offer).
+- SMS: from the commit of an operation whose call has ended to the create request arriving at
+  the (fake) Twilio Messages API, for 1 and 50 at once, through the in-process worker's
+  delivery job (decide, persist the SMS, send). Baseline: the twilio library's
+  `messages.create` called directly, as many at once.
+
+Everything runs in this process over real sockets: the service (uvicorn), the Realtime
+simulator (first audio at once: realtime_factor 0), fake Twilio callers and the fake Twilio
+REST API, on a scratch database in TEST_DATABASE_URL / DATABASE_URL (or embedded).
+
+    .venv/bin/python bench/delivery.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _stats import pct  # bench/ is on sys.path when run as a script
+
+from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
+from app.main import create_app
+from app.server import ServiceServer, uvicorn_config
+from app.settings import Settings
+from app.twilio_rest import close_twilio_client, make_twilio_client
+from telephony.sim.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, FakeTwilioCaller
+from telephony.sim.fake_twilio_api import FakeTwilioApi
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator
+from telephony.tool_gateway import LateResult
+from tools import ledger
+from tools.states import OperationStatus
+
+S = OperationStatus
+ARGS = {"date": "2027-01-05", "time": "20:00", "party_size": 2, "name": "Guest"}
+SCENARIO = Scenario.model_validate(
+    {
+        "name": "bench-delivery",
+        "greeting": {"text": "Hello.", "audio_ms": 300},
+        "steps": [],
+        "fallback": {"text": "{note}", "audio_ms": 300},
+    }
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def service(engine: AsyncEngine, **values: Any) -> AsyncIterator[Any]:
+    port = _free_port()
+    settings = Settings(
+        host="127.0.0.1",
+        port=port,
+        public_base_url=f"http://127.0.0.1:{port}",
+        twilio_auth_token=DEFAULT_AUTH_TOKEN,
+        stream_token_secret="bench",
+        console_password="bench",
+        max_live_calls=200,
+        log_level="WARNING",
+        **values,
+    )
+    app = create_app(settings, engine=engine, with_worker=True)
+    server = ServiceServer(uvicorn_config(app, settings, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    try:
+        yield app, settings
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _wait(predicate: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def _first_media_after(caller: FakeTwilioCaller, t0: float) -> float | None:
+    for message in caller.received:
+        if message.t >= t0 and message.event == "media":
+            return message.t
+    return None
+
+
+async def _quiet(callers: list[FakeTwilioCaller]) -> None:
+    """Until every caller has heard everything sent to it (nothing in flight)."""
+    await _wait(lambda: all(c.buffered_ms == 0 and c.heard_ms > 0 for c in callers))
+    await asyncio.sleep(0.2)  # no audio still on its way from the model
+
+
+async def _running_ops(engine: AsyncEngine, calls: list[tuple[str, str]]) -> list[uuid.UUID]:
+    """One running booking per (call id, caller number)."""
+
+    async def nobody(conn: Any, operation_id: uuid.UUID) -> None:
+        return None  # no job: the benchmark plays the worker up to the commit
+
+    ids = []
+    for call_id, number in calls:
+        async with engine.begin() as conn:
+            adm = await ledger.admit_operation(
+                conn,
+                tenant_id="default",
+                tool="book_table",
+                args=ARGS,
+                idempotency_key=f"bench-{uuid.uuid4().hex}",
+                call_id=call_id,
+                caller=number,
+                enqueue=nobody,
+            )
+            op_id = adm.operation.operation_id
+            await ledger.transition(conn, op_id, S.ADMITTED, S.RUNNING, actor="bench", reason="go")
+        ids.append(op_id)
+    return ids
+
+
+async def _commit(engine: AsyncEngine, op_id: uuid.UUID) -> float:
+    """Commit one operation; the monotonic time its commit became durable."""
+    async with engine.begin() as conn:
+        await ledger.transition(
+            conn,
+            op_id,
+            S.RUNNING,
+            S.COMMITTED,
+            actor="bench",
+            reason="ok",
+            provider_ref="BKBENCH234",
+        )
+    return time.monotonic()
+
+
+async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    async with (
+        RealtimeSimulator(SCENARIO, realtime_factor=0.0, record=False) as sim,
+        FakeTwilioApi() as api,
+        service(engine, openai_base_url=sim.base_url, twilio_api_base_url=api.base_url) as (
+            app,
+            _settings,
+        ),
+    ):
+        runtime = app.state.runtime
+        for n, rounds in ((1, 5 if quick else 20), (50, 1 if quick else 3)):
+            callers = [
+                FakeTwilioCaller(runtime.settings.public_base_url, from_number=f"+1555{i:07d}")
+                for i in range(n)
+            ]
+            for c in callers:
+                api.attach(c)
+            await asyncio.gather(*(c.dial() for c in callers))
+            await _quiet(callers)
+            sids = [c.call_sid for c in callers]
+            bare: list[float] = []
+            ours: list[float] = []
+            for _ in range(rounds):
+                # Baseline: the late result handed straight to each bridge.
+                t0 = time.monotonic()
+                await asyncio.gather(
+                    *(
+                        runtime.registry.get(sid).live.deliver_result(
+                            LateResult("bench", "A baseline update.")
+                        )
+                        for sid in sids
+                    )
+                )
+                await _wait(lambda t=t0, cs=callers: all(_first_media_after(c, t) for c in cs))
+                bare += [_first_media_after(c, t0) - t0 for c in callers]  # type: ignore[operator]
+                await _quiet(callers)
+                # Ours: commit -> delivery row + NOTIFY -> gate -> durable offer -> bridge.
+                calls = [
+                    (runtime.registry.get(sid).call_id, c.from_number)
+                    for sid, c in zip(sids, callers, strict=True)
+                ]
+                ops = await _running_ops(engine, calls)
+                committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
+                start = min(committed)
+                await _wait(lambda t=start, cs=callers: all(_first_media_after(c, t) for c in cs))
+                ours += [
+                    _first_media_after(c, t) - t  # type: ignore[operator]
+                    for c, t in zip(callers, committed, strict=True)
+                ]
+                await _quiet(callers)
+            await asyncio.gather(*(c.hangup() for c in callers))
+            await _wait(lambda: runtime.registry.live_count() == 0)
+            rows.append(_row(f"announcement, {n} call{'s' if n > 1 else ''}", ours, bare))
+    return rows
+
+
+async def sms_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    async with (
+        FakeTwilioApi(sms_step_delay_s=0.01) as api,
+        service(engine, twilio_api_base_url=api.base_url, sweep_interval_s=1.0) as (_app, _),
+    ):
+        client = make_twilio_client(DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, api.base_url)
+        try:
+            for n, rounds in ((1, 5 if quick else 20), (50, 1 if quick else 3)):
+                bare: list[float] = []
+                ours: list[float] = []
+                for r in range(rounds):
+                    numbers = [f"+1666{r:03d}{i:04d}" for i in range(n)]
+
+                    async def direct(to: str) -> float:
+                        t0 = time.monotonic()
+                        await client.messages.create_async(
+                            to=to, from_="+15550000000", body="baseline"
+                        )
+                        return t0
+
+                    starts = await asyncio.gather(*(direct("+1777" + t[4:]) for t in numbers))
+                    for to, t0 in zip(numbers, starts, strict=True):
+                        arrived = _request_at(api, "+1777" + to[4:])
+                        bare.append(arrived - t0)
+                    calls = [(await _ended_call(engine, num), num) for num in numbers]
+                    ops = await _running_ops(engine, calls)
+                    committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
+                    await _wait(lambda nums=numbers: all(_request_at(api, x) for x in nums))
+                    ours += [
+                        _request_at(api, num) - t for num, t in zip(numbers, committed, strict=True)
+                    ]
+                rows.append(_row(f"SMS, {n} at once", ours, bare))
+        finally:
+            await close_twilio_client(client)
+    return rows
+
+
+def _request_at(api: FakeTwilioApi, to: str) -> float:
+    for request in api.requests:
+        if request.method == "POST" and request.form.get("To") == to:
+            return request.t
+    return 0.0
+
+
+async def _ended_call(engine: AsyncEngine, number: str) -> str:
+    call_id = uuid.uuid4()
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "INSERT INTO calls (id, call_sid, status, from_number, ended_at) "
+                "VALUES (:id, :sid, 'completed', :n, now())"
+            ),
+            {"id": call_id, "sid": "CA" + call_id.hex, "n": number},
+        )
+    return str(call_id)
+
+
+def _row(name: str, ours: list[float], bare: list[float]) -> tuple[str, ...]:
+    def ms(values: list[float], q: float) -> str:
+        return f"{pct(values, q) * 1000:8.1f}"
+
+    return (
+        name,
+        str(len(ours)),
+        ms(ours, 50),
+        ms(ours, 99),
+        ms(bare, 50),
+        ms(bare, 99),
+        f"{(pct(ours, 50) - pct(bare, 50)) * 1000:8.1f}",
+    )
+
+
+def table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(r[i].strip()) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.strip().ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def _server_url() -> str:
+    url = os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    return resolve_database_url(url, Path(tempfile.gettempdir()) / "voice-agent-bench-pg")
+
+
+async def main(quick: bool) -> None:
+    server = _server_url()
+    name = f"va_bench_delivery_{os.getpid()}"
+    url = create_database(server, name)
+    try:
+        await asyncio.to_thread(upgrade, url)
+        engine = make_engine(url, pool_size=40, max_overflow=20)
+        try:
+            t0 = time.perf_counter()
+            announce = await announcement_rows(engine, quick)
+            sms = await sms_rows(engine, quick)
+            took = time.perf_counter() - t0
+        finally:
+            await engine.dispose()
+        print(
+            f"delivery benchmark ({'quick' if quick else 'full'}; {os.cpu_count()} CPUs; "
+            f"took {took:.0f} s; worker concurrency {Settings().worker_concurrency})"
+        )
+        header = ("path", "n", "p50", "p99", "base p50", "base p99", "p50 over base")
+        table(
+            "Commit -> first announcement audio at the caller's stream (ms); "
+            "baseline: bridge.deliver_result direct",
+            header,
+            announce,
+        )
+        table(
+            "Commit -> SMS create request at the Twilio API (ms); "
+            "baseline: twilio messages.create direct",
+            header,
+            sms,
+        )
+    finally:
+        drop_database(server, name)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer samples")
+    asyncio.run(main(parser.parse_args().quick))

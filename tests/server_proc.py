@@ -1,0 +1,94 @@
+"""The real `voice-agent serve` in its own process group, for crash and multi-process tests.
+
+Started with environment variables only (as a deployment would), stopped gracefully with
+SIGTERM or killed with SIGKILL (the whole process group, like a container runtime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """One `voice-agent serve` process."""
+
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "HOST": "127.0.0.1",
+            "PORT": str(self.port),
+            "PUBLIC_BASE_URL": self.url,
+            **self.env,
+        }
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: killpg takes all of it
+        )
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(f"voice-agent serve exited with {self.proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(self.url + "/readyz")).status_code == 200:
+                        return self
+                if time.monotonic() > deadline:
+                    raise TimeoutError("voice-agent serve did not become ready")
+                await asyncio.sleep(0.1)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    async def kill(self) -> None:
+        """SIGKILL the whole process group: no shutdown code runs."""
+        self._signal(signal.SIGKILL)
+        assert self.proc is not None
+        await self.proc.wait()
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (graceful), then SIGKILL if it does not end in time."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.proc.wait()
+        except TimeoutError:
+            await self.kill()

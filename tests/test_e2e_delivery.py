@@ -1,0 +1,487 @@
+"""Late results end to end over real sockets and real Postgres: fake Twilio caller -> service
+(pipeline, worker, delivery) -> Realtime simulator, the demo system of record and the fake
+Twilio REST API. Each test asserts durable state, the messages at the fake Twilio API, the
+order of events and the audio the caller heard.
+
+The scripted model speaks a late result with the reply `{note}`: the text the bridge asked
+it to say, so the audio the caller hears is synthesized from exactly that text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import SimulatedSession, synthesize_speech
+from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
+from tests.sor_support import start_sor
+from tests.test_e2e_booking import (
+    BOOK,
+    CONFIRM,
+    GREETING_MS,
+    PREAMBLE_MS,
+    READBACK_MS,
+    REQUESTED,
+    WAIT_S,
+    call_events_at,
+    delivery_row,
+    delivery_trail,
+    hear,
+    operations_of,
+    wait_for_delivery,
+    wait_for_operation,
+)
+from tools.restaurant.sor import Faults, SystemOfRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTE_MS = 1500  # the announcement's audio
+REQUESTED_MS = 1200
+
+
+def scenario(*after_requested: dict[str, Any], book: dict[str, Any] | None = None) -> Scenario:
+    """Book -> readback -> yes -> "requested" -> (more) -> the announcement `{note}`."""
+    steps: list[dict[str, Any]] = [
+        {
+            "caller_transcript": "Please book a table for four tomorrow at eight.",
+            "function_call": {
+                **(book or BOOK),
+                "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS},
+            },
+        },
+        {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
+        {"caller_transcript": "Yes.", "function_call": CONFIRM},
+        {"reply": {"text": REQUESTED, "audio_ms": REQUESTED_MS}},
+        *after_requested,
+        {"reply": {"text": "{note}", "audio_ms": NOTE_MS}},
+    ]
+    return Scenario.model_validate(
+        {
+            "name": "e2e-delivery",
+            "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
+            "steps": steps,
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+
+
+@pytest.fixture
+async def sor(clean_db: str) -> AsyncIterator[SystemOfRecord]:
+    sor = await start_sor(clean_db)
+    try:
+        yield sor
+    finally:
+        sor.release()
+        await sor.stop()
+
+
+def stack_for(engine: AsyncEngine, db: str, sor: SystemOfRecord, sc: Scenario, **kw: Any) -> Any:
+    return call_stack(
+        engine,
+        sc,
+        with_worker=True,
+        database_url=db,
+        sor_base_url=sor.url,
+        sweep_interval_s=0.5,
+        **kw,
+    )
+
+
+async def book_and_confirm(stack: Stack, caller: FakeTwilioCaller) -> str:
+    """Greeting, "book it", the readback, "yes", and the "requested" answer. The call id."""
+    await caller.dial()
+    await hear(caller, GREETING_MS)
+    before = caller.heard_ms
+    await caller.play_speech(700)
+    await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+    before = caller.heard_ms
+    await caller.play_speech(500)
+    await hear(caller, before + REQUESTED_MS)
+    return await stack.call_id(caller)
+
+
+def notes(session: SimulatedSession) -> list[str]:
+    """The system messages the bridge added (each late result asked to be said)."""
+    out = []
+    for event in session.received_events("conversation.item.create"):
+        item = event.get("item", {})
+        if item.get("role") == "system":
+            out.append(" ".join(p.get("text", "") for p in item.get("content", [])))
+    return out
+
+
+def announcement_audio(note: str) -> bytes:
+    """What the caller hears when the scripted model says `note` (the simulator's voice)."""
+    return synthesize_speech(NOTE_MS, zlib.crc32(note.encode()), "pcmu")
+
+
+async def keep_talking(caller: FakeTwilioCaller, until: asyncio.Event, most_ms: int = 8000) -> None:
+    """Speech, 200 ms at a time, until `until` is set (bounded)."""
+    spoken = 0
+    while not until.is_set() and spoken < most_ms:
+        await caller.play_speech(200)
+        spoken += 200
+
+
+def moves(trail: list[dict[str, Any]]) -> list[str]:
+    return [e["to_state"] for e in trail if e["kind"] == "transition"]
+
+
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    return [e["kind"] for e in events]
+
+
+async def test_outcome_while_the_caller_speaks_is_held_then_announced_once_and_heard(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    sor.set_faults(Faults(hang=1))  # the restaurant answers only when the test says so
+    parking = {
+        "caller_transcript": "Is there parking nearby?",
+        "reply": {"text": "Yes, there is parking on the square.", "audio_ms": 1000},
+    }
+    async with stack_for(engine, clean_db, sor, scenario(parking)) as stack:
+        caller = stack.caller()
+        call_id = await book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "running")
+        session = stack.sim.sessions[0]
+        started = len(session.sent_events("input_audio_buffer.speech_started"))
+        stop = asyncio.Event()
+        talking = asyncio.create_task(keep_talking(caller, stop))
+        try:
+            await wait_until(
+                lambda: len(session.sent_events("input_audio_buffer.speech_started")) > started,
+                WAIT_S,
+                "caller speaking",
+            )
+            sor.release()  # the booking commits while the caller is mid-sentence
+
+            async def held() -> bool:
+                return any(
+                    (e["reason"] or "").startswith("held: the caller is speaking")
+                    for e in await delivery_trail(engine, op["operation_id"])
+                )
+
+            await wait_until(held, WAIT_S, "held while the caller speaks")
+        finally:
+            stop.set()
+            await talking
+        delivery = await wait_for_delivery(engine, op["operation_id"], "heard")
+        await caller.hangup()
+        events = await stack.events(caller)
+        trail = await delivery_trail(engine, op["operation_id"])
+        effects = await sor.side_effects()
+        said = notes(session)
+        heard_audio = caller.heard_audio()
+
+    assert effects.bookings_inserted == 1
+    assert moves(trail) == ["pending", "offered", "heard"]
+    assert [e["data"]["action"] for e in trail if e["kind"] == "decision"] == ["announce"]
+    # Held while the caller spoke, spoken after the model's own answer, heard in full.
+    k = kinds(events)
+    assert k.count("result_announced") == 1 and k.count("result_heard") == 1
+    held_at = k.index("result_held")
+    assert k.index("speech_started", held_at - 10) < held_at < k.index("speech_stopped", held_at)
+    assert (
+        k.index("speech_stopped", held_at) < k.index("result_announced") < k.index("result_heard")
+    )
+    announced = next(e for e in events if e["kind"] == "result_announced")
+    assert announced["data"]["operation_ids"] == [str(op["operation_id"])]
+    assert delivery["response_id"] == announced["data"]["response_id"]
+    heard = next(e for e in events if e["kind"] == "result_heard")
+    assert heard["data"]["heard_ms"] == heard["data"]["audio_ms"] == NOTE_MS
+    # What the caller heard: the model's answer about parking, then the whole update.
+    assert len(said) == 1 and "Done and confirmed by the restaurant" in said[0]
+    assert announcement_audio(said[0]) in heard_audio
+    assert stack.api.created_messages() == []  # heard in the call: no SMS
+
+
+async def test_outcome_after_the_caller_changed_the_request_is_told_with_the_conflict(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    # The restaurant books the first table, and its answer is held until the test says so.
+    sor.set_faults(Faults(lose_response=1))
+    later = {**BOOK, "arguments": {**BOOK["arguments"], "time": "20:30"}}
+    change = {
+        "caller_transcript": "Actually, make it half past eight.",
+        "function_call": {**later, "preamble": {"text": "Let me see.", "audio_ms": 600}},
+    }
+    held_reply = {"reply": {"text": "{output[message]}", "audio_ms": 1500}}
+    move = {
+        "caller_transcript": "Move it, please.",
+        "function_call": {
+            "name": "resolve_conflict",
+            "arguments": {"operation_id": "{output[operation_id]}", "choice": "move"},
+        },
+    }
+    moved_reply = {"reply": {"text": "I'm moving it now.", "audio_ms": 900}}
+    sc = scenario(change, held_reply)
+    sc = Scenario.model_validate(
+        {**sc.model_dump(), "steps": [*sc.model_dump()["steps"], move, moved_reply]}
+    )
+    async with stack_for(engine, clean_db, sor, sc) as stack:
+        caller = stack.caller()
+        call_id = await book_and_confirm(stack, caller)
+        first = await wait_for_operation(engine, call_id, "running")
+        before = caller.heard_ms
+        await caller.play_speech(600)  # "actually, make it half past eight"
+        await hear(caller, before + 600 + 1500)
+
+        async def second_held() -> bool:
+            ops = await operations_of(engine, call_id)
+            return len(ops) == 2 and ops[1]["held_by_operation_id"] == first["operation_id"]
+
+        await wait_until(second_held, WAIT_S, "the second booking held")
+        # Nothing of the second reached the restaurant while the first is unsettled.
+        assert (await sor.side_effects()).bookings_inserted == 1
+        ops = await operations_of(engine, call_id)
+        second = ops[1]
+        assert second["status"] == "awaiting_confirmation"
+        sor.release()
+        await wait_for_delivery(engine, first["operation_id"], "heard")
+        # The caller answers the question the update asked: move it.
+        before = caller.heard_ms
+        await caller.play_speech(500)
+
+        async def moved() -> bool:
+            rows = await operations_of(engine, call_id)
+            return len(rows) == 3 and all(r["status"] == "committed" for r in rows)
+
+        await wait_until(moved, WAIT_S, "moved: cancelled and booked again")
+        await caller.hangup()
+        events = await stack.events(caller)
+        said = notes(stack.sim.sessions[0])
+        heard_audio = caller.heard_audio()
+        effects = await sor.side_effects()
+        trail = await delivery_trail(engine, first["operation_id"])
+        ops = await operations_of(engine, call_id)
+
+    # The update told the truth about the first booking, and named the change as not done.
+    update = said[0]
+    assert "Done and confirmed by the restaurant" in update and "at 20:00" in update
+    assert "Meanwhile the caller asked for" in update and "at 20:30" in update
+    assert "that has not been done" in update and "move it" in update
+    assert announcement_audio(update) in heard_audio
+    decided = next(e for e in trail if e["kind"] == "decision")
+    assert decided["data"]["contradicted"] is True
+    assert decided["data"]["current"].startswith("contradicted by")
+    # The caller decided: the first was cancelled (compensation) and the second booked.
+    by_tool = {o["tool"]: o for o in ops}
+    assert by_tool["cancel_booking"]["compensates_operation_id"] == first["operation_id"]
+    assert {o["status"] for o in ops} == {"committed"}
+    assert effects.bookings_inserted == 2 and effects.cancellations == 1
+    k = kinds(events)
+    assert k.count("result_announced") >= 1
+
+
+async def test_an_announcement_cut_by_a_barge_in_is_offered_again_then_texted(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    sor.set_faults(Faults(hang=1))
+    # Each update is cut by the caller; the model answers the interruption itself first.
+    sc = scenario(
+        {"reply": {"text": "{note}", "audio_ms": NOTE_MS}},
+        {"caller_transcript": "Sorry, what?", "reply": {"text": "Sorry, go on.", "audio_ms": 800}},
+    )
+    async with stack_for(engine, clean_db, sor, sc, announce_max_reoffers=1) as stack:
+        caller = stack.caller()
+        call_id = await book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "running")
+        session = stack.sim.sessions[0]
+        sor.release()
+        for offer in (1, 2):
+            await wait_until(lambda n=offer: len(notes(session)) >= n, WAIT_S, f"offer {offer}")
+            update = announcement_audio(notes(session)[offer - 1])
+            # Half a second into the update (by what the caller actually heard), they cut in.
+            await caller.wait_for(lambda c, a=update: a[:4000] in c.heard_audio(), WAIT_S)
+            await caller.play_speech(600)
+
+            async def cut(n: int = offer) -> bool:
+                row = await delivery_row(engine, op["operation_id"])
+                return row is not None and row["cuts"] == n
+
+            await wait_until(cut, WAIT_S, f"cut {offer}")
+        await wait_for_delivery(engine, op["operation_id"], "texted")
+        await caller.hangup()
+        events = await stack.events(caller)
+        trail = await delivery_trail(engine, op["operation_id"])
+        said = notes(session)
+        heard_audio = caller.heard_audio()
+        messages = stack.api.messages_to(caller.from_number)
+
+    assert moves(trail) == [
+        "pending",
+        "offered",
+        "pending",
+        "offered",
+        "pending",
+        "texting",
+        "texted",
+    ]
+    assert [e["reason"] for e in trail if e["kind"] == "decision"][-1] == (
+        "cut 2 times in the call: by SMS"
+    )
+    k = kinds(events)
+    assert k.count("result_cut") == 2 and "result_heard" not in k
+    assert k.count("barge_in") >= 2
+    # The caller heard the start of each update, never the whole of either.
+    assert len(said) == 2 and "interrupted the last update" in said[1]
+    for note in said:
+        audio = announcement_audio(note)
+        assert audio[:4000] in heard_audio and audio not in heard_audio
+    assert len(messages) == 1 and "Confirmed:" in messages[0].body
+
+
+async def test_the_sms_answer_lost_after_twilio_accepted_is_reconciled_not_sent_twice(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    sor.set_faults(Faults(latency_s=1.5))
+    async with stack_for(engine, clean_db, sor, scenario(), sms_send_timeout_s=1.0) as stack:
+        stack.api.lose_message_answers(1)  # accepted at Twilio, the answer never comes
+        stack.api.drop_callbacks = True  # and no status callback either
+        stack.api.hold_queued = True  # still queued: no date_sent when we come asking
+        caller = stack.caller()
+        call_id = await book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "running")
+        await caller.hangup()
+        await stack.events(caller)
+        await wait_for_operation(engine, call_id, "committed")
+
+        async def reconciled() -> bool:
+            trail = await delivery_trail(engine, op["operation_id"])
+            return any(
+                e["kind"] == "sms" and e["data"].get("source") == "reconciled by listing messages"
+                for e in trail
+            )
+
+        await wait_until(reconciled, WAIT_S, "reconciled by listing")
+        stack.api.release_answers()
+        stack.api.release_messages()
+        trail = await delivery_trail(engine, op["operation_id"])
+        creates = stack.api.requests_to("/Messages.json", "POST")
+        lists = stack.api.requests_to("/Messages.json", "GET")
+        messages = stack.api.messages_to(caller.from_number)
+
+    assert len(creates) == 1 and len(messages) == 1  # never sent twice
+    assert lists and all(not any(k.startswith("DateSent") for k in r.form) for r in lists)
+    statuses = [e["data"]["status"] for e in trail if e["kind"] == "sms"]
+    assert statuses[:3] == ["pending", "unknown", "queued"]
+    sms = next(e for e in trail if e["kind"] == "sms" and e["data"]["status"] == "queued")
+    assert sms["data"]["message_sid"] == messages[0].sid
+
+
+@pytest.mark.parametrize("outcome", ["undelivered", "failed"])
+async def test_an_undelivered_or_failed_sms_is_recorded_and_on_the_timeline(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord, outcome: str
+) -> None:
+    sor.set_faults(Faults(latency_s=1.5))
+    async with stack_for(engine, clean_db, sor, scenario()) as stack:
+        caller = stack.caller()
+        stack.api.sms_outcomes_by_to[caller.from_number] = outcome  # type: ignore[assignment]
+        call_id = await book_and_confirm(stack, caller)
+        op = await wait_for_operation(engine, call_id, "running")
+        await caller.hangup()
+        events = await stack.events(caller)
+        delivery = await wait_for_delivery(engine, op["operation_id"], "failed")
+        async with httpx.AsyncClient(base_url=stack.service.url, auth=CONSOLE) as http:
+            timeline = (await http.get(f"/api/calls/{call_id}/timeline")).json()
+            detail = (await http.get(f"/api/deliveries/{delivery['id']}")).json()
+        messages = stack.api.messages_to(caller.from_number)
+
+    assert len(messages) == 1 and messages[0].status == outcome
+    code = {"undelivered": 30003, "failed": 30008}[outcome]
+    assert delivery["reason"] == f"the SMS was {outcome} (Twilio error {code})"
+    sms_entries = [e for e in timeline["events"] if e["kind"] == "delivery_sms"]
+    expected = ["pending", "queued"] + (["sent"] if outcome == "undelivered" else []) + [outcome]
+    assert [e["data"]["details"]["status"] for e in sms_entries] == expected
+    assert sms_entries[-1]["data"]["details"]["error_code"] == code
+    summary = timeline["deliveries"][0]
+    assert summary["state"] == "failed" and summary["sms"][0]["status"] == outcome
+    assert detail["sms"][0]["error_code"] == code
+    assert kinds(events)[-1] == "call_ended"
+    assert REQUESTED in " ".join(
+        e["data"].get("text", "") for e in await call_events_at(engine, call_id)
+    )
+
+
+async def test_a_call_held_by_another_server_process_is_announced_there_not_texted(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    sor.set_faults(Faults(latency_s=1.5))
+    # This process holds the call and runs no worker; another process runs the worker that
+    # commits the booking and whose delivery job finds the call live elsewhere.
+    async with call_stack(
+        engine, scenario(), with_worker=False, database_url=clean_db, sor_base_url=sor.url
+    ) as stack:
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.worker_main",
+            "--database-url",
+            clean_db,
+            "--domain",
+            "restaurant",
+            "--url",
+            sor.url,
+            "--deadline",
+            "30",
+            "--deliveries",
+            "--twilio-api",
+            stack.api.base_url,
+            "--public-url",
+            stack.service.settings.public_base_url,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        try:
+            assert worker.stdout is not None
+            async with asyncio.timeout(30):
+                line = await worker.stdout.readline()
+            assert line.startswith(b"ready"), line
+            caller = stack.caller()
+            call_id = await book_and_confirm(stack, caller)
+            op = await wait_for_operation(engine, call_id, "committed", within=30)
+            delivery = await wait_for_delivery(engine, op["operation_id"], "heard")
+            await caller.hangup()
+            events = await stack.events(caller)
+            trail = await delivery_trail(engine, op["operation_id"])
+            said = notes(stack.sim.sessions[0])
+            heard_audio = caller.heard_audio()
+            op_trail = await _op_actors(engine, op["operation_id"])
+        finally:
+            if worker.returncode is None:
+                worker.terminate()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(15):
+                        await worker.wait()
+                if worker.returncode is None:
+                    worker.kill()
+                    await worker.wait()
+
+    worker_actor = next(a for a in op_trail if a.startswith("worker:"))
+    assert worker_actor  # another process ran the operation
+    assert delivery["holder"] == stack.service.runtime.holder and delivery["state"] == "heard"
+    decided = [e for e in trail if e["kind"] == "decision"]
+    assert [e["data"]["action"] for e in decided] == ["announce"]
+    assert decided[0]["actor"] == f"replica:{stack.service.runtime.holder}"
+    assert announcement_audio(said[0]) in heard_audio
+    assert kinds(events).count("result_heard") == 1
+    assert stack.api.created_messages() == []  # heard in the call, not by SMS
+
+
+async def _op_actors(engine: AsyncEngine, operation_id: uuid.UUID) -> list[str]:
+    from tests.test_e2e_booking import trail as op_trail
+
+    return [e["actor"] for e in await op_trail(engine, operation_id)]

@@ -1,0 +1,856 @@
+"""The deliveries ledger: durable work that tells each finished outcome to its caller.
+
+A delivery row is opened by `open_for` inside the transaction that makes an operation
+terminal (see `tools.ledger.transition`), together with a NOTIFY to the replica holding the
+call and a Procrastinate job, so a restart, a lost notification or a dead replica delays a
+delivery and never drops it. Every function runs inside a transaction the caller owns.
+`move` is the only code that changes a delivery's state; `record_sms` the only code that
+changes an SMS message's status (forward only, see `tools.delivery_states`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tools import jobs
+from tools.delivery_models import deliveries_table as dl_t
+from tools.delivery_models import delivery_events_table as dev_t
+from tools.delivery_models import sms_messages_table as sms_t
+from tools.delivery_models import sms_opt_outs_table as opt_t
+from tools.delivery_states import (
+    SETTLED,
+    SMS_FAILURES,
+    SMS_FINAL,
+    DeliveryState,
+    SmsStatus,
+    check_delivery_move,
+    sms_advances,
+)
+from tools.ledger_models import operations_table as ops_t
+from tools.ledger_models import tool_calls_table as calls_t
+from tools.states import IN_FLIGHT, OperationStatus
+
+if TYPE_CHECKING:
+    from tools.ledger import OperationRecord
+
+D = DeliveryState
+M = SmsStatus
+S = OperationStatus
+
+NOTIFY_CHANNEL = "delivery_ready"
+
+SETTABLE = frozenset(
+    {
+        "channel",
+        "offers",
+        "cuts",
+        "holder",
+        "response_id",
+        "message_id",
+        "reason",
+        "next_attempt_at",
+        "offered_at",
+        "heard_at",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """One row of `deliveries`."""
+
+    id: uuid.UUID
+    operation_id: uuid.UUID
+    tenant_id: str
+    call_id: str | None
+    caller: str | None
+    outcome: OperationStatus
+    channel: str
+    state: DeliveryState
+    offers: int
+    cuts: int
+    holder: str | None
+    response_id: str | None
+    message_id: uuid.UUID | None
+    reason: str | None
+    next_attempt_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    offered_at: datetime | None
+    heard_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> DeliveryRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        values["state"] = DeliveryState(values["state"])
+        values["outcome"] = OperationStatus(values["outcome"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class SmsRecord:
+    """One row of `sms_messages`."""
+
+    id: uuid.UUID
+    delivery_id: uuid.UUID
+    tenant_id: str
+    to_number: str
+    from_number: str | None
+    messaging_service_sid: str | None
+    body: str
+    reference: str | None
+    status: SmsStatus
+    message_sid: str | None
+    error_code: int | None
+    error: str | None
+    attempts: int
+    requested_by: str
+    created_at: datetime
+    updated_at: datetime
+    attempted_at: datetime | None
+    accepted_at: datetime | None
+    status_at: datetime | None
+    next_check_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> SmsRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        values["status"] = SmsStatus(values["status"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryEvent:
+    """One row of `delivery_events`."""
+
+    id: int
+    delivery_id: uuid.UUID
+    at: datetime
+    from_state: str | None
+    to_state: str | None
+    kind: str
+    actor: str
+    reason: str | None
+    data: dict[str, Any]
+
+    @classmethod
+    def from_row(cls, row: Any) -> DeliveryEvent:
+        m = row._mapping
+        return cls(**{f.name: m[f.name] for f in fields(cls)})
+
+
+# --- events, notifications, jobs ------------------------------------------------------------
+
+
+async def record_event(
+    conn: AsyncConnection,
+    delivery_id: uuid.UUID,
+    *,
+    kind: str,
+    actor: str,
+    reason: str | None,
+    data: Mapping[str, Any] | None = None,
+    from_state: DeliveryState | None = None,
+    to_state: DeliveryState | None = None,
+) -> None:
+    """Append to a delivery's trail (a decision, a note, an SMS status, or a move)."""
+    await conn.execute(
+        dev_t.insert().values(
+            delivery_id=delivery_id,
+            from_state=from_state.value if from_state else None,
+            to_state=to_state.value if to_state else None,
+            kind=kind,
+            actor=actor[:128],
+            reason=reason,
+            data=dict(data or {}),
+        )
+    )
+
+
+async def notify_ready(conn: AsyncConnection, delivery: DeliveryRecord) -> None:
+    """Tell every replica (the one holding the call acts) that a delivery wants deciding."""
+    payload = json.dumps({"delivery_id": str(delivery.id), "call_id": delivery.call_id})
+    await conn.execute(
+        sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, sa.bindparam("p", payload, sa.Text)))
+    )
+
+
+async def enqueue(conn: AsyncConnection, delivery_id: uuid.UUID, at: datetime | None = None) -> int:
+    """Defer the delivery's job inside this transaction."""
+    return await jobs.defer(conn, jobs.DELIVER_TASK, schedule_at=at, delivery_id=str(delivery_id))
+
+
+async def enqueue_sms(
+    conn: AsyncConnection, message_id: uuid.UUID, at: datetime | None = None
+) -> int:
+    """Defer the job that sends, reconciles or polls one SMS, inside this transaction."""
+    return await jobs.defer(conn, jobs.SMS_TASK, schedule_at=at, message_id=str(message_id))
+
+
+# --- deliveries -----------------------------------------------------------------------------
+
+
+async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord | None:
+    """Open the delivery of a terminal operation (in its transition's transaction).
+
+    A call-less operation has nobody to tell (integrators hear it through webhooks). One
+    that never reached the provider (declined, expired, withdrawn) is settled at once as
+    `not_needed`: the caller was answered in the call when it was withdrawn.
+    """
+    if op.call_id is None:
+        return None
+    nothing_done = op.status is S.CANCELLED and op.attempts == 0
+    state = D.NOT_NEEDED if nothing_done else D.PENDING
+    reason = (
+        "never reached the provider: nothing to tell"
+        if nothing_done
+        else f"the operation ended {op.status.value}"
+    )
+    row = (
+        await conn.execute(
+            pg_insert(dl_t)
+            .values(
+                id=uuid.uuid4(),
+                operation_id=op.operation_id,
+                tenant_id=op.tenant_id,
+                call_id=op.call_id,
+                caller=op.caller,
+                outcome=op.status.value,
+                channel="none",
+                state=state.value,
+                reason=reason,
+                finished_at=sa.func.now() if state in SETTLED else None,
+            )
+            .on_conflict_do_nothing(index_elements=["operation_id"])
+            .returning(*dl_t.c)
+        )
+    ).first()
+    if row is None:
+        return None
+    delivery = DeliveryRecord.from_row(row)
+    await record_event(
+        conn, delivery.id, kind="transition", actor="ledger", reason=reason, to_state=state
+    )
+    if state is D.PENDING:
+        await notify_ready(conn, delivery)
+        await enqueue(conn, delivery.id)
+    if op.compensates_operation_id is not None:
+        # The original's delivery may be held until its compensation settles: look again.
+        original = await for_operation(conn, op.compensates_operation_id)
+        if original is not None and original.state is D.PENDING:
+            await conn.execute(
+                dl_t.update().where(dl_t.c.id == original.id).values(next_attempt_at=None)
+            )
+            await notify_ready(conn, original)
+            await enqueue(conn, original.id)
+    return delivery
+
+
+async def get(
+    conn: AsyncConnection,
+    delivery_id: uuid.UUID,
+    *,
+    for_update: bool = False,
+    skip_locked: bool = False,
+) -> DeliveryRecord | None:
+    """The delivery (None when missing, or locked by another transaction and `skip_locked`)."""
+    stmt = sa.select(dl_t).where(dl_t.c.id == delivery_id)
+    if for_update:
+        stmt = stmt.with_for_update(skip_locked=skip_locked)
+    row = (await conn.execute(stmt)).first()
+    return DeliveryRecord.from_row(row) if row is not None else None
+
+
+async def for_operation(conn: AsyncConnection, operation_id: uuid.UUID) -> DeliveryRecord | None:
+    row = (await conn.execute(sa.select(dl_t).where(dl_t.c.operation_id == operation_id))).first()
+    return DeliveryRecord.from_row(row) if row is not None else None
+
+
+async def for_call(conn: AsyncConnection, call_id: str) -> list[DeliveryRecord]:
+    rows = await conn.execute(
+        sa.select(dl_t).where(dl_t.c.call_id == call_id).order_by(dl_t.c.created_at)
+    )
+    return [DeliveryRecord.from_row(r) for r in rows]
+
+
+async def events(conn: AsyncConnection, delivery_id: uuid.UUID) -> list[DeliveryEvent]:
+    rows = await conn.execute(
+        sa.select(dev_t).where(dev_t.c.delivery_id == delivery_id).order_by(dev_t.c.id)
+    )
+    return [DeliveryEvent.from_row(r) for r in rows]
+
+
+async def move(
+    conn: AsyncConnection,
+    delivery_id: uuid.UUID,
+    from_state: DeliveryState | Iterable[DeliveryState],
+    to_state: DeliveryState,
+    *,
+    actor: str,
+    reason: str,
+    data: Mapping[str, Any] | None = None,
+    locked: DeliveryRecord | None = None,
+    **values: Any,
+) -> DeliveryRecord | None:
+    """Move a delivery `from_state -> to_state` if it is still in `from_state`.
+
+    Illegal edges raise `IllegalTransition`; a lost race returns None and changes nothing.
+    The move and its event commit together. `values` may set `SETTABLE` columns. `locked`
+    is the row as this transaction already read it FOR UPDATE (saves reading it again).
+    """
+    froms = check_delivery_move(from_state, to_state)
+    to = DeliveryState(to_state)
+    unknown = set(values) - SETTABLE
+    if unknown:
+        raise TypeError(f"move cannot set {sorted(unknown)}")
+    current = locked if locked is not None else await get(conn, delivery_id, for_update=True)
+    if current is None or current.state not in froms:
+        return None
+    setv: dict[str, Any] = {"state": to.value, "updated_at": sa.func.now(), "reason": reason}
+    setv.update(values)
+    setv["finished_at"] = sa.func.now() if to in SETTLED else None
+    row = (
+        await conn.execute(
+            dl_t.update().where(dl_t.c.id == delivery_id).values(**setv).returning(*dl_t.c)
+        )
+    ).first()
+    assert row is not None  # the row is locked
+    await record_event(
+        conn,
+        delivery_id,
+        kind="transition",
+        actor=actor,
+        reason=reason,
+        data=data,
+        from_state=current.state,
+        to_state=to,
+    )
+    return DeliveryRecord.from_row(row)
+
+
+async def update(
+    conn: AsyncConnection,
+    delivery_id: uuid.UUID,
+    expected: DeliveryState,
+    *,
+    actor: str,
+    reason: str,
+    data: Mapping[str, Any] | None = None,
+    **values: Any,
+) -> DeliveryRecord | None:
+    """Set columns of a delivery still in `expected` (no state change), with a note."""
+    unknown = set(values) - SETTABLE
+    if unknown:
+        raise TypeError(f"update cannot set {sorted(unknown)}")
+    row = (
+        await conn.execute(
+            dl_t.update()
+            .where(dl_t.c.id == delivery_id, dl_t.c.state == expected.value)
+            .values(updated_at=sa.func.now(), **values)
+            .returning(*dl_t.c)
+        )
+    ).first()
+    if row is None:
+        return None
+    await record_event(conn, delivery_id, kind="note", actor=actor, reason=reason, data=data)
+    return DeliveryRecord.from_row(row)
+
+
+async def defer_until(conn: AsyncConnection, delivery_id: uuid.UUID, at: datetime) -> None:
+    """Leave a pending delivery alone until `at` (the sweeper does not re-queue it before)."""
+    await conn.execute(
+        dl_t.update()
+        .where(dl_t.c.id == delivery_id, dl_t.c.state == D.PENDING.value)
+        .values(next_attempt_at=at)
+    )
+
+
+async def redrive_for_call(
+    conn: AsyncConnection, call_id: str, *, actor: str, reason: str
+) -> list[uuid.UUID]:
+    """The call is over: unheard offers go back to pending, and every pending delivery of
+    the call gets a job (which now chooses SMS). Returns the deliveries re-driven."""
+    rows = await conn.execute(
+        sa.select(dl_t.c.id, dl_t.c.state)
+        .where(dl_t.c.call_id == call_id, dl_t.c.state.in_([D.PENDING.value, D.OFFERED.value]))
+        .with_for_update()
+    )
+    ids = []
+    for delivery_id, state in rows.all():
+        if state == D.OFFERED.value:
+            await move(
+                conn,
+                delivery_id,
+                D.OFFERED,
+                D.PENDING,
+                actor=actor,
+                reason=f"not heard: {reason}",
+                holder=None,
+            )
+        else:
+            await record_event(conn, delivery_id, kind="note", actor=actor, reason=reason)
+        await enqueue(conn, delivery_id)
+        ids.append(delivery_id)
+    return ids
+
+
+# --- what the relevance gate looks at, from the ledger ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Related:
+    """Another operation that bears on how an outcome is told."""
+
+    operation_id: uuid.UUID
+    tool: str
+    status: OperationStatus
+    args: dict[str, Any]
+    held_by_this: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerContext:
+    """The ledger's side of a delivery decision."""
+
+    op: OperationRecord
+    # Newer operations of the same caller with the same conflict key (they contradict it).
+    conflicts: tuple[Related, ...]
+    # Operations compensating this one (a cancel of a booking that went through).
+    compensations: tuple[Related, ...]
+    # A tool reply in the call already carried this very outcome to the model.
+    told_in_reply: bool
+    opted_out: bool
+    # This compensates an operation whose delivery waited for it: that one tells both.
+    told_with_original: bool = False
+
+
+async def ledger_context(conn: AsyncConnection, op: OperationRecord) -> LedgerContext:
+    """Gather what the gate needs to know from the ledger about `op`."""
+    conflicts: list[Related] = []
+    if op.conflict_key is not None:
+        rows = await conn.execute(
+            sa.select(ops_t)
+            .where(
+                ops_t.c.tenant_id == op.tenant_id,
+                ops_t.c.caller.is_not_distinct_from(op.caller),
+                ops_t.c.conflict_key == op.conflict_key,
+                ops_t.c.operation_id != op.operation_id,
+                ops_t.c.compensates_operation_id.is_(None),
+                ops_t.c.created_at >= op.created_at,
+                sa.or_(
+                    ops_t.c.status.in_(
+                        [S.AWAITING_CONFIRMATION.value, S.COMMITTED.value]
+                        + [s.value for s in IN_FLIGHT]
+                    ),
+                    # Held back by this one and dropped with the call: still worth a word.
+                    sa.and_(
+                        ops_t.c.status == S.CANCELLED.value,
+                        ops_t.c.held_by_operation_id == op.operation_id,
+                    ),
+                ),
+            )
+            .order_by(ops_t.c.created_at)
+        )
+        conflicts = [_related(r, op.operation_id) for r in rows]
+    # One round trip for the rest: told already, opted out, waited on by the original.
+    told_q = (
+        sa.select(sa.literal(1))
+        .select_from(calls_t)
+        .where(
+            calls_t.c.operation_id == op.operation_id,
+            calls_t.c.call_id == op.call_id,
+            calls_t.c.output["status"].astext == op.status.value,
+        )
+        .exists()
+    )
+    opted_q = (
+        sa.select(sa.literal(1))
+        .select_from(opt_t)
+        .where(opt_t.c.phone == op.caller, opt_t.c.opted_out.is_(True))
+        .exists()
+    )
+    held_q = (
+        sa.select(sa.literal(1))
+        .select_from(dev_t.join(dl_t, dl_t.c.id == dev_t.c.delivery_id))
+        .where(
+            dl_t.c.operation_id == op.compensates_operation_id,
+            dev_t.c.kind == "decision",
+            dev_t.c.data["action"].astext == "hold",
+        )
+        .exists()
+    )
+    comp_q = (
+        sa.select(sa.literal(1))
+        .select_from(ops_t)
+        .where(ops_t.c.compensates_operation_id == op.operation_id)
+        .exists()
+    )
+    flags = (
+        await conn.execute(
+            sa.select(
+                told_q.label("told"),
+                opted_q.label("opted_out"),
+                (held_q if op.compensates_operation_id is not None else sa.false()).label("held"),
+                comp_q.label("compensated"),
+            )
+        )
+    ).one()
+    compensations: list[Related] = []
+    if flags.compensated:
+        comp_rows = await conn.execute(
+            sa.select(ops_t)
+            .where(ops_t.c.compensates_operation_id == op.operation_id)
+            .order_by(ops_t.c.created_at)
+        )
+        compensations = [_related(r, op.operation_id) for r in comp_rows]
+    told, opted_out, with_original = bool(flags.told), bool(flags.opted_out), bool(flags.held)
+    return LedgerContext(op, tuple(conflicts), tuple(compensations), told, opted_out, with_original)
+
+
+def _related(row: Any, origin: uuid.UUID) -> Related:
+    return Related(
+        operation_id=row.operation_id,
+        tool=row.tool,
+        status=OperationStatus(row.status),
+        args=dict(row.args or {}),
+        held_by_this=row.held_by_operation_id == origin,
+        created_at=row.created_at,
+    )
+
+
+# --- SMS messages ----------------------------------------------------------------------------
+
+
+async def create_sms(
+    conn: AsyncConnection,
+    delivery: DeliveryRecord,
+    *,
+    to_number: str,
+    from_number: str | None,
+    messaging_service_sid: str | None,
+    body: str,
+    reference: str | None,
+    requested_by: str,
+    check_at: datetime | None = None,
+) -> SmsRecord:
+    """Persist an SMS for `delivery` (before anything is sent) and defer its job, to run at
+    `check_at` (None: at once). A caller that sends right away passes a later time: the job
+    is then only the safety net for a crash before the send."""
+    row = (
+        await conn.execute(
+            sms_t.insert()
+            .values(
+                id=uuid.uuid4(),
+                delivery_id=delivery.id,
+                tenant_id=delivery.tenant_id,
+                to_number=to_number,
+                from_number=from_number,
+                messaging_service_sid=messaging_service_sid,
+                body=body,
+                reference=reference,
+                status=M.PENDING.value,
+                requested_by=requested_by[:128],
+                next_check_at=check_at,
+            )
+            .returning(*sms_t.c)
+        )
+    ).first()
+    assert row is not None
+    message = SmsRecord.from_row(row)
+    await conn.execute(
+        dl_t.update()
+        .where(dl_t.c.id == delivery.id)
+        .values(message_id=message.id, channel="sms", updated_at=sa.func.now())
+    )
+    await record_event(
+        conn,
+        delivery.id,
+        kind="sms",
+        actor=requested_by,
+        reason="SMS persisted, not sent yet",
+        data={"message_id": str(message.id), "status": message.status.value},
+    )
+    await enqueue_sms(conn, message.id, at=check_at)
+    return message
+
+
+async def get_sms(
+    conn: AsyncConnection, message_id: uuid.UUID, *, for_update: bool = False
+) -> SmsRecord | None:
+    stmt = sa.select(sms_t).where(sms_t.c.id == message_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    row = (await conn.execute(stmt)).first()
+    return SmsRecord.from_row(row) if row is not None else None
+
+
+async def sms_for_delivery(conn: AsyncConnection, delivery_id: uuid.UUID) -> list[SmsRecord]:
+    rows = await conn.execute(
+        sa.select(sms_t).where(sms_t.c.delivery_id == delivery_id).order_by(sms_t.c.created_at)
+    )
+    return [SmsRecord.from_row(r) for r in rows]
+
+
+async def claim_send(
+    conn: AsyncConnection, message_id: uuid.UUID, *, check_after: timedelta
+) -> SmsRecord | None:
+    """pending -> requesting, attempts + 1: of any number of workers, one sends. None when
+    the message is not pending any more (sent, being sent, or settled)."""
+    row = (
+        await conn.execute(
+            sms_t.update()
+            .where(sms_t.c.id == message_id, sms_t.c.status == M.PENDING.value)
+            .values(
+                status=M.REQUESTING.value,
+                attempts=sms_t.c.attempts + 1,
+                attempted_at=sa.func.now(),
+                updated_at=sa.func.now(),
+                next_check_at=sa.func.now() + check_after,
+            )
+            .returning(*sms_t.c)
+        )
+    ).first()
+    return SmsRecord.from_row(row) if row is not None else None
+
+
+async def release_send(
+    conn: AsyncConnection, message_id: uuid.UUID, *, at: datetime, error: str
+) -> SmsRecord | None:
+    """requesting -> pending: the send provably never reached the provider (refused to
+    connect, rate limited); it may be tried again from `at`."""
+    row = (
+        await conn.execute(
+            sms_t.update()
+            .where(sms_t.c.id == message_id, sms_t.c.status == M.REQUESTING.value)
+            .values(
+                status=M.PENDING.value,
+                next_check_at=at,
+                error=error[:500],
+                updated_at=sa.func.now(),
+            )
+            .returning(*sms_t.c)
+        )
+    ).first()
+    if row is None:
+        return None
+    message = SmsRecord.from_row(row)
+    await record_event(
+        conn,
+        message.delivery_id,
+        kind="sms",
+        actor="sms",
+        reason="SMS not sent; trying again",
+        data={"message_id": str(message.id), "status": M.PENDING.value, "error": error[:200]},
+    )
+    return message
+
+
+async def sms_by_sid(conn: AsyncConnection, message_sid: str) -> SmsRecord | None:
+    row = (await conn.execute(sa.select(sms_t).where(sms_t.c.message_sid == message_sid))).first()
+    return SmsRecord.from_row(row) if row is not None else None
+
+
+async def schedule_sms_check(
+    conn: AsyncConnection, message_id: uuid.UUID, at: datetime | None
+) -> None:
+    """When the sweeper should look at a message again (no status change)."""
+    await conn.execute(sms_t.update().where(sms_t.c.id == message_id).values(next_check_at=at))
+
+
+@dataclass(frozen=True, slots=True)
+class SmsUpdate:
+    """What recording an SMS status did."""
+
+    message: SmsRecord
+    changed: bool
+    delivery: DeliveryRecord | None
+
+
+async def record_sms(
+    conn: AsyncConnection,
+    message_id: uuid.UUID,
+    status: SmsStatus,
+    *,
+    actor: str,
+    source: str,
+    message_sid: str | None = None,
+    error_code: int | None = None,
+    error: str | None = None,
+    next_check_at: datetime | None = None,
+    not_deliverable: bool = False,
+) -> SmsUpdate | None:
+    """Apply a status to a message if it moves it forward; out-of-order and duplicate
+    reports change nothing (but a MessageSid learnt from any of them is kept).
+
+    A final status settles the delivery the message carries: delivered -> `texted`;
+    undelivered/failed -> `failed`, or `not_deliverable` when the number cannot take SMS.
+    """
+    current = await get_sms(conn, message_id, for_update=True)
+    if current is None:
+        return None
+    values: dict[str, Any] = {}
+    if message_sid and current.message_sid is None:
+        values["message_sid"] = message_sid
+        values["accepted_at"] = sa.func.now()
+    changed = sms_advances(current.status, status)
+    if changed:
+        values.update(status=status.value, status_at=sa.func.now(), next_check_at=next_check_at)
+        if error_code is not None:
+            values["error_code"] = error_code
+        if error is not None:
+            values["error"] = error[:500]
+        if status in SMS_FINAL:
+            values["finished_at"] = sa.func.now()
+    if not values:
+        return SmsUpdate(current, False, None)
+    row = (
+        await conn.execute(
+            sms_t.update()
+            .where(sms_t.c.id == message_id)
+            .values(updated_at=sa.func.now(), **values)
+            .returning(*sms_t.c)
+        )
+    ).first()
+    assert row is not None
+    message = SmsRecord.from_row(row)
+    delivery: DeliveryRecord | None = None
+    if changed:
+        data: dict[str, Any] = {
+            "message_id": str(message.id),
+            "status": status.value,
+            "message_sid": message.message_sid,
+            "source": source,
+        }
+        if error_code is not None:
+            data["error_code"] = error_code
+        await record_event(
+            conn,
+            message.delivery_id,
+            kind="sms",
+            actor=actor,
+            reason=f"SMS {status.value}",
+            data=data,
+        )
+        delivery = await _settle_by_sms(conn, message, status, actor, not_deliverable)
+    return SmsUpdate(message, changed, delivery)
+
+
+async def _settle_by_sms(
+    conn: AsyncConnection,
+    message: SmsRecord,
+    status: SmsStatus,
+    actor: str,
+    not_deliverable: bool,
+) -> DeliveryRecord | None:
+    delivery = await get(conn, message.delivery_id, for_update=True)
+    if delivery is None or delivery.message_id != message.id:
+        return delivery  # an older message of a resent delivery: history only
+    if status is M.DELIVERED:
+        return await move(
+            conn, delivery.id, D.TEXTING, D.TEXTED, actor=actor, reason="the SMS was delivered"
+        )
+    if status in SMS_FAILURES:
+        target = D.NOT_DELIVERABLE if not_deliverable else D.FAILED
+        why = f"the SMS was {status.value}"
+        if message.error_code is not None:
+            why += f" (Twilio error {message.error_code})"
+        return await move(conn, delivery.id, D.TEXTING, target, actor=actor, reason=why)
+    return delivery
+
+
+async def settle_sent(
+    conn: AsyncConnection, message: SmsRecord, *, actor: str, reason: str
+) -> DeliveryRecord | None:
+    """A message that stays `sent` with no receipt for good: the delivery is done."""
+    delivery = await get(conn, message.delivery_id, for_update=True)
+    if delivery is None or delivery.message_id != message.id:
+        return None
+    await schedule_sms_check(conn, message.id, None)
+    return await move(conn, delivery.id, D.TEXTING, D.TEXTED, actor=actor, reason=reason)
+
+
+# --- opt-outs --------------------------------------------------------------------------------
+
+
+async def is_opted_out(conn: AsyncConnection, phone: str) -> bool:
+    row = (await conn.execute(sa.select(opt_t.c.opted_out).where(opt_t.c.phone == phone))).first()
+    return bool(row and row.opted_out)
+
+
+async def set_opt_out(conn: AsyncConnection, phone: str, *, opted_out: bool, source: str) -> None:
+    """Record STOP (opted_out) or START (not) for a number."""
+    await conn.execute(
+        pg_insert(opt_t)
+        .values(phone=phone, opted_out=opted_out, source=source[:64])
+        .on_conflict_do_update(
+            index_elements=["phone"],
+            set_={"opted_out": opted_out, "source": source[:64], "updated_at": sa.func.now()},
+        )
+    )
+
+
+# --- the sweeper's queries -------------------------------------------------------------------
+
+_NO_LIVE_JOB = (
+    "NOT EXISTS (SELECT 1 FROM procrastinate_jobs j WHERE j.status IN ('todo', 'doing') "
+    "AND j.task_name = :task AND j.args->>:arg = {col}::text)"
+)
+
+
+async def pending_without_job(
+    conn: AsyncConnection, before: datetime, limit: int = 100
+) -> list[uuid.UUID]:
+    """Pending deliveries no job will look at (lost with a worker, or nobody claimed)."""
+    rows = await conn.execute(
+        sa.text(
+            "SELECT d.id FROM deliveries d WHERE d.state = 'pending' AND d.updated_at < :before "
+            "AND coalesce(d.next_attempt_at, d.updated_at) <= now() AND "
+            + _NO_LIVE_JOB.format(col="d.id")
+            + " ORDER BY d.updated_at LIMIT :n FOR UPDATE OF d SKIP LOCKED"
+        ),
+        {"before": before, "n": limit, "task": jobs.DELIVER_TASK, "arg": "delivery_id"},
+    )
+    return [r.id for r in rows.all()]
+
+
+async def offers_unreported(
+    conn: AsyncConnection, before: datetime, limit: int = 100
+) -> list[DeliveryRecord]:
+    """Offers handed to a bridge before `before` that never came back heard or cut."""
+    rows = await conn.execute(
+        sa.select(dl_t)
+        .where(dl_t.c.state == D.OFFERED.value, dl_t.c.offered_at < before)
+        .order_by(dl_t.c.offered_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    return [DeliveryRecord.from_row(r) for r in rows]
+
+
+async def sms_due(conn: AsyncConnection, now: datetime, limit: int = 100) -> list[uuid.UUID]:
+    """Messages whose check is due and that no job is looking at."""
+    rows = await conn.execute(
+        sa.text(
+            "SELECT m.id FROM sms_messages m WHERE m.next_check_at IS NOT NULL "
+            "AND m.next_check_at <= :now AND m.status NOT IN ('delivered', 'undelivered', "
+            "'failed') AND "
+            + _NO_LIVE_JOB.format(col="m.id")
+            + " ORDER BY m.next_check_at LIMIT :n FOR UPDATE OF m SKIP LOCKED"
+        ),
+        {"now": now, "n": limit, "task": jobs.SMS_TASK, "arg": "message_id"},
+    )
+    return [r.id for r in rows.all()]
