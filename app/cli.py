@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="one scripted call end to end, offline, then its timeline")
     p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
+    p.add_argument("--wide", action="store_true", help="one line per timeline entry (no wrapping)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")

@@ -868,7 +868,11 @@ async def test_simulated_call_greets_hears_the_caller_and_answers(make_call, sim
         "cut": False,
         "heard_ms": 700,
         "audio_ms": 700,
+        "started_mono_ns": reply.data["started_mono_ns"],
     }
+    # Stamped when its playout began: before the caller's words were transcribed, and at
+    # least its heard audio before it was recorded.
+    assert caller.mono_ns < reply.data["started_mono_ns"] <= reply.mono_ns - 700 * 1_000_000
     assert not call.leg.clears
     assert not call.events(CallEventKind.REALTIME_ERROR)
     session = sim.sessions[0]
