@@ -208,6 +208,17 @@ async def test_simulator_on_a_port_in_use_says_so_in_one_line(
     assert f"port {taken_port} on 127.0.0.1 is already in use" in _one_line(err, "simulator")
 
 
+async def test_sor_on_a_port_in_use_says_so_in_one_line(
+    taken_port: int, database_url: str, tmp_path: Path
+) -> None:
+    code, _, err = await run_cli(
+        "sor", "--port", str(taken_port), "--database-url", database_url,
+        env=clean_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2
+    assert f"port {taken_port} on 127.0.0.1 is already in use" in _one_line(err, "sor")
+
+
 # --- voice-agent db and worker ------------------------------------------------------------
 
 

@@ -149,3 +149,43 @@ async def test_sigterm_ends_a_call_still_live_at_the_drain_limit(
 
 async def _is(url: str, status: int) -> bool:
     return await _readyz(url) == status
+
+
+async def test_a_second_signal_ends_the_drain_at_once(data_dir: Path, tmp_path: Path) -> None:
+    env = _env(data_dir, free_port(), drain_s=600)
+    pgdata = (data_dir / "pg").resolve()
+    async with serve_process(env, tmp_path) as service:
+        caller = await _in_call(service.url)
+        service.signal(signal.SIGTERM)
+        await wait_until(lambda: _is(service.url, 503), 20, "readyz failing")
+        assert not caller.closed  # the drain lets it go on
+        service.signal(signal.SIGINT)  # the operator does not want to wait 600 s
+        await caller.wait_closed(40)
+        assert caller.closed_by == "server"
+        assert await service.wait(60) == 0
+        await caller.aclose()
+    assert "ending calls now; ending 1 call(s)" in service.stderr
+    assert not postgres_processes(pgdata)
+
+
+async def test_a_killed_serve_leaves_nothing_the_next_start_cannot_recover(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    env = _env(data_dir, free_port(), drain_s=5)
+    pgdata = (data_dir / "pg").resolve()
+    async with serve_process(env, tmp_path) as crashed:
+        crashed.signal(signal.SIGKILL)
+        assert await crashed.wait() == -signal.SIGKILL
+    # What a crash leaves: the server still running, the dead PID still listed as a holder.
+    orphans = postgres_processes(pgdata)
+    assert orphans
+    assert json.loads((pgdata / ".handle_pids.json").read_text()) == [crashed.proc.pid]
+
+    async with serve_process(env, tmp_path) as again:
+        assert await _readyz(again.url) == 200
+        assert [p.pid for p in postgres_processes(pgdata)] == [p.pid for p in orphans]
+        again.signal(signal.SIGTERM)
+        assert await again.wait(60) == 0
+    assert f"stale holder PIDs [{crashed.proc.pid}] dropped" in again.stderr
+    assert not postgres_processes(pgdata), "the recovered server was left running"
+    assert json.loads((pgdata / ".handle_pids.json").read_text()) == []
