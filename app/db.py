@@ -94,9 +94,13 @@ def alembic_config(url: str) -> Any:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to `revision` (blocking; call from a thread inside async code)."""
+    import sqlalchemy as sa
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except sa.exc.OperationalError as exc:
+        raise StartupError(f"cannot reach the database: {_first_line(exc.orig or exc)}") from exc
 
 
 def head_revision() -> str:

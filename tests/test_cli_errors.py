@@ -256,11 +256,16 @@ async def test_db_downgrade_is_explicit(empty_db: str, tmp_path: Path) -> None:
     assert out.strip() == "database is at 0002; this version's head is 0003"
 
 
-async def test_db_upgrade_of_an_unreachable_database_says_so_in_one_line(tmp_path: Path) -> None:
-    env = clean_env(DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/nothing")
+async def test_an_unreachable_database_is_one_line_for_db_upgrade_and_serve(
+    tmp_path: Path,
+) -> None:
+    env = clean_env(DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/nothing", PORT="0")
     code, _, err = await run_cli("db", "upgrade", env=env, cwd=tmp_path)
     assert code == 2
     assert "cannot reach the database" in _one_line(err, "db")
+    code, out, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2 and out == ""
+    assert "cannot reach the database" in _one_line(err, "serve")
 
 
 async def test_worker_on_an_unmigrated_database_fails_and_says_to_upgrade(
