@@ -213,10 +213,8 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     await caller.write_heard_wav(out)
     call = timeline["call"]
     print()
-    print(
-        f"Timeline of call {call['id']} (CallSid {call['call_sid']}, {call['status']}, "
-        f"ended by: {call['end_reason']})"
-    )
+    print(f"Timeline of call {call['id']} (Twilio CallSid {call['call_sid']})")
+    print(f"{call['status']}, ended by: {call['end_reason']}")
     print(format_table(timeline, width=None if wide else terminal_width()))
     print()
     for op in timeline["operations"]:
@@ -247,4 +245,5 @@ def run_demo(args: argparse.Namespace) -> int:
     ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("app.db").setLevel(logging.WARNING)
+    logging.getLogger("app.embedded_db").setLevel(logging.WARNING)
     return asyncio.run(demo(get_settings(), Path(args.out), wide=args.wide))

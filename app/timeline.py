@@ -301,5 +301,14 @@ def _row(event: dict[str, Any]) -> tuple[str, str]:
 
 def _shown(value: Any) -> str:
     """A value as the table shows it: whole (the table wraps; a readback is never cut)."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if isinstance(value, str) and value.startswith(("{", "[")):
+        # Arguments arrive as the model's compact JSON: a space after each field lets the
+        # table wrap between fields, never inside one.
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    text = (
+        value if isinstance(value, str) else json.dumps(value, default=str, separators=(", ", ":"))
+    )
     return f'"{text}"' if isinstance(value, str) and " " in value else text

@@ -385,7 +385,7 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
         assert shown in table, shown
     assert "System of record: 1 booking made by this call" in printed
     header = printed[printed.index("Timeline of call") :].splitlines()[0]
-    assert "CallSid CA" in header
+    assert "(Twilio CallSid CA" in header
     assert "book_table: admitted (policy): caller confirmed" in table
     # Nothing is cut: both announcements and the readback are printed whole (wrapped).
     assert "…" not in table

@@ -88,3 +88,12 @@ async def test_agent_speech_is_placed_where_the_caller_began_hearing_it(
     ]
     hello = timeline["events"][2]
     assert datetime.fromisoformat(hello["at"]) == t0 + timedelta(milliseconds=500)
+
+
+def test_compact_json_arguments_wrap_between_fields_not_inside_them() -> None:
+    arguments = '{"date":"2026-12-02","time":"20:00","party_size":4,"name":"Alexandra Smith"}'
+    timeline = _timeline((1.0, "function_call", {"name": "book_table", "arguments": arguments}))
+    lines = format_table(timeline, width=80).splitlines()[2:]
+    assert len(lines) > 1
+    for field in ('"date":"2026-12-02"', '"party_size":4', '"name":"Alexandra Smith"'):
+        assert any(field in line for line in lines), (field, lines)
