@@ -1,15 +1,30 @@
 # Two commands: `make run` installs and runs the service; `make test` runs the tests.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: install run demo test lint bench
 
+# pip's own output is long and its slow phase is silent: one line per package and a note
+# before the slow phase instead; the whole output is kept in $(VENV)/install.log.
+SHOW_PROGRESS := awk '\
+  /^Collecting /{ n++; sub(/^Collecting /, ""); sub(/ \(from .*/, ""); \
+                  printf "  [%3d] %s\n", n, $$0; fflush() } \
+  /^Installing collected packages/{ print "  installing them (the slow part)..."; fflush() } \
+  /^Successfully installed/{ print "  done: " NF - 2 " packages installed"; fflush() }'
+
 $(BIN)/voice-agent: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev]"
-	touch $(BIN)/voice-agent
+	@echo "make: installing voice-agent and its dependencies into $(VENV)"
+	@echo "      (about a minute the first time; later runs skip this)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip
+	@set -o pipefail; $(BIN)/pip install --progress-bar off -e ".[dev]" 2>&1 \
+	  | tee $(VENV)/install.log | $(SHOW_PROGRESS) \
+	  || { echo "make: the install failed; the end of $(VENV)/install.log:"; \
+	       tail -n 30 $(VENV)/install.log; exit 1; }
+	@touch $(BIN)/voice-agent
+	@echo "make: installed; the command is $(BIN)/voice-agent (or: make run, make demo)"
 
 install: $(BIN)/voice-agent
 

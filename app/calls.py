@@ -33,7 +33,8 @@ class CallRegistry:
     """Counts live calls and calls answered whose stream has not started yet (reservations).
 
     A reservation expires (the stream never came), so a caller who hangs up during the TwiML
-    exchange does not hold a slot forever.
+    exchange does not hold a slot forever. Once draining (the process is stopping), no call
+    gets a slot; the live ones and those already answered go on.
     """
 
     def __init__(
@@ -49,6 +50,8 @@ class CallRegistry:
         self._live: dict[str, LiveCallEntry] = {}
         self.answered_total = 0
         self.rejected_busy_total = 0
+        self.rejected_draining_total = 0
+        self.draining = False
 
     def _purge(self) -> None:
         now = self._clock()
@@ -60,14 +63,22 @@ class CallRegistry:
         self._purge()
         return len(self._live) + len(self._reserved)
 
+    def stop_accepting(self) -> None:
+        """Start draining: from now on every new call is refused."""
+        self.draining = True
+
     def try_reserve(self, call_sid: str) -> bool:
-        """Hold a slot for `call_sid`; False at capacity. A retried webhook keeps its slot."""
+        """Hold a slot for `call_sid`; False at capacity or while draining. A retried webhook
+        keeps its slot."""
         self._purge()
         if call_sid in self._live:
             return True
         if call_sid in self._reserved:
             self._reserved[call_sid] = self._clock() + self._ttl_s
             return True
+        if self.draining:
+            self.rejected_draining_total += 1
+            return False
         if self.load() >= self.max_live_calls:
             self.rejected_busy_total += 1
             return False

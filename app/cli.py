@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -21,19 +23,63 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from app.db import require_migrated, resolve_database_url
     from app.settings import get_settings
     from app.worker import run_worker
 
-    return asyncio.run(run_worker(get_settings(), concurrency=args.concurrency))
+    settings = get_settings()
+    # Workers never migrate (serve and `db upgrade` do): an old schema is a clear stop.
+    require_migrated(resolve_database_url(settings.database_url, settings.data_dir))
+    return asyncio.run(run_worker(settings, concurrency=args.concurrency))
 
 
-def _db_upgrade(args: argparse.Namespace) -> int:
-    from app.db import resolve_database_url, upgrade
+def _database_url() -> str:
+    from app.db import resolve_database_url
     from app.settings import get_settings
 
     settings = get_settings()
-    upgrade(resolve_database_url(settings.database_url, settings.data_dir), args.revision)
-    print("database is at", args.revision)
+    return resolve_database_url(settings.database_url, settings.data_dir)
+
+
+def _at(revision: str | None) -> str:
+    from app.db import head_revision
+
+    if revision is None:
+        return "base (no tables)"
+    return f"{revision} (head)" if revision == head_revision() else revision
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from app.db import upgrade_to
+
+    before, after = upgrade_to(_database_url(), args.revision)
+    if before == after:
+        print(f"database is at {_at(after)}: nothing to do")
+    else:
+        print(f"database is at {_at(after)} (was {_at(before)})")
+    return 0
+
+
+def _db_downgrade(args: argparse.Namespace) -> int:
+    from app.db import database_revision, downgrade_to
+    from app.errors import StartupError
+
+    url = _database_url()
+    if not args.yes:
+        raise StartupError(
+            f"the database is at {_at(database_revision(url))}; downgrading to "
+            f"{args.revision} drops the newer tables and their rows: add --yes to do it"
+        )
+    before, after = downgrade_to(url, args.revision)
+    print(f"database is at {_at(after)} (was {_at(before)})")
+    return 0
+
+
+def _db_current(args: argparse.Namespace) -> int:
+    from app.db import database_revision, head_revision
+
+    current = database_revision(_database_url())
+    print(f"database is at {_at(current)}; this version's head is {head_revision()}")
     return 0
 
 
@@ -117,9 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("db", help="database commands")
     dbsub = p.add_subparsers(dest="db_command", required=True)
-    up = dbsub.add_parser("upgrade", help="apply migrations")
+    up = dbsub.add_parser("upgrade", help="apply migrations (never goes back)")
     up.add_argument("revision", nargs="?", default="head")
     up.set_defaults(func=_db_upgrade)
+    down = dbsub.add_parser("downgrade", help="undo migrations (drops their tables)")
+    down.add_argument("revision", help="the revision to go back to (`base`: nothing)")
+    down.add_argument("--yes", action="store_true", help="yes, drop the newer tables")
+    down.set_defaults(func=_db_downgrade)
+    cur = dbsub.add_parser("current", help="the revision the database is at")
+    cur.set_defaults(func=_db_current)
 
     p = sub.add_parser("simulator", help="local stand-in for the OpenAI Realtime API")
     p.add_argument("--host", default="127.0.0.1")
@@ -135,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="one scripted call end to end, offline, then its timeline")
     p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
+    p.add_argument("--wide", action="store_true", help="one line per timeline entry (no wrapping)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")
@@ -157,19 +210,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sigterm_as_sigint(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (Docker, Kubernetes, systemd) stops a command as Ctrl+C does."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    elif handler != signal.SIG_IGN:
+        raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pydantic import ValidationError
+
+    from app.errors import StartupError
     from app.logging import configure_logging
     from app.settings import get_settings
     from tools.catalog import CatalogError
 
-    configure_logging(args.log_level or get_settings().log_level)
+    # Commands that stop cleanly on their own (serve, worker, simulator) replace this
+    # while they run; it covers their start and the commands that do not.
+    signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     try:
+        configure_logging(args.log_level or get_settings().log_level)
         return int(args.func(args) or 0)
     except CatalogError as exc:
         # A catalog that cannot run: one line per problem, no traceback, non-zero exit.
         print(f"voice-agent: refusing to start: {exc}", file=sys.stderr)
         return 2
+    except StartupError as exc:
+        print(f"voice-agent {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except ValidationError as exc:
+        bad = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        print(f"voice-agent {args.command}: bad setting: {bad}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        from app import embedded_db
+
+        embedded_db.stop_all()
 
 
 if __name__ == "__main__":

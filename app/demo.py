@@ -28,7 +28,7 @@ from app.call_store import find_by_sid
 from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
 from app.settings import Settings, get_settings
-from app.timeline import format_table, load_timeline
+from app.timeline import format_table, load_timeline, terminal_width
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario, Step, load_scenario
@@ -106,7 +106,20 @@ def _free_socket() -> socket.socket:
     return sock
 
 
-async def demo(settings: Settings, out: Path) -> int:
+async def _idempotency_keys(engine: Any, call_id: str) -> list[str]:
+    """The keys this call's operations sent to the system of record."""
+    import sqlalchemy as sa
+
+    from tools.ledger_models import operations_table as operations
+
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            sa.select(operations.c.idempotency_key).where(operations.c.call_id == call_id)
+        )
+        return [str(key) for (key,) in rows]
+
+
+async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     began = time.monotonic()
     console_url = f"http://{settings.host}:{settings.port}/console/calls"
     print("voice-agent demo: one simulated booking call, offline")
@@ -188,7 +201,10 @@ async def demo(settings: Settings, out: Path) -> int:
                 print("the call was not recorded", file=sys.stderr)
                 return 1
             timeline = await load_timeline(runtime.engine, row.id)
-            effects = await sor.side_effects() if sor is not None else None
+            if sor is not None:
+                # This call's effects only: the data directory keeps earlier demos' bookings.
+                keys = await _idempotency_keys(runtime.engine, row.id)
+                effects = await sor.side_effects(idempotency_keys=keys)
         finally:
             server.should_exit = True
             await serving
@@ -199,14 +215,16 @@ async def demo(settings: Settings, out: Path) -> int:
     await caller.write_heard_wav(out)
     call = timeline["call"]
     print()
-    print(f"Timeline of call {call['id']} ({call['status']}, ended by: {call['end_reason']})")
-    print(format_table(timeline))
+    print(f"Timeline of call {call['id']} (Twilio CallSid {call['call_sid']})")
+    print(f"{call['status']}, ended by: {call['end_reason']}")
+    print(format_table(timeline, width=None if wide else terminal_width()))
     print()
     for op in timeline["operations"]:
         ref = f", reference {op['reference']}" if op["reference"] else ""
         print(f"Operation {op['tool']} {op['operation_id']}: {op['status']}{ref}")
     if effects is not None:
-        print(f"System of record: {effects.bookings_inserted} booking(s) made")
+        made = effects.bookings_inserted
+        print(f"System of record: {made} booking{'' if made == 1 else 's'} made by this call")
     print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
     print(f"See it in the staff console: `voice-agent serve`, then {console_url}/{call['id']}")
     print(f"Done in {time.monotonic() - began:.1f} s.")
@@ -230,4 +248,5 @@ def run_demo(args: argparse.Namespace) -> int:
     ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("app.db").setLevel(logging.WARNING)
-    return asyncio.run(demo(get_settings(), Path(args.out)))
+    logging.getLogger("app.embedded_db").setLevel(logging.WARNING)
+    return asyncio.run(demo(get_settings(), Path(args.out), wide=args.wide))

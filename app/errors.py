@@ -53,6 +53,16 @@ class DatabaseUnavailable(AppError):
     retryable = True
 
 
+class StartupError(AppError):
+    """A cause that keeps a command from running, which the user can fix.
+
+    Its message is one line that names the cause and the fix; the command line prints it
+    (no traceback) and exits with `exit_status`.
+    """
+
+    exit_status: int = 2
+
+
 class TokenRejected(AppError):
     """A media stream token that is missing, forged, expired, for another call, or reused."""
 

@@ -35,6 +35,10 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+# Libraries whose INFO lines say nothing an operator needs (alembic lists its plugins).
+_QUIET = ("alembic.runtime.plugins",)
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Root logging to stderr with redaction on every handler."""
     handler = logging.StreamHandler()
@@ -43,3 +47,5 @@ def configure_logging(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))

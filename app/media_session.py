@@ -96,30 +96,40 @@ async def run_media_session(
     try:
         await bridge.run()
     finally:
-        runtime.registry.detach(entry)
-        reason = entry.end_reason or sink.end_reason or "stream ended"
-        if runtime.delivery is not None:
-            # What the caller heard of an announcement is durable before the call's end
-            # hands whatever was not heard to SMS.
-            await runtime.delivery.flush(call.id)
+        # The entry goes only once the end is persisted: whoever waits for a call to be over
+        # here (shutdown, the drain, a test) then finds its row and events final.
         try:
-            await call_store.transition(
-                runtime.engine, call.id, CallStatus.COMPLETED, end_reason=reason[:128]
+            if runtime.delivery is not None:
+                # What the caller heard of an announcement is durable before the call's end
+                # hands whatever was not heard to SMS.
+                await runtime.delivery.flush(call.id)
+            await _persist_end(runtime, sink, call, entry.end_reason, started)
+            if recorder is not None and recordings is not None:
+                await recordings.finish(call.id, recorder)
+        finally:
+            runtime.registry.detach(entry)
+
+
+async def _persist_end(
+    runtime: Runtime, sink: CallSink, call: CallRow, ended_by: str | None, started: float
+) -> None:
+    reason = ended_by or sink.end_reason or "stream ended"
+    try:
+        await call_store.transition(
+            runtime.engine, call.id, CallStatus.COMPLETED, end_reason=reason[:128]
+        )
+    except DBAPIError:
+        log.exception("could not persist the end of call %s", call.id)
+    if sink.end_reason is None:
+        # The bridge did not get to say it (cancelled): the timeline still needs its end.
+        sink.emit(
+            CallEvent(
+                call.id,
+                CallEventKind.CALL_ENDED,
+                {"reason": reason, "duration_ms": round((time.monotonic() - started) * 1000)},
             )
-        except DBAPIError:
-            log.exception("could not persist the end of call %s", call.id)
-        if sink.end_reason is None:
-            # The bridge did not get to say it (cancelled): the timeline still needs its end.
-            sink.emit(
-                CallEvent(
-                    call.id,
-                    CallEventKind.CALL_ENDED,
-                    {"reason": reason, "duration_ms": round((time.monotonic() - started) * 1000)},
-                )
-            )
-        await runtime.events.flush(FLUSH_TIMEOUT_S)
-        if recorder is not None and recordings is not None:
-            await recordings.finish(call.id, recorder)
+        )
+    await runtime.events.flush(FLUSH_TIMEOUT_S)
 
 
 async def _hang_up_via_rest(runtime: Runtime, sink: CallSink, call: CallRow, reason: str) -> None:

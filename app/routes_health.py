@@ -25,7 +25,9 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(runtime: RuntimeDep) -> Response:
-    """The process can serve calls: the database answers."""
+    """The process can serve calls: it is not stopping and the database answers."""
+    if runtime.registry.draining:
+        return PlainTextResponse("draining: stopping, no new calls", status_code=503)
     try:
         async with asyncio.timeout(READY_TIMEOUT_S), runtime.engine.connect() as conn:
             await conn.execute(sa.text("SELECT 1"))
@@ -45,6 +47,10 @@ async def metrics(runtime: RuntimeDep) -> Response:
          registry.answered_total),
         ("voice_agent_calls_rejected_busy_total", "counter", "Calls refused at capacity.",
          registry.rejected_busy_total),
+        ("voice_agent_calls_rejected_draining_total", "counter",
+         "Calls refused while stopping.", registry.rejected_draining_total),
+        ("voice_agent_draining", "gauge", "1 while the process is stopping.",
+         int(registry.draining)),
         ("voice_agent_barge_ins_total", "counter", "Barge-ins (caller interrupted the agent).",
          events.kind_counts[str(CallEventKind.BARGE_IN)]),
         ("voice_agent_results_heard_total", "counter", "Late results heard in full in a call.",

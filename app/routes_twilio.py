@@ -88,6 +88,12 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         "to_number": params.get("To") or None,
     }
     if not runtime.registry.try_reserve(call_sid):
+        draining = runtime.registry.draining
+        why = (
+            {"reason": "draining"}
+            if draining
+            else {"reason": "capacity", "max_live_calls": settings.max_live_calls}
+        )
         try:
             row, created = await call_store.create_call(
                 runtime.engine, status=CallStatus.BUSY, **fields
@@ -96,14 +102,11 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
             log.exception("could not record a busy call")
         else:
             if created:
-                runtime.events.emit(
-                    CallEvent(
-                        row.id,
-                        CallEventKind.CALL_REJECTED,
-                        {"reason": "capacity", "max_live_calls": settings.max_live_calls},
-                    )
-                )
-        log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
+                runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, why))
+        if draining:
+            log.warning("stopping: call %s hears busy", call_sid)
+        else:
+            log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
         return _xml(twiml.busy())
     try:
         row, created = await call_store.create_call(runtime.engine, **fields)

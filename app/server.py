@@ -1,15 +1,30 @@
-"""`voice-agent serve`: database, migrations, the offline Realtime simulator if needed, uvicorn."""
+"""`voice-agent serve`: database, migrations, the offline Realtime simulator if needed, uvicorn.
+
+Stopping (SIGTERM, as Docker, Kubernetes and systemd send, or SIGINT): no new calls (the
+voice webhook answers busy, `/readyz` 503), live calls go on for up to DRAIN_TIMEOUT_S, the
+rest are ended with a reason on their timeline, call events are flushed, workers stop at a
+safe point, and the embedded PostgreSQL (if any) is stopped last.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
+import signal
 import socket
+import threading
+import time
+from collections.abc import Callable, Generator
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from app import banner, embedded_db
 from app.db import resolve_database_url, upgrade
+from app.errors import StartupError
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
@@ -30,13 +45,99 @@ async def prepare_database(settings: Settings) -> str:
 
 
 class ServiceServer(uvicorn.Server):
-    """uvicorn, ending live calls (with a reason on their timeline) before closing sockets."""
+    """uvicorn that drains before it stops.
+
+    The first SIGTERM or SIGINT starts the drain: the call registry refuses new calls, and
+    the server keeps serving (status callbacks and media of live calls, busy answers, a
+    failing /readyz) until no call is live or answered, or `drain_timeout_s` has passed. A
+    second signal ends the drain at once; a third stops without waiting for anything.
+    Shutdown then ends the remaining calls (with a reason on their timeline) before closing
+    sockets. `on_started` runs once the socket is listening.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        drain_timeout_s: float = 0.0,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.on_started = on_started
+        self.signals_received = 0
+        self._drain_deadline: float | None = None
+        self.drain_expired = False
+
+    def _runtime(self) -> Any:
+        return getattr(getattr(self.config.app, "state", None), "runtime", None)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler: only flags here; the drain itself starts on the next tick.
+        self.signals_received += 1
+        if self.signals_received >= 2:
+            self.should_exit = True
+        if self.signals_received >= 3:
+            self.force_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal once it has shut down, and SIGTERM's default action
+        # would then kill the process before the embedded database is stopped. The signal
+        # is handled here, so it is not raised again.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def begin_drain(self) -> None:
+        """Stop taking calls and let the live ones run on (what the first signal does)."""
+        if self._drain_deadline is not None:
+            return
+        self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        runtime = self._runtime()
+        if runtime is not None:
+            runtime.registry.stop_accepting()
+            log.warning(
+                "stopping: new calls hear busy; %d call(s) in progress get up to %.0f s "
+                "(DRAIN_TIMEOUT_S); signal again to end them now",
+                runtime.registry.load(),
+                self.drain_timeout_s,
+            )
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.signals_received and not self.should_exit:
+            self.begin_drain()
+            runtime = self._runtime()
+            assert self._drain_deadline is not None
+            if runtime is None or runtime.registry.load() == 0:
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                self.drain_expired = True
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()  # no new calls while the live ones wind down
-        runtime = getattr(getattr(self.config.app, "state", None), "runtime", None)
+        runtime = self._runtime()
         if runtime is not None:
+            runtime.registry.stop_accepting()
+            live = runtime.registry.live_count()
+            if live:
+                why = "drain limit reached" if self.drain_expired else "ending calls now"
+                log.warning("stopping: %s; ending %d call(s)", why, live)
             if runtime.console is not None:
                 runtime.console.live.close()  # console live streams end, or they hold shutdown
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
@@ -57,27 +158,69 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **options)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The service's listening socket, bound before anything else starts, so a taken port
+    is a one-line error and not a half-started service."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"port {port} on {host} is already in use (another voice-agent serve?): "
+                "stop that process or choose another port with PORT=... or --port"
+            ) from exc
+        if exc.errno == errno.EACCES:
+            raise StartupError(
+                f"not allowed to listen on port {port}: choose one above 1023 "
+                "with PORT=... or --port"
+            ) from exc
+        if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+            raise StartupError(
+                f"cannot listen on {host!r}: not an address of this machine (HOST or --host)"
+            ) from exc
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 async def serve(settings: Settings, with_worker: bool) -> int:
-    """Run the service until interrupted. A catalog that cannot run refuses to start
-    (`tools.catalog.CatalogError`), before the database when it does not need the demo SOR."""
+    """Run the service until SIGTERM or SIGINT, then stop cleanly. A catalog that cannot run
+    refuses to start (`tools.catalog.CatalogError`), before the database when it does not need
+    the demo SOR."""
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
+    try:
+        sock = bind_listener(settings.host, settings.port)
+    except BaseException:
+        if catalog is not None:
+            await catalog.aclose()
+        raise
+    port = sock.getsockname()[1]
     simulator: Any = None
     sor: Any = None
     try:
+        if "public_base_url" not in settings.model_fields_set:
+            # Unset: this process as reached from this machine (on the port actually bound).
+            host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            settings = settings.model_copy(
+                update={"public_base_url": f"http://{banner.url_host(host)}:{port}"}
+            )
         url = await prepare_database(settings)
+        embedded = settings.database_url is None
         settings = settings.model_copy(update={"database_url": url})
-        if settings.openai_api_key is None:
+        realtime = banner.realtime_of(settings)
+        if settings.openai_api_key is None and settings.openai_base_url is None:
             from telephony.sim.scenario import load_scenario
             from telephony.sim.simulator import RealtimeSimulator
 
             simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
             await simulator.start()
             settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
-            log.warning(
-                "OPENAI_API_KEY is not set, so calls talk to the local Realtime simulator at %s",
-                simulator.base_url,
-            )
+            realtime = banner.realtime_of(settings, in_process_simulator=True)
+        log.info("Realtime: %s", realtime)
         if demo_sor:
             from tools.restaurant.sor import SystemOfRecord
 
@@ -89,22 +232,34 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             )
             await sor.start()
             settings = settings.model_copy(update={"sor_base_url": sor.url})
-            log.warning(
-                "SOR_BASE_URL is not set, so bookings go to the demo system of record at %s",
-                sor.url,
-            )
+            log.info("SOR_BASE_URL unset: bookings go to the demo system of record at %s", sor.url)
             catalog = load_configured_catalog(settings)
         assert catalog is not None
         app = create_app(settings, with_worker=with_worker, catalog=catalog)
-        server = ServiceServer(uvicorn_config(app, settings))
-        await server.serve()
+        info = banner.StartInfo(
+            settings=settings,
+            listen_url=f"http://{banner.url_host(settings.host)}:{port}",
+            database=banner.database_of(settings, embedded),
+            realtime=realtime,
+            demo_sor=sor is not None,
+            with_worker=with_worker,
+        )
+        server = ServiceServer(
+            uvicorn_config(app, settings),
+            drain_timeout_s=settings.drain_timeout_s,
+            on_started=lambda: banner.show(info),
+        )
+        await server.serve(sockets=[sock])
     finally:
+        sock.close()
         if catalog is not None:
             await catalog.aclose()
         if sor is not None:
             await sor.stop()
         if simulator is not None:
             await simulator.stop()
+        # Last: everything that used the embedded database has closed its connections.
+        await asyncio.to_thread(embedded_db.stop, settings.data_dir)
     return 0
 
 
@@ -113,4 +268,5 @@ def run_server(settings: Settings, with_worker: bool) -> int:
     try:
         return asyncio.run(serve(settings, with_worker))
     except KeyboardInterrupt:
+        # Stopped while starting: the `finally` blocks have run.
         return 0

@@ -15,7 +15,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     """Every knob of the service. Tests build their own instance instead of patching."""
 
-    model_config = SettingsConfigDict(env_file=None, extra="ignore", case_sensitive=False)
+    # An empty variable (`OPENAI_API_KEY=` in a compose file) means unset, not "".
+    model_config = SettingsConfigDict(
+        env_file=None, extra="ignore", case_sensitive=False, env_ignore_empty=True
+    )
 
     # Storage. No DATABASE_URL means: start an embedded PostgreSQL in `data_dir`.
     database_url: str | None = None
@@ -50,6 +53,9 @@ class Settings(BaseSettings):
 
     # Capacity: calls beyond this per process hear a busy message instead.
     max_live_calls: int = 50
+    # On SIGTERM/SIGINT, live calls may go on for this long (new calls hear busy, /readyz
+    # fails); the rest are then ended. Keep it under the orchestrator's grace period.
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     # Agent audio goes to Twilio in chunks of this many ms, each followed by a mark. 20 ms
     # confirms every frame; 60 ms sends a third of the messages, which bench/bridge.py shows
     # is what keeps `clear` as fast as a bare relay's at 50 calls, while the tracker

@@ -13,15 +13,18 @@ Four sources are merged by time into one ordered list of entries, each tagged wi
   every SMS status (`delivery_sms`: pending, queued, sent, delivered, undelivered, failed).
 
 Every entry has `source, seq, kind, at, t_ms, data`; `seq` is the call event's sequence
-number (None for the other sources).
+number (None for the other sources). Agent speech (`agent_transcript`, recorded once its audio
+has played or was cut) is stamped and placed at the moment the caller began hearing it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -130,12 +133,13 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
     if rows:
         origin_mono = rows[0].mono_ns
         for row in rows:
+            mono_ns, at = _stamp(row)
             entry = {
                 "source": "call",
                 "seq": row.seq,
                 "kind": row.kind,
-                "at": row.at.isoformat(),
-                "t_ms": _t_ms(row.mono_ns, row.at, origin_mono, origin_at),
+                "at": at.isoformat(),
+                "t_ms": _t_ms(mono_ns, at, origin_mono, origin_at),
                 "data": row.data,
             }
             keyed.append((entry["t_ms"], _RANK["call"], row.seq, entry))
@@ -155,6 +159,20 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
         "operations": [_operation_summary(op) for op in op_rows],
         "deliveries": [_delivery_summary(d, sms_rows) for d in dl_rows],
     }
+
+
+# A start stamp further back than this is not this event's (another clock, a bad value).
+_MAX_SPEECH_NS = 3600 * 1_000_000_000
+
+
+def _stamp(row: Any) -> tuple[int, datetime]:
+    """(monotonic ns, wall time) an event is placed at: agent speech at its start."""
+    started = row.data.get("started_mono_ns") if isinstance(row.data, dict) else None
+    if row.kind == "agent_transcript" and isinstance(started, int):
+        back_ns = row.mono_ns - started
+        if 0 <= back_ns <= _MAX_SPEECH_NS:
+            return started, row.at - timedelta(microseconds=back_ns / 1000)
+    return row.mono_ns, row.at
 
 
 def _earliest(*groups: Sequence[Any]) -> datetime:
@@ -316,13 +334,34 @@ _DETAILS: dict[str, tuple[str, ...]] = {
 _IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
 
 
-def format_table(timeline: dict[str, Any], width: int = 120) -> str:
-    """The timeline as a plain-text table: t ms, kind, details."""
-    lines = [f"{'t ms':>9}  {'kind':<20}  details", f"{'-' * 9}  {'-' * 20}  {'-' * 50}"]
+_DETAILS_AT = 9 + 2 + 20 + 2  # where the details column starts
+
+
+def terminal_width(default: int = 120) -> int:
+    """Columns of the terminal (COLUMNS, else the tty's, else `default`); at least 60."""
+    return max(60, shutil.get_terminal_size((default, 24)).columns)
+
+
+def format_table(timeline: dict[str, Any], width: int | None = 120) -> str:
+    """The timeline as a plain-text table: t ms, kind, details. Details longer than `width`
+    wrap onto indented lines (nothing is cut); `width=None` keeps one line per entry."""
+    rule = 50 if width is None else max(7, min(50, width - _DETAILS_AT))
+    lines = [f"{'t ms':>9}  {'kind':<20}  details", f"{'-' * 9}  {'-' * 20}  {'-' * rule}"]
+    indent = " " * _DETAILS_AT
     for event in timeline["events"]:
         kind, details = _row(event)
-        line = f"{event['t_ms']:>9.1f}  {kind:<20}  {details}"
-        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+        head = f"{event['t_ms']:>9.1f}  {kind:<20}  "
+        if width is None or len(head) + len(details) <= width:
+            lines.append(head + details)
+            continue
+        wrapped = textwrap.wrap(
+            details,
+            width=max(20, width - _DETAILS_AT),
+            break_long_words=True,
+            break_on_hyphens=False,
+        )
+        lines.append(head + wrapped[0])
+        lines.extend(indent + more for more in wrapped[1:])
     return "\n".join(lines)
 
 
@@ -362,10 +401,19 @@ def _row(event: dict[str, Any]) -> tuple[str, str]:
     keys = _DETAILS.get(kind)
     if keys is None:
         keys = tuple(k for k in data if k not in _IDS)
-    return kind, ", ".join(f"{k}={_short(data[k])}" for k in keys if k in data)
+    return kind, ", ".join(f"{k}={_shown(data[k])}" for k in keys if k in data)
 
 
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    text = f'"{text}"' if isinstance(value, str) and " " in value else text
-    return text if len(text) <= 72 else text[:71] + "…"
+def _shown(value: Any) -> str:
+    """A value as the table shows it: whole (the table wraps; a readback is never cut)."""
+    if isinstance(value, str) and value.startswith(("{", "[")):
+        # Arguments arrive as the model's compact JSON: a space after each field lets the
+        # table wrap between fields, never inside one.
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    text = (
+        value if isinstance(value, str) else json.dumps(value, default=str, separators=(", ", ":"))
+    )
+    return f'"{text}"' if isinstance(value, str) and " " in value else text

@@ -279,6 +279,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         waiter = asyncio.create_task(worker.wait())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        died = not stop.is_set()
         for t in (waiter, stopper):
             t.cancel()
         await asyncio.gather(waiter, stopper, return_exceptions=True)
@@ -286,4 +287,8 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await worker.stop()
         await catalog.aclose()
         await engine.dispose()
+    if died:
+        # Nobody asked it to stop: the job queue failed (its error is logged above).
+        log.error("operation worker %s stopped by itself", worker.worker_id)
+        return 1
     return 0

@@ -13,6 +13,7 @@ import sys
 import warnings
 import wave
 from array import array
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from telephony.errors import TelephonyError
@@ -207,25 +208,99 @@ def resample_24k_to_8k(pcm: bytes, state: ResampleState = None) -> tuple[bytes, 
 # WAV.
 
 
-def wav_to_pcm16(wav_bytes: bytes, rate: int = TELEPHONY_RATE) -> bytes:
-    """Read a 16-bit mono or stereo WAV at any rate; return mono 16-bit PCM at `rate`."""
-    try:
-        with wave.open(io.BytesIO(wav_bytes), "rb") as reader:
-            channels = reader.getnchannels()
-            width = reader.getsampwidth()
-            source_rate = reader.getframerate()
-            frames = reader.readframes(reader.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise AudioFormatError(f"not a readable WAV file: {exc}") from exc
-    if width != 2:
-        raise AudioFormatError(f"only 16-bit WAV is supported, got {8 * width}-bit")
+# WAVE format tags (RIFF fmt chunk); EXTENSIBLE carries the real tag in its sub-format.
+WAVE_FORMAT_PCM = 0x0001
+WAVE_FORMAT_ALAW = 0x0006
+WAVE_FORMAT_MULAW = 0x0007
+WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+_WAVE_FORMATS = {WAVE_FORMAT_PCM: "PCM", WAVE_FORMAT_ALAW: "A-law", WAVE_FORMAT_MULAW: "mu-law"}
+
+
+@dataclass(frozen=True, slots=True)
+class WavAudio:
+    """The samples of a WAV file and how they are encoded."""
+
+    format_tag: int
+    channels: int
+    rate: int
+    bits: int
+    data: bytes
+
+    @property
+    def is_telephony_mulaw(self) -> bool:
+        """8 kHz mono mu-law: what a phone call carries, byte for byte."""
+        return (
+            self.format_tag == WAVE_FORMAT_MULAW
+            and self.channels == 1
+            and self.rate == TELEPHONY_RATE
+        )
+
+
+def parse_wav(wav_bytes: bytes) -> WavAudio:
+    """Read a RIFF/WAVE file's fmt and data chunks: 8/16/24/32-bit PCM, A-law or mu-law.
+
+    The stdlib `wave` module reads PCM only; Twilio records calls as 8 kHz mu-law WAV.
+    """
+    if len(wav_bytes) < 12 or wav_bytes[:4] != b"RIFF" or wav_bytes[8:12] != b"WAVE":
+        raise AudioFormatError("not a WAV file (no RIFF/WAVE header)")
+    fmt: tuple[int, int, int, int] | None = None
+    data: bytes | None = None
+    pos = 12
+    while pos + 8 <= len(wav_bytes) and (fmt is None or data is None):
+        chunk_id = wav_bytes[pos : pos + 4]
+        size = int.from_bytes(wav_bytes[pos + 4 : pos + 8], "little")
+        body = wav_bytes[pos + 8 : pos + 8 + size]  # a streamed file may say more than it has
+        if chunk_id == b"fmt ":
+            if len(body) < 16:
+                raise AudioFormatError("WAV fmt chunk too short")
+            tag = int.from_bytes(body[0:2], "little")
+            channels = int.from_bytes(body[2:4], "little")
+            rate = int.from_bytes(body[4:8], "little")
+            bits = int.from_bytes(body[14:16], "little")
+            if tag == WAVE_FORMAT_EXTENSIBLE and len(body) >= 26:
+                tag = int.from_bytes(body[24:26], "little")  # first bytes of the sub-format GUID
+            fmt = (tag, channels, rate, bits)
+        elif chunk_id == b"data":
+            data = body
+        pos += 8 + size + (size & 1)  # chunks are padded to an even length
+    if fmt is None or data is None:
+        raise AudioFormatError("not a readable WAV file: no fmt or data chunk")
+    tag, channels, rate, bits = fmt
+    if tag not in _WAVE_FORMATS:
+        raise AudioFormatError(
+            f"unsupported WAV encoding (format tag {tag}): use PCM, A-law or mu-law"
+        )
     if channels not in (1, 2):
         raise AudioFormatError(f"only mono or stereo WAV is supported, got {channels} channels")
-    pcm = _native(frames)
-    if channels == 2:
+    if rate <= 0:
+        raise AudioFormatError(f"WAV sample rate {rate} is not valid")
+    width = bits // 8
+    if tag == WAVE_FORMAT_PCM and (bits % 8 or width not in (1, 2, 3, 4)):
+        raise AudioFormatError(f"only 8/16/24/32-bit PCM WAV is supported, got {bits}-bit")
+    if tag != WAVE_FORMAT_PCM and bits != 8:
+        raise AudioFormatError(f"{_WAVE_FORMATS[tag]} WAV must be 8-bit, got {bits}-bit")
+    frame = width * channels
+    return WavAudio(tag, channels, rate, bits, data[: len(data) - len(data) % frame])
+
+
+def wav_to_pcm16(wav_bytes: bytes, rate: int = TELEPHONY_RATE) -> bytes:
+    """Read a mono or stereo WAV (PCM, A-law or mu-law) at any rate; return mono 16-bit PCM
+    at `rate`."""
+    wav = parse_wav(wav_bytes)
+    if wav.format_tag == WAVE_FORMAT_MULAW:
+        pcm = audioop.ulaw2lin(wav.data, 2)
+    elif wav.format_tag == WAVE_FORMAT_ALAW:
+        pcm = audioop.alaw2lin(wav.data, 2)
+    elif wav.bits == 16:
+        pcm = _native(wav.data)
+    elif wav.bits == 8:
+        pcm = audioop.lin2lin(audioop.bias(wav.data, 1, -128), 1, 2)  # 8-bit WAV is unsigned
+    else:
+        pcm = audioop.lin2lin(wav.data, wav.bits // 8, 2)
+    if wav.channels == 2:
         pcm = audioop.tomono(pcm, 2, 0.5, 0.5)
-    if source_rate != rate:
-        pcm, _ = audioop.ratecv(pcm, 2, 1, source_rate, rate, None)
+    if wav.rate != rate:
+        pcm, _ = audioop.ratecv(pcm, 2, 1, wav.rate, rate, None)
     return _little(pcm)
 
 
@@ -242,7 +317,11 @@ def pcm16_to_wav(pcm: bytes, rate: int = TELEPHONY_RATE, channels: int = 1) -> b
 
 
 def wav_to_mulaw(wav_bytes: bytes) -> bytes:
-    """Any 16-bit WAV to 8 kHz mono mu-law, ready to stream to a phone call."""
+    """Any WAV `wav_to_pcm16` reads to 8 kHz mono mu-law, ready to stream to a phone call
+    (an 8 kHz mono mu-law WAV is passed through as it is)."""
+    wav = parse_wav(wav_bytes)
+    if wav.is_telephony_mulaw:
+        return wav.data
     return pcm16_to_mulaw(wav_to_pcm16(wav_bytes, TELEPHONY_RATE))
 
 

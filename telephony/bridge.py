@@ -1102,6 +1102,7 @@ class Bridge:
         cut = audio_ms > 0 and heard < audio_ms - 1
         if cut:
             text = _cut_text(text, heard / audio_ms)
+        started = self.leg.playback.started_at(item_id)
         self._emit(
             CallEventKind.AGENT_TRANSCRIPT,
             item_id=item_id,
@@ -1110,6 +1111,8 @@ class Bridge:
             heard_ms=heard,
             audio_ms=audio_ms,
             **({"full_text": item.transcript[:2000]} if cut else {}),
+            # When the caller began hearing it (the timeline stamps speech at its start).
+            **({"started_mono_ns": round(started * 1e9)} if started is not None else {}),
         )
         if text:
             self._history.append(f"Agent{' (interrupted)' if cut else ''}: {text}")

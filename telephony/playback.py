@@ -12,6 +12,7 @@ class _Item:
     queued_ms: float = 0.0  # audio handed to the leg for playout
     played_ms: float = 0.0  # audio the leg confirmed as played (mark echo, RTP sent)
     confirmed_at: float = 0.0  # clock() when played_ms was last confirmed
+    started_at: float | None = None  # clock() when its playout began (None: never played)
 
 
 class PlaybackTracker:
@@ -39,6 +40,8 @@ class PlaybackTracker:
         if not self.is_playing():
             # Playout of this chunk starts now; interpolation counts from here.
             item.confirmed_at = self._clock()
+            if item.started_at is None:
+                item.started_at = item.confirmed_at
         item.queued_ms += ms
         return self.epoch, item.queued_ms
 
@@ -64,6 +67,8 @@ class PlaybackTracker:
             following = self.current_item()
             if following is not None and self._items[following].played_ms == 0:
                 self._items[following].confirmed_at = now
+                if self._items[following].started_at is None:
+                    self._items[following].started_at = now
         return True
 
     def cleared(self) -> None:
@@ -91,6 +96,11 @@ class PlaybackTracker:
         if self.current_item() != item_id:
             return int(item.played_ms)
         return int(self._estimate(item))
+
+    def started_at(self, item_id: str) -> float | None:
+        """clock() when playout of `item_id` began (None if it never started)."""
+        item = self._items.get(item_id)
+        return item.started_at if item else None
 
     def confirmed_ms(self, item_id: str) -> int:
         """Milliseconds of `item_id` confirmed played by the leg (no interpolation)."""

@@ -149,11 +149,63 @@ def test_stereo_16k_wav_becomes_8k_mono_of_the_same_duration() -> None:
     assert audio.rms(pcm, "pcm16") == pytest.approx(audio.rms(mono16k, "pcm16"), rel=0.05)
 
 
-def test_wav_that_is_not_16_bit_or_not_a_wav_is_refused() -> None:
-    with pytest.raises(audio.AudioFormatError):
-        audio.wav_to_pcm16(_wav(bytes(100), 8000, 1, width=1))
-    with pytest.raises(audio.AudioFormatError):
+def riff_wav(
+    tag: int, channels: int, rate: int, bits: int, data: bytes, extra: bytes = b""
+) -> bytes:
+    """A WAV file with any format tag (the stdlib writes PCM only), an odd chunk before
+    `data` included, as recorders write them."""
+    block = channels * max(1, bits // 8)
+    fmt = (
+        tag.to_bytes(2, "little")
+        + channels.to_bytes(2, "little")
+        + rate.to_bytes(4, "little")
+        + (rate * block).to_bytes(4, "little")
+        + block.to_bytes(2, "little")
+        + bits.to_bytes(2, "little")
+        + extra
+    )
+    chunks = b"fmt " + len(fmt).to_bytes(4, "little") + fmt
+    chunks += b"LIST" + (3).to_bytes(4, "little") + b"abc\x00"  # padded to even
+    chunks += b"data" + len(data).to_bytes(4, "little") + data
+    return b"RIFF" + (4 + len(chunks)).to_bytes(4, "little") + b"WAVE" + chunks
+
+
+def test_wav_that_is_not_a_wav_or_in_an_unknown_encoding_is_refused() -> None:
+    with pytest.raises(audio.AudioFormatError, match="not a WAV file"):
         audio.wav_to_pcm16(b"RIFF but not really")
+    with pytest.raises(audio.AudioFormatError, match="not a WAV file"):
+        audio.wav_to_pcm16(b"hello, I am a text file, not audio at all")
+    with pytest.raises(audio.AudioFormatError, match="format tag 3"):
+        audio.wav_to_pcm16(riff_wav(3, 1, 8000, 32, bytes(400)))  # IEEE float
+    with pytest.raises(audio.AudioFormatError, match="no fmt or data"):
+        audio.wav_to_pcm16(b"RIFF\x04\x00\x00\x00WAVE")
+
+
+def test_telephony_mulaw_wav_passes_through_byte_for_byte() -> None:
+    mulaw = audio.speech_like_mulaw(300)
+    assert audio.wav_to_mulaw(riff_wav(audio.WAVE_FORMAT_MULAW, 1, 8000, 8, mulaw)) == mulaw
+
+
+def test_mulaw_and_alaw_wav_at_other_rates_are_decoded_and_resampled() -> None:
+    pcm = audio.tone_pcm16(400, 500, rate=16000)
+    mulaw_16k = audio.pcm16_to_mulaw(pcm)
+    out = audio.wav_to_pcm16(riff_wav(audio.WAVE_FORMAT_MULAW, 1, 16000, 8, mulaw_16k))
+    assert abs(audio.duration_ms(len(out), "pcm16") - 500) <= 1
+    alaw = audio.pcm16_to_alaw(audio.tone_pcm16(400, 500))
+    out = audio.wav_to_pcm16(riff_wav(audio.WAVE_FORMAT_ALAW, 1, 8000, 8, alaw))
+    assert out == audio.alaw_to_pcm16(alaw)
+
+
+def test_8_bit_and_extensible_pcm_wav_are_read() -> None:
+    pcm = audio.tone_pcm16(400, 200)
+    unsigned = bytes((s >> 8) + 128 for s in _samples(pcm))
+    out = _samples(audio.wav_to_pcm16(_wav(unsigned, 8000, 1, width=1)))
+    assert max(abs(a - b) for a, b in zip(out, _samples(pcm), strict=True)) < 256
+    # WAVE_FORMAT_EXTENSIBLE: the real format is the start of the sub-format GUID.
+    extra = (22).to_bytes(2, "little") + (16).to_bytes(2, "little") + bytes(4)
+    extra += audio.WAVE_FORMAT_PCM.to_bytes(2, "little") + bytes(14)
+    wav = riff_wav(audio.WAVE_FORMAT_EXTENSIBLE, 1, 8000, 16, pcm, extra)
+    assert audio.wav_to_pcm16(wav) == pcm
 
 
 def test_mulaw_wav_helpers_round_trip() -> None:

@@ -504,9 +504,11 @@ async def test_barge_in_clears_first_then_truncates_at_heard_audio_then_cancels(
     clear = call.leg.clears[0]
     assert truncate["item_id"] == "agent_1"
     assert truncate["content_index"] == 0
-    # Within one 20 ms frame of what the caller had heard when the leg was cleared.
-    assert abs(truncate["audio_end_ms"] - clear["heard_ms"]) <= 20
-    assert truncate["audio_end_ms"] >= clear["confirmed_ms"]
+    # Never more than the caller had heard when the leg was cleared (within one 20 ms frame)
+    # and never less than the leg had confirmed. Where it lands in between depends on how late
+    # confirmations arrive (a loaded machine delays them; the tracker then errs low, by
+    # design): a speed, measured in bench/, not asserted here.
+    assert clear["confirmed_ms"] <= truncate["audio_end_ms"] <= clear["heard_ms"] + 20
     assert truncate["audio_end_ms"] < 2000
     assert len(call.leg.plays) == clear["plays_before"]
     assert barge.data["truncated"] is True
@@ -868,7 +870,11 @@ async def test_simulated_call_greets_hears_the_caller_and_answers(make_call, sim
         "cut": False,
         "heard_ms": 700,
         "audio_ms": 700,
+        "started_mono_ns": reply.data["started_mono_ns"],
     }
+    # Stamped when its playout began: before the caller's words were transcribed, and at
+    # least its heard audio before it was recorded.
+    assert caller.mono_ns < reply.data["started_mono_ns"] <= reply.mono_ns - 700 * 1_000_000
     assert not call.leg.clears
     assert not call.events(CallEventKind.REALTIME_ERROR)
     session = sim.sessions[0]
@@ -876,7 +882,7 @@ async def test_simulated_call_greets_hears_the_caller_and_answers(make_call, sim
     assert not session.sent_events("error")
 
 
-async def test_simulated_barge_in_truncates_within_a_frame_of_what_was_heard(make_call, simulator):
+async def test_simulated_barge_in_truncates_between_confirmed_and_heard_audio(make_call, simulator):
     sim = await simulator(
         {
             "greeting": {
@@ -894,8 +900,8 @@ async def test_simulated_barge_in_truncates_within_a_frame_of_what_was_heard(mak
     truncate = await session.wait_for_received("conversation.item.truncate")
     barge = await call.event(CallEventKind.BARGE_IN)
     clear = call.leg.clears[0]
-    assert abs(truncate["audio_end_ms"] - clear["heard_ms"]) <= 20
-    assert truncate["audio_end_ms"] >= clear["confirmed_ms"]
+    # As above: bounded by what was confirmed and what was heard, whatever the load.
+    assert clear["confirmed_ms"] <= truncate["audio_end_ms"] <= clear["heard_ms"] + 20
     assert barge.data["audio_end_ms"] == truncate["audio_end_ms"]
     await session.wait_for_sent("conversation.item.truncated")
     # The simulator accepted it: the truncation fits the audio it sent for the item.

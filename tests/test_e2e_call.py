@@ -7,9 +7,11 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,6 +21,7 @@ from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
 from telephony.twilio_leg import parse_mark_name
 from tests.e2e_support import CONSOLE, Stack, call_row, call_stack, post_signed, wait_until
+from tests.sor_support import start_sor
 
 GREETING_MS = 1000
 FRAME_MS = 20
@@ -110,15 +113,23 @@ async def test_a_normal_turn_is_heard_and_its_timeline_persisted_in_order(
     assert row is not None and row["status"] == "completed"
     assert row["answered_at"] is not None and row["ended_at"] is not None
     assert anonymous.status_code == 401
-    assert [e["kind"] for e in timeline["events"]] == kinds
+    shown = [e["kind"] for e in timeline["events"]]
+    assert sorted(shown) == sorted(kinds)
     assert timeline["call"]["id"] == call_id
     t_ms = [e["t_ms"] for e in timeline["events"]]
     assert t_ms == sorted(t_ms) and t_ms[0] == 0
+    # Agent speech sits where the caller began hearing it: the greeting before the caller's
+    # turn, although it is recorded once it has played out.
+    assert shown.index("agent_transcript") < shown.index("speech_started")
+    assert shown.index("agent_transcript") > shown.index("response_created")
     assert [c["id"] for c in listing["calls"]] == [call_id]
 
 
 # Marks every 20 ms, or every 100 ms with the tracker interpolating between them: either way
-# the truncation lands within one frame of what the caller heard.
+# the truncation never claims more than the caller had heard when the server decided (within
+# one frame), and never less than playout had confirmed before the caller started to speak.
+# How close it lands in between depends on how late mark echoes arrive, which is the machine's
+# load, not correctness: bench/bridge.py measures it.
 @pytest.mark.parametrize("chunk_ms", [20, 100])
 async def test_barge_in_mid_playback_clears_first_and_truncates_at_the_heard_audio(
     engine: AsyncEngine, chunk_ms: int
@@ -133,6 +144,7 @@ async def test_barge_in_mid_playback_clears_first_and_truncates_at_the_heard_aud
         await session.wait_for_sent("response.done", count=2, within=10)
         await caller.wait_for(lambda c: c.heard_ms >= before + 1000, 10)
         speech_starts = len(sent_times(stack, 0, "input_audio_buffer.speech_started"))
+        speaking_from = time.monotonic()
         await caller.play_speech(600)
         await caller.wait_for(lambda c: len(c.clears) == 1, 10)
         truncate = await session.wait_for_received("conversation.item.truncate", within=5)
@@ -142,13 +154,28 @@ async def test_barge_in_mid_playback_clears_first_and_truncates_at_the_heard_aud
         t_barge = sent_times(stack, 0, "input_audio_buffer.speech_started")[speech_starts]
         t_truncate = received_times(stack, 0, "conversation.item.truncate")[0]
         clear = caller.clears[0]
-        heard_of_item = heard_before(caller, clear.t) - before
+        # What the caller had heard of the reply when the server sent `clear` (it froze its
+        # estimate right then), and what playout had confirmed before the barge-in began.
+        heard_at_decision = heard_before(caller, clear_sent) - before
+        confirmed_before = max(
+            mark[1]
+            for echo in caller.marks_echoed
+            if not echo.cleared
+            and echo.t_echoed < speaking_from
+            and (mark := parse_mark_name(echo.name)) is not None
+            and mark[2] == truncate["item_id"]
+        )
         await caller.hangup()
         events = await stack.events(caller)
     after_barge_in = [m.event for m in caller.received if m.t > t_barge]
     assert after_barge_in[0] == "clear", after_barge_in[:5]
     assert clear_sent < t_truncate
-    assert abs(truncate["audio_end_ms"] - heard_of_item) <= FRAME_MS, (truncate, heard_of_item)
+    audio_end = truncate["audio_end_ms"]
+    assert confirmed_before <= audio_end <= heard_at_decision + FRAME_MS, (
+        confirmed_before,
+        audio_end,
+        heard_at_decision,
+    )
     assert clear.dropped_ms > 1000  # most of the reply was still queued at the caller
     marks_after_clear = [
         parse_mark_name(m.data["mark"]["name"])
@@ -334,6 +361,14 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
     settings = Settings(
         database_url=clean_db, openai_api_key=None, console_password="demo-password"
     )
+    # An earlier demo on this database left a booking behind: it is not this call's.
+    earlier = await start_sor(clean_db)
+    await earlier.stop()
+    with psycopg.connect(clean_db, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO sor.effects (kind, booking_id, idempotency_key) "
+            "VALUES ('insert', 'BKEARLIER1', 'an-earlier-demo')"
+        )
     assert await demo(settings, out) == 0
     printed = capsys.readouterr().out
     table = printed[printed.index("t ms") :]
@@ -352,7 +387,20 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
         "book_table: heard: the caller heard it",
     ):
         assert shown in table, shown
-    assert "System of record: 1 booking(s) made" in printed
+    assert "System of record: 1 booking made by this call" in printed
+    header = printed[printed.index("Timeline of call") :].splitlines()[0]
+    assert "(Twilio CallSid CA" in header
+    assert "book_table: admitted (policy): caller confirmed" in table
+    # Nothing is cut: both announcements and the readback are printed whole (wrapped).
+    assert "…" not in table
+    flowing = " ".join(line[33:].strip() for line in table.splitlines())
+    for said in (
+        "I've sent your request to the restaurant. It isn't confirmed yet; I'll tell you as "
+        "soon as it is.",
+        "Good news: the restaurant has confirmed your table for four tomorrow at eight.",
+        "Please confirm: a table for 4 people on",
+    ):
+        assert said in flowing, said
     assert out.stat().st_size > 44  # a WAV with audio in it
 
 

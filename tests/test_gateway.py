@@ -309,7 +309,7 @@ async def test_confirmed_booking_is_admitted_and_enqueued_with_its_true_state(h:
     trail = [(e.from_status, e.to_status, e.actor) for e in await h.events(op.operation_id)]
     assert trail == [
         (None, S.AWAITING_CONFIRMATION, "policy"),
-        (S.AWAITING_CONFIRMATION, S.ADMITTED, "model"),
+        (S.AWAITING_CONFIRMATION, S.ADMITTED, "policy"),
     ]
 
 

@@ -15,6 +15,7 @@ from tests.e2e_support import (
     CONSOLE,
     call_row,
     event_kinds,
+    event_rows,
     post_signed,
     running_service,
     wait_until,
@@ -204,3 +205,29 @@ async def test_console_api_needs_the_console_password(engine: AsyncEngine) -> No
     assert (anonymous.status_code, wrong.status_code) == (401, 401)
     assert unknown.status_code == 404
     assert listing.json()["calls"] == []
+
+
+async def test_a_draining_service_answers_busy_fails_readiness_and_keeps_answered_calls(
+    engine: AsyncEngine,
+) -> None:
+    async with running_service(engine) as service:
+        answered = await post_signed(service, "/twilio/voice", _voice_params("CAanswered"))
+        service.runtime.registry.stop_accepting()  # what the first SIGTERM does
+        late = await post_signed(service, "/twilio/voice", _voice_params("CAlate"))
+        # Twilio retries the webhook of a call answered before the drain: it keeps its slot.
+        retried = await post_signed(service, "/twilio/voice", _voice_params("CAanswered"))
+        async with httpx.AsyncClient(base_url=service.url) as http:
+            ready = await http.get("/readyz")
+            metrics = (await http.get("/metrics")).text
+        await service.runtime.events.flush()
+        row = await call_row(engine, "CAlate")
+        assert row is not None
+        rejected = await event_rows(engine, row["id"])
+    _stream(answered.text)
+    _stream(retried.text)
+    assert "<Hangup" in late.text and "busy" in late.text
+    assert row["status"] == "busy"
+    assert [(e["kind"], e["data"]) for e in rejected] == [("call_rejected", {"reason": "draining"})]
+    assert ready.status_code == 503 and "draining" in ready.text
+    assert "voice_agent_draining 1" in metrics
+    assert "voice_agent_calls_rejected_draining_total 1" in metrics

@@ -626,9 +626,15 @@ class ToolPipeline:
             op.operation_id,
             S.AWAITING_CONFIRMATION,
             S.ADMITTED,
-            actor="model",
+            # The model relayed the caller's yes; the policy decision admitted the operation.
+            actor="policy",
             reason=reason,
-            data={"rule": decision.rule, "provider_call_id": tc.provider_call_id, **(data or {})},
+            data={
+                "rule": decision.rule,
+                "provider_call_id": tc.provider_call_id,
+                "requested_by": "model",
+                **(data or {}),
+            },
             expires_at=now + timedelta(seconds=spec.retry.total_deadline_s),
             overflow=decision.overflow.value if decision.overflow else None,
         )

@@ -917,8 +917,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def run_call(args: argparse.Namespace) -> FakeTwilioCaller:
-    """Place one call as the CLI does; return the caller for its records."""
+def load_caller_audio(path: str | Path) -> bytes:
+    """The caller's voice from a WAV file, as 8 kHz mu-law; checked before any call is
+    placed. Raises CallerError with a one-line reason."""
+    wav = Path(path)
+    if not wav.is_file():
+        raise CallerError(f"no such file: {wav}" if not wav.exists() else f"not a file: {wav}")
+    try:
+        data = wav.read_bytes()
+    except OSError as exc:
+        raise CallerError(f"cannot read {wav}: {exc.strerror or exc}") from exc
+    try:
+        mulaw = audio.wav_to_mulaw(data)
+    except audio.AudioFormatError as exc:
+        raise CallerError(f"{wav}: {exc}") from exc
+    if not mulaw:
+        raise CallerError(f"{wav}: the WAV file has no audio")
+    return mulaw
+
+
+async def run_call(args: argparse.Namespace, speech: bytes | None = None) -> FakeTwilioCaller:
+    """Place one call as the CLI does; return the caller for its records. `speech` is what
+    the caller says (mu-law; default: synthesized speech-like audio)."""
     caller = FakeTwilioCaller(
         args.server,
         public_url=args.public_url,
@@ -937,10 +957,7 @@ async def run_call(args: argparse.Namespace) -> FakeTwilioCaller:
                         args.greeting_timeout_ms / 1000,
                     )
                 await caller.play_silence(args.lead_ms)
-                if args.wav:
-                    await caller.play_wav(args.wav)
-                else:
-                    await caller.play_speech(2500)
+                await caller.play_mulaw(speech or audio.speech_like_mulaw(2500))
                 with contextlib.suppress(TimeoutError):
                     await caller.wait_closed(args.tail_ms / 1000)
             except CallerError:
@@ -950,19 +967,56 @@ async def run_call(args: argparse.Namespace) -> FakeTwilioCaller:
     return caller
 
 
+def _refused(caller: FakeTwilioCaller, args: argparse.Namespace) -> str:
+    """Why the webhook gave no media stream, in one line with the likely fix."""
+    outcome = caller.twiml_outcome
+    if outcome is None:
+        return "no answer from the voice webhook"
+    voice_url = caller.public_url + caller.voice_path
+    if outcome.http_status == 403:
+        return (
+            f"the voice webhook answered 403: the signature did not verify: the auth token "
+            f"differs from the server's (TWILIO_AUTH_TOKEN or --auth-token), or PUBLIC_BASE_URL "
+            f"does not match the URL called ({voice_url}; set --public-url or PUBLIC_BASE_URL)"
+        )
+    if outcome.http_status == 404:
+        return f"{args.server} has no voice webhook ({caller.voice_path} answered 404)"
+    if outcome.http_status != 200:
+        return f"the voice webhook answered HTTP {outcome.http_status}"
+    says = " / ".join(outcome.says) if outcome.says else ""
+    return f"no media stream: TwiML {outcome.kind}{': ' + says if says else ''}"
+
+
 def main(args: argparse.Namespace) -> int:
-    """`voice-agent call`: one call against a running server; prints a summary."""
+    """`voice-agent call`: one call against a running server; prints a summary.
+
+    Problems are one line on stderr: 2 for bad input (checked before calling), 1 for a call
+    that could not be made.
+    """
+    import sys
+
     try:
-        caller = asyncio.run(run_call(args))
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"could not reach {args.server}: {exc}")
+        speech = load_caller_audio(args.wav) if args.wav else None
+        if not Path(args.out).resolve().parent.is_dir():
+            raise CallerError(f"cannot write {args.out}: no such directory")
+    except CallerError as exc:
+        print(f"voice-agent call: {exc}", file=sys.stderr)
         return 2
+    try:
+        caller = asyncio.run(run_call(args, speech))
+    except (httpx.HTTPError, OSError) as exc:
+        reason = str(exc).strip() or type(exc).__name__
+        print(f"voice-agent call: could not reach {args.server}: {reason}", file=sys.stderr)
+        return 1
     outcome = caller.twiml_outcome
     if outcome is None or outcome.kind != "stream":
-        kind = outcome.kind if outcome else "none"
-        status = outcome.http_status if outcome else "-"
-        says = " / ".join(outcome.says) if outcome and outcome.says else ""
-        print(f"no media stream: TwiML {kind} (HTTP {status}) {says}".rstrip())
+        print(f"voice-agent call: {_refused(caller, args)}", file=sys.stderr)
+        return 1
+    if caller.handshake_status is not None:
+        print(
+            f"voice-agent call: the media stream was refused (HTTP {caller.handshake_status})",
+            file=sys.stderr,
+        )
         return 1
     s = caller.summary()
     print(f"call {s['call_sid']}: heard {s['heard_ms']} ms of {s['media_received_ms']} ms sent")
@@ -971,7 +1025,7 @@ def main(args: argparse.Namespace) -> int:
         f"clears received {s['clears_received']}, frames sent {s['media_frames_sent']}"
     )
     print(f"ended by {s['closed_by']}: {s['closed_reason']}; heard audio in {args.out}")
-    return 0 if caller.handshake_status is None else 1
+    return 0
 
 
 __all__ = [
@@ -986,6 +1040,7 @@ __all__ = [
     "SentMessage",
     "TwimlOutcome",
     "add_arguments",
+    "load_caller_audio",
     "main",
     "new_call_sid",
     "new_stream_sid",

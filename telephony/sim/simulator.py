@@ -31,6 +31,7 @@ import base64
 import binascii
 import contextlib
 import enum
+import errno
 import functools
 import json
 import logging
@@ -1709,5 +1710,15 @@ def run_simulator(host: str, port: int, scenario: str | None) -> int:
             print(f"  export OPENAI_BASE_URL={sim.base_url}", flush=True)
             await stop.wait()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(
+            f"voice-agent simulator: port {port} on {host} is already in use (another "
+            "simulator?): stop that process or choose another port with --port",
+            file=sys.stderr,
+        )
+        return 2
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -18,7 +19,8 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import date as Date
 from typing import Any
 
@@ -182,6 +184,17 @@ class SystemOfRecord:
 
     async def start(self) -> None:
         """Create the schema, open the pool and start serving."""
+        # The port first: a taken one fails before anything is opened. proto=IPPROTO_TCP:
+        # asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP; without
+        # it, Nagle + delayed ACK add ~40 ms to every response.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
         self._pool = AsyncConnectionPool(
             self.database_url, min_size=1, max_size=10, open=False, timeout=10.0
         )
@@ -191,12 +204,6 @@ class SystemOfRecord:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('sor.schema'))")
             await conn.execute(_SCHEMA_SQL)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
-        # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto
-        # says TCP; without it, Nagle + delayed ACK add ~40 ms to every response.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
             log_level="warning",
@@ -249,13 +256,19 @@ class SystemOfRecord:
         """Let every hung request continue (also POST /_faults/release)."""
         self._release.set()
 
-    async def side_effects(self) -> SideEffects:
-        """Bookings actually inserted and cancellations actually applied."""
+    async def side_effects(self, idempotency_keys: Sequence[str] | None = None) -> SideEffects:
+        """Bookings actually inserted and cancellations actually applied (only those of
+        `idempotency_keys`, when given)."""
+        query = (
+            "SELECT count(*) FILTER (WHERE kind = 'insert'), "
+            "count(*) FILTER (WHERE kind = 'cancel') FROM sor.effects"
+        )
         async with self._conn() as conn:
-            cur = await conn.execute(
-                "SELECT count(*) FILTER (WHERE kind = 'insert'), "
-                "count(*) FILTER (WHERE kind = 'cancel') FROM sor.effects"
-            )
+            if idempotency_keys is None:
+                cur = await conn.execute(query)
+            else:
+                keys = list(idempotency_keys)
+                cur = await conn.execute(query + " WHERE idempotency_key = ANY(%s)", (keys,))
             row = await cur.fetchone()
         assert row is not None
         return SideEffects(bookings_inserted=row[0], cancellations=row[1])
@@ -619,5 +632,15 @@ def run_sor(
             print(f"system of record listening on {sor.url}", flush=True)
             await stop.wait()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(
+            f"voice-agent sor: port {port} on {host} is already in use (another system of "
+            "record?): stop that process or choose another port with --port",
+            file=sys.stderr,
+        )
+        return 2
     return 0

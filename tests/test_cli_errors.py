@@ -1,0 +1,315 @@
+"""What a user meets on the first day: every problem is one line with its cause and fix, a
+non-zero exit status, and never a traceback. Each test runs the real `voice-agent` command."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import create_database, drop_database, head_revision
+from telephony import audio
+from telephony.sim.fake_caller import FakeTwilioCaller
+from tests.cli_support import (
+    clean_env,
+    error_lines,
+    free_port,
+    run_cli,
+    serve_process,
+)
+from tests.conftest import _server_url
+from tests.e2e_support import call_stack
+from tests.test_audio import riff_wav
+
+
+def _one_line(stderr: str, command: str) -> str:
+    """The single line the command printed (log lines aside); no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"voice-agent {command}: "), lines[0]
+    return lines[0]
+
+
+def _revision(url: str) -> str | None:
+    with psycopg.connect(url) as conn:
+        try:
+            row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+        except psycopg.errors.UndefinedTable:
+            return None
+    return str(row[0]) if row else None
+
+
+@pytest.fixture
+def empty_db() -> Iterator[str]:
+    """A database with no tables at all (never migrated)."""
+    server = _server_url()
+    name = f"va_cli_{os.getpid()}_{secrets.token_hex(3)}"
+    url = create_database(server, name)
+    yield url
+    drop_database(server, name)
+
+
+# --- voice-agent call --------------------------------------------------------------------
+
+
+async def test_call_answered_403_says_the_signature_did_not_verify_and_why(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    async with call_stack(engine) as stack:
+        url = stack.service.url
+        env = clean_env()
+        code, _, err = await run_cli(
+            "call", "--server", url, "--auth-token", "not-the-servers-token",
+            env=env, cwd=tmp_path,
+        )  # fmt: skip
+        line = _one_line(err, "call")
+        assert code == 1
+        assert "answered 403: the signature did not verify" in line
+        assert "auth token" in line and "PUBLIC_BASE_URL" in line
+        # The other usual cause: the URL the server checks signatures against is not this one.
+        code, _, err = await run_cli(
+            "call", "--server", url, "--public-url", "https://voice.example.com",
+            env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 1
+        assert "https://voice.example.com/twilio/voice" in _one_line(err, "call")
+        assert stack.service.runtime.registry.answered_total == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.wav", None, "no such file: "),
+        ("notes.wav", b"these are my notes, not audio\n", "not a WAV file"),
+        ("float.wav", riff_wav(3, 1, 8000, 32, bytes(800)), "unsupported WAV encoding"),
+    ],
+)
+async def test_call_with_a_bad_wav_says_so_before_placing_the_call(
+    tmp_path: Path, name: str, content: bytes | None, expected: str
+) -> None:
+    wav = tmp_path / name
+    if content is not None:
+        wav.write_bytes(content)
+    # Nothing listens on this port: a call placed anyway would report "could not reach".
+    port = free_port()
+    code, out, err = await run_cli(
+        "call", "--server", f"http://127.0.0.1:{port}", "--wav", str(wav),
+        env=clean_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2
+    line = _one_line(err, "call")
+    assert expected in line and name in line
+    assert out == ""
+
+
+async def test_call_streams_an_8_khz_mulaw_wav_as_the_callers_voice(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    speech = audio.speech_like_mulaw(1200)
+    wav = tmp_path / "twilio-recording.wav"
+    wav.write_bytes(riff_wav(audio.WAVE_FORMAT_MULAW, 1, 8000, 8, speech))
+    async with call_stack(engine) as stack:
+        code, out, err = await run_cli(
+            "call", "--server", stack.service.url, "--wav", str(wav), "--tail-ms", "500",
+            "--out", str(tmp_path / "heard.wav"),
+            env=clean_env(), cwd=tmp_path,
+        )  # fmt: skip
+        session = await stack.sim.wait_for_session(0)
+    assert code == 0, err
+    assert re.match(r"call CA[0-9a-f]{32}: heard \d+", out), out
+    appended = b"".join(
+        base64.b64decode(e["audio"]) for e in session.received_events("input_audio_buffer.append")
+    )
+    # The caller's voice reached the model byte for byte (mu-law in, no transcoding).
+    assert speech in appended
+
+
+# --- voice-agent simulator + serve --------------------------------------------------------
+
+
+async def test_serve_follows_the_export_line_voice_agent_simulator_prints(
+    database_url: str, tmp_path: Path
+) -> None:
+    sim_port = free_port()
+    sim = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app.cli", "simulator", "--port", str(sim_port),
+        env=clean_env(), cwd=tmp_path, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert sim.stdout is not None
+        async with asyncio.timeout(30):
+            export = ""
+            while not export.startswith("export "):
+                export = (await sim.stdout.readline()).decode().strip()
+        name, _, value = export.removeprefix("export ").partition("=")
+        assert name == "OPENAI_BASE_URL"
+        env = clean_env(
+            DATABASE_URL=database_url, PORT=str(free_port()), CONSOLE_PASSWORD="pw", **{name: value}
+        )
+        async with serve_process(env, tmp_path, "--no-worker") as service:
+            realtime = next(line for line in service.banner if "Realtime" in line)
+            assert value in realtime and "simulator" not in realtime.split(value)[0]
+            async with FakeTwilioCaller(service.url) as caller:
+                await caller.dial()
+                # The greeting comes from the simulator the user started.
+                await caller.wait_for(lambda c: c.heard_ms >= 500, 20)
+                await caller.hangup()
+            service.signal(signal.SIGTERM)
+            assert await service.wait() == 0
+        assert "realtime simulator listening" not in service.stderr
+    finally:
+        sim.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await sim.wait()
+
+
+# --- ports already in use -----------------------------------------------------------------
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+async def test_serve_on_a_port_in_use_says_so_in_one_line(
+    taken_port: int, database_url: str, tmp_path: Path
+) -> None:
+    env = clean_env(DATABASE_URL=database_url, PORT=str(taken_port))
+    code, out, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2
+    line = _one_line(err, "serve")
+    assert f"port {taken_port} on 127.0.0.1 is already in use" in line and "--port" in line
+    assert out == ""
+
+
+async def test_simulator_on_a_port_in_use_says_so_in_one_line(
+    taken_port: int, tmp_path: Path
+) -> None:
+    code, _, err = await run_cli(
+        "simulator", "--port", str(taken_port), env=clean_env(), cwd=tmp_path
+    )
+    assert code == 2
+    assert f"port {taken_port} on 127.0.0.1 is already in use" in _one_line(err, "simulator")
+
+
+async def test_sor_on_a_port_in_use_says_so_in_one_line(
+    taken_port: int, database_url: str, tmp_path: Path
+) -> None:
+    code, _, err = await run_cli(
+        "sor", "--port", str(taken_port), "--database-url", database_url,
+        env=clean_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2
+    assert f"port {taken_port} on 127.0.0.1 is already in use" in _one_line(err, "sor")
+
+
+HEAD = head_revision()  # the newest migration of this version
+
+
+# --- voice-agent db and worker ------------------------------------------------------------
+
+
+async def test_db_upgrade_reports_the_true_revision_and_never_goes_back(
+    empty_db: str, tmp_path: Path
+) -> None:
+    env = clean_env(DATABASE_URL=empty_db)
+    code, out, _ = await run_cli("db", "upgrade", "0001", env=env, cwd=tmp_path)
+    assert (code, out.strip()) == (0, "database is at 0001 (was base (no tables))")
+    code, out, _ = await run_cli("db", "upgrade", env=env, cwd=tmp_path)
+    assert (code, out.strip()) == (0, f"database is at {HEAD} (head) (was 0001)")
+
+    code, out, err = await run_cli("db", "upgrade", "0001", env=env, cwd=tmp_path)
+    assert code == 2 and out == ""
+    line = _one_line(err, "db")
+    assert f"the database is at {HEAD}, newer than 0001" in line
+    assert "voice-agent db downgrade 0001 --yes" in line
+    assert _revision(empty_db) == HEAD
+
+    code, out, _ = await run_cli("db", "upgrade", env=env, cwd=tmp_path)
+    assert (code, out.strip()) == (0, f"database is at {HEAD} (head): nothing to do")
+    code, _, err = await run_cli("db", "upgrade", "9999", env=env, cwd=tmp_path)
+    assert code == 2 and "no migration '9999'" in _one_line(err, "db")
+
+
+async def test_db_downgrade_is_explicit(empty_db: str, tmp_path: Path) -> None:
+    env = clean_env(DATABASE_URL=empty_db)
+    assert (await run_cli("db", "upgrade", env=env, cwd=tmp_path))[0] == 0
+    code, _, err = await run_cli("db", "downgrade", "0002", env=env, cwd=tmp_path)
+    assert code == 2 and "add --yes" in _one_line(err, "db")
+    assert _revision(empty_db) == HEAD
+    code, out, _ = await run_cli("db", "downgrade", "0002", "--yes", env=env, cwd=tmp_path)
+    assert (code, out.strip()) == (0, f"database is at 0002 (was {HEAD} (head))")
+    code, out, _ = await run_cli("db", "current", env=env, cwd=tmp_path)
+    assert out.strip() == f"database is at 0002; this version's head is {HEAD}"
+
+
+async def test_an_unreachable_database_is_one_line_for_db_upgrade_and_serve(
+    tmp_path: Path,
+) -> None:
+    env = clean_env(DATABASE_URL=f"postgresql://postgres@127.0.0.1:{free_port()}/nothing", PORT="0")
+    code, _, err = await run_cli("db", "upgrade", env=env, cwd=tmp_path)
+    assert code == 2
+    assert "cannot reach the database" in _one_line(err, "db")
+    code, out, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2 and out == ""
+    assert "cannot reach the database" in _one_line(err, "serve")
+
+
+async def test_worker_on_an_unmigrated_database_fails_and_says_to_upgrade(
+    empty_db: str, tmp_path: Path
+) -> None:
+    env = clean_env(DATABASE_URL=empty_db)
+    code, out, err = await run_cli("worker", env=env, cwd=tmp_path)
+    assert code == 2 and out == ""
+    assert "run `voice-agent db upgrade`" in _one_line(err, "worker")
+    assert (await run_cli("db", "upgrade", "0001", env=env, cwd=tmp_path))[0] == 0
+    code, _, err = await run_cli("worker", env=env, cwd=tmp_path)
+    assert code == 2
+    line = _one_line(err, "worker")
+    assert f"at migration 0001, this version needs {HEAD}" in line
+    assert "voice-agent db upgrade" in line
+
+
+async def test_worker_stops_cleanly_on_sigterm(clean_db: str, tmp_path: Path) -> None:
+    env = clean_env(DATABASE_URL=clean_db, LOG_LEVEL="INFO")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app.cli", "worker",
+        env=env, cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await proc.stdout.readline()).decode()
+        assert line.startswith("operation worker ") and "running" in line
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"Traceback" not in err
+    assert b"stopped" in err
+
+
+async def test_a_bad_setting_is_one_line(tmp_path: Path) -> None:
+    code, _, err = await run_cli("serve", env=clean_env(PORT="eighty"), cwd=tmp_path)
+    assert code == 2
+    assert "bad setting: PORT:" in _one_line(err, "serve")
