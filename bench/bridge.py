@@ -10,8 +10,10 @@ Each call: the agent greets (3 s of audio); after 1.5 s the caller talks over it
 caller frame carries a unique 8-byte marker (quiet mu-law codes), so an append received by
 the simulator is matched to the exact frame the caller sent.
 
-Usage: python bench/bridge.py [--levels 1,50,200]. Uses DATABASE_URL / TEST_DATABASE_URL for
-the service, else an embedded PostgreSQL.
+Usage: python bench/bridge.py barge-in [--levels 1,50,200] [--targets ...]: this scripted
+harness; python bench/bridge.py echo [--calls 1,50,100] [--pin] ...: the full-duplex echo
+harness (bench/_echo.py); with no harness named, both. Uses DATABASE_URL / TEST_DATABASE_URL
+for the service, else an embedded PostgreSQL.
 """
 
 from __future__ import annotations
@@ -333,16 +335,12 @@ def table(results: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--levels", default="1,50,200")
-    parser.add_argument("--targets", default="relay,bridge,bridge-20ms")
-    args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+async def barge_in(levels: list[int], targets: list[str]) -> list[LevelResult]:
+    """The scripted-call harness: latency each way, barge-in and CPU per call."""
     results: list[LevelResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for target in args.targets.split(","):
+        for target in targets:
             sim = Simulator(workdir)
             port = free_port()
             proc = start_target(target, port, sim.base_url, workdir)
@@ -358,8 +356,52 @@ async def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                 sim.stop()
-    print(table(results))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="harness")
+    b = sub.add_parser("barge-in", help="scripted calls against the Realtime simulator")
+    b.add_argument("--levels", default="1,50,200")
+    b.add_argument("--targets", default="relay,bridge,bridge-20ms")
+    e = sub.add_parser("echo", help="full duplex against an echo Realtime fake (bench/_echo.py)")
+    e.add_argument("--calls", default="1,50,100")
+    e.add_argument("--targets", default="relay,relay-plain,service")
+    e.add_argument("--seconds", type=float, default=10.0)
+    e.add_argument("--repeat", type=int, default=1)
+    e.add_argument("--pin", action="store_true", help="server on CPU 0, load on CPU 1")
+    e.add_argument(
+        "--no-deflate-offer",
+        action="store_true",
+        help="callers do not offer permessage-deflate (by default they do, as websockets does)",
+    )
+    e.add_argument(
+        "--profile", type=Path, help="py-spy record each server into this directory (raw format)"
+    )
+    args = parser.parse_args()
+    # With no harness named, both run with their defaults.
+    echo_args = args if args.harness == "echo" else e.parse_args([])
+    barge_args = args if args.harness == "barge-in" else b.parse_args([])
+    if args.harness in (None, "echo"):
+        import _echo
+
+        echo_results = _echo.run(
+            echo_args.targets.split(","),
+            [int(x) for x in echo_args.calls.split(",")],
+            echo_args.seconds,
+            echo_args.pin,
+            echo_args.repeat,
+            not echo_args.no_deflate_offer,
+            echo_args.profile,
+        )
+        print(_echo.table(echo_results))
+    if args.harness in (None, "barge-in"):
+        results = asyncio.run(
+            barge_in([int(x) for x in barge_args.levels.split(",")], barge_args.targets.split(","))
+        )
+        print(table(results))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

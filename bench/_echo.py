@@ -1,0 +1,316 @@
+"""The full-duplex echo harness of bench/bridge.py (`python bench/bridge.py echo`).
+
+Per run, three processes: the echo Realtime fake (bench/_echo_realtime.py), the server under
+test (`voice-agent serve`, or the plain-`websockets` relay bench/ws_relay.py), and the load
+generator (bench/_echo_callers.py). Targets alternate within each call count, so the relay
+and the service see the same moment of the machine. With `--pin`, the server runs on CPU 0
+and the echo fake and the load generator on CPU 1 (`taskset`), so the server's CPU use and
+latency are its own: "calls per core".
+
+Targets:
+  relay          plain websockets relay, websockets' defaults (permessage-deflate negotiated)
+  relay-plain    the same relay with compression off on both sockets
+  relay-uvloop   relay-plain on uvloop
+  service        `voice-agent serve` with its defaults
+  service-<N>ms  the service sending agent audio in N ms chunks (TWILIO_MEDIA_CHUNK_MS)
+  service-asyncio  the service on the standard asyncio loop (EVENT_LOOP=asyncio)
+  service-deflate  the service accepting permessage-deflate from callers (WS_DEFLATE=true)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from _stats import pct
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SERVER_CPU = "0"
+LOAD_CPU = "1"
+
+
+@dataclass
+class EchoResult:
+    target: str
+    calls: int
+    pinned: bool
+    data: dict
+    load: str
+
+    @property
+    def streaming(self) -> int:
+        return int(self.data["streaming"])
+
+    @property
+    def cpu_ms_per_call_s(self) -> float:
+        live_s = max(1e-9, self.streaming * self.data["window_s"])
+        return self.data["server_cpu_s"] * 1000 / live_s
+
+    def rtt(self, q: float) -> float:
+        return pct(self.data["rtt_ms"], q)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pin(cmd: list[str], cpu: str, pinned: bool) -> list[str]:
+    return ["taskset", "-c", cpu, *cmd] if pinned else cmd
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, what: str, within: float = 60) -> None:
+    """Until the server completes a WebSocket handshake on /twilio/media (then hang up)."""
+    from websockets.exceptions import InvalidHandshake
+    from websockets.sync.client import connect
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with connect(f"ws://127.0.0.1:{port}/twilio/media", open_timeout=1, close_timeout=1):
+                return
+        except (OSError, TimeoutError, InvalidHandshake):
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start")
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _start_echo(workdir: Path, pinned: bool) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = workdir / f"echo-{uuid.uuid4().hex}.url"
+    proc = subprocess.Popen(
+        _pin([PY, str(ROOT / "bench" / "_echo_realtime.py"), str(port_file)], LOAD_CPU, pinned),
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 30
+    while not port_file.exists() or not port_file.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("echo Realtime fake did not start")
+        time.sleep(0.05)
+    return proc, port_file.read_text().strip()
+
+
+def _start_server(
+    target: str, port: int, echo_url: str, db_url: str | None, workdir: Path, pinned: bool
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "OPENAI_API_KEY": "sk-bench",
+        "OPENAI_BASE_URL": echo_url,
+        "PUBLIC_BASE_URL": f"http://127.0.0.1:{port}",
+        "TWILIO_AUTH_TOKEN": "dev-auth-token",
+        "MAX_LIVE_CALLS": "1000",
+        "LOG_LEVEL": "WARNING",
+        "DATA_DIR": str(workdir / "data"),
+    }
+    if target.startswith("relay"):
+        cmd = [PY, str(ROOT / "bench" / "ws_relay.py"), str(port)]
+        if target in ("relay-plain", "relay-uvloop"):
+            cmd.append("--no-deflate")
+        if target == "relay-uvloop":
+            cmd.append("--uvloop")
+    elif target.startswith("service"):
+        if db_url:
+            env["DATABASE_URL"] = db_url
+        variant = target.removeprefix("service").strip("-")
+        if variant.endswith("ms"):
+            env["TWILIO_MEDIA_CHUNK_MS"] = variant.removesuffix("ms")
+        elif variant == "asyncio":
+            env["EVENT_LOOP"] = "asyncio"
+        elif variant == "deflate":
+            env["WS_DEFLATE"] = "true"
+        elif variant:
+            raise ValueError(f"unknown target {target}")
+        cmd = [str(Path(PY).parent / "voice-agent"), "serve", "--no-worker", "--port", str(port)]
+    else:
+        raise ValueError(f"unknown target {target}")
+    proc = subprocess.Popen(_pin(cmd, SERVER_CPU, pinned), cwd=ROOT, env=env)
+    _wait_ready(proc, port, target)
+    return proc
+
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run_one(
+    target: str,
+    calls: int,
+    seconds: float,
+    pinned: bool,
+    deflate_offer: bool,
+    db_url: str | None,
+    workdir: Path,
+    profile_dir: Path | None = None,
+) -> EchoResult:
+    """One target at one call count: fresh echo fake, fresh server, one load run."""
+    echo, echo_url = _start_echo(workdir, pinned)
+    port = _free_port()
+    server: subprocess.Popen[bytes] | None = None
+    try:
+        server = _start_server(target, port, echo_url, db_url, workdir, pinned)
+        out = workdir / f"result-{uuid.uuid4().hex}.json"
+        load = _loadavg()
+        cmd = [
+            PY,
+            str(ROOT / "bench" / "_echo_callers.py"),
+            "--server",
+            f"http://127.0.0.1:{port}",
+            "--mode",
+            "relay" if target.startswith("relay") else "service",
+            "--calls",
+            str(calls),
+            "--seconds",
+            str(seconds),
+            "--server-pid",
+            str(server.pid),
+            "--echo-pid",
+            str(echo.pid),
+            "--out",
+            str(out),
+        ]
+        if deflate_offer:
+            cmd.append("--deflate")
+        spy: subprocess.Popen[bytes] | None = None
+        load_proc = subprocess.Popen(_pin(cmd, LOAD_CPU, pinned), cwd=ROOT)
+        if profile_dir is not None:
+            # Inside the measuring window: after the ramp (40 calls/s) and the 2 s settle.
+            time.sleep(calls / 40 + 3.0)
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(
+                _pin(
+                    [
+                        str(Path(PY).parent / "py-spy"),
+                        "record",
+                        "--pid",
+                        str(server.pid),
+                        "--duration",
+                        str(int(min(8, max(1, seconds - 2)))),
+                        "--rate",
+                        "200",
+                        "--nonblocking",
+                        "--nolineno",
+                        "--format",
+                        "raw",
+                        "--output",
+                        str(profile_dir / f"{target}-x{calls}.txt"),
+                    ],
+                    LOAD_CPU,
+                    pinned,
+                ),
+                stdout=subprocess.DEVNULL,
+            )
+        if load_proc.wait(600) != 0:
+            raise RuntimeError(f"load generator failed ({load_proc.returncode})")
+        if spy is not None:
+            spy.wait(60)
+        return EchoResult(target, calls, pinned, json.loads(out.read_text()), load)
+    finally:
+        if server is not None:
+            _stop(server)
+        _stop(echo, signal.SIGTERM)
+
+
+def table(results: list[EchoResult]) -> str:
+    lines = [
+        "| target | calls | pinned | streaming | frames sent | lost | RTT p50 ms | p99 ms | max ms "
+        "| server CPU ms per call-s | vs relay | vs relay-plain | media msgs/s per call "
+        "| marks/s per call | load gen CPU % | echo CPU % | loadavg at start |",
+        "|" + "---|" * 17,
+    ]
+    base: dict[tuple[str, int, bool], list[EchoResult]] = {}
+    for r in results:
+        base.setdefault((r.target, r.calls, r.pinned), []).append(r)
+
+    def ratio(r: EchoResult, other: str) -> str:
+        peers = base.get((other, r.calls, r.pinned))
+        if not peers or r.target == other:
+            return "-"
+        mean = sum(p.cpu_ms_per_call_s for p in peers) / len(peers)
+        return f"{r.cpu_ms_per_call_s / mean:.2f}x" if mean else "-"
+
+    for r in results:
+        d = r.data
+        window = d["window_s"]
+        lines.append(
+            f"| {r.target} | {r.calls} | {'yes' if r.pinned else 'no'} | {r.streaming} "
+            f"| {d['sent']} | {d['lost']} | {r.rtt(50):.1f} | {r.rtt(99):.1f} | {r.rtt(100):.1f} "
+            f"| {r.cpu_ms_per_call_s:.2f} | {ratio(r, 'relay')} | {ratio(r, 'relay-plain')} "
+            f"| {d['media_per_call_s']:.1f} | {d['marks_per_call_s']:.1f} "
+            f"| {d['loadgen_cpu_s'] / window * 100:.0f} | {d['echo_cpu_s'] / window * 100:.0f} "
+            f"| {r.load} |"
+        )
+        if d["failed"]:
+            lines.append(f"|  failures: {'; '.join(d['failed'])[:300]} |")
+    return "\n".join(lines)
+
+
+def run(
+    targets: list[str],
+    levels: list[int],
+    seconds: float,
+    pinned: bool,
+    repeat: int,
+    deflate_offer: bool,
+    profile_dir: Path | None = None,
+) -> list[EchoResult]:
+    """Every target at every call count, `repeat` times, alternating targets per count."""
+    server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    db_url: str | None = None
+    dbname = f"bench_echo_{uuid.uuid4().hex[:8]}"
+    results: list[EchoResult] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        if server_url:
+            from app.db import create_database
+
+            db_url = create_database(server_url, dbname)
+        try:
+            for calls in levels:
+                for _ in range(repeat):
+                    for target in targets:
+                        r = run_one(
+                            target,
+                            calls,
+                            seconds,
+                            pinned,
+                            deflate_offer,
+                            db_url,
+                            workdir,
+                            profile_dir,
+                        )
+                        print(
+                            f"{target} x{calls}: {r.streaming} streaming, lost {r.data['lost']}"
+                            f"/{r.data['sent']}, p99 {r.rtt(99):.1f} ms, "
+                            f"{r.cpu_ms_per_call_s:.2f} ms CPU per call-s",
+                            file=sys.stderr,
+                        )
+                        results.append(r)
+        finally:
+            if server_url and db_url:
+                from app.db import drop_database
+
+                drop_database(server_url, dbname)
+    return results
