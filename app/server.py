@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -45,6 +46,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "host": settings.host,
         "port": settings.port,
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
+        "ws_per_message_deflate": settings.ws_deflate,
         "log_config": None,  # keep our redacting handlers
         "lifespan": "on",
         "timeout_graceful_shutdown": 20,
@@ -94,9 +96,27 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     return 0
 
 
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop for `serve`: uvloop unless asked for asyncio's own (or not installed).
+
+    The media path is syscalls and callbacks; uvloop runs them in C (bench/bridge.py echo,
+    target service-asyncio, measures the difference).
+    """
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
+
+
 def run_server(settings: Settings, with_worker: bool) -> int:
     """Entry point of `voice-agent serve`."""
     try:
-        return asyncio.run(serve(settings, with_worker))
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            return runner.run(serve(settings, with_worker))
     except KeyboardInterrupt:
         return 0

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     twilio_media_chunk_ms: int = Field(default=60, ge=20, multiple_of=20)
     # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
     max_ws_frame_bytes: int = 64 * 1024
+    # permessage-deflate on the media socket. Off: compressing every 20 ms base64 frame costs
+    # more CPU than the bytes it saves are worth (bench/bridge.py echo, target service-deflate).
+    ws_deflate: bool = False
+    # The server's event loop: "auto" is uvloop where it is installed, else asyncio's own.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     # SIP (unset SIP_BIND means no SIP listener).
     sip_bind: str | None = None

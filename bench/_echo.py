@@ -15,6 +15,9 @@ Targets:
   service-<N>ms  the service sending agent audio in N ms chunks (TWILIO_MEDIA_CHUNK_MS)
   service-asyncio  the service on the standard asyncio loop (EVENT_LOOP=asyncio)
   service-deflate  the service accepting permessage-deflate from callers (WS_DEFLATE=true)
+  service-before   the service from another source tree, e.g. an earlier commit unpacked with
+                   `git archive REV | tar -x -C DIR`, named by BENCH_BEFORE_TREE=DIR
+                   (its own defaults; same venv)
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from _stats import pct
@@ -45,6 +48,10 @@ class EchoResult:
     pinned: bool
     data: dict
     load: str
+    # Per barge-in (with --barge-in): speech_started sent -> clear at the caller, and the
+    # truncate's audio_end_ms minus the item audio the caller had heard at the clear.
+    clear_ms: list[float] = field(default_factory=list)
+    truncate_error_ms: list[float] = field(default_factory=list)
 
     @property
     def streaming(self) -> int:
@@ -54,6 +61,11 @@ class EchoResult:
     def cpu_ms_per_call_s(self) -> float:
         live_s = max(1e-9, self.streaming * self.data["window_s"])
         return self.data["server_cpu_s"] * 1000 / live_s
+
+    @property
+    def sys_share(self) -> float:
+        total = self.data["server_cpu_s"]
+        return self.data.get("server_sys_s", 0.0) / total if total else 0.0
 
     def rtt(self, q: float) -> float:
         return pct(self.data["rtt_ms"], q)
@@ -98,12 +110,14 @@ def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
         proc.wait(10)
 
 
-def _start_echo(workdir: Path, pinned: bool) -> tuple[subprocess.Popen[bytes], str]:
+def _start_echo(
+    workdir: Path, pinned: bool, barge_after: float | None, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     port_file = workdir / f"echo-{uuid.uuid4().hex}.url"
-    proc = subprocess.Popen(
-        _pin([PY, str(ROOT / "bench" / "_echo_realtime.py"), str(port_file)], LOAD_CPU, pinned),
-        cwd=ROOT,
-    )
+    cmd = [PY, str(ROOT / "bench" / "_echo_realtime.py"), str(port_file), "--log", str(log)]
+    if barge_after is not None:
+        cmd += ["--barge-after", str(barge_after)]
+    proc = subprocess.Popen(_pin(cmd, LOAD_CPU, pinned), cwd=ROOT)
     deadline = time.monotonic() + 30
     while not port_file.exists() or not port_file.read_text():
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -131,6 +145,17 @@ def _start_server(
             cmd.append("--no-deflate")
         if target == "relay-uvloop":
             cmd.append("--uvloop")
+    elif target == "service-before":
+        tree = os.environ.get("BENCH_BEFORE_TREE")
+        if not tree:
+            raise ValueError("service-before needs BENCH_BEFORE_TREE (a source tree)")
+        if db_url:
+            env["DATABASE_URL"] = db_url
+        env["PYTHONPATH"] = tree
+        cmd = [PY, "-m", "app.cli", "serve", "--no-worker", "--port", str(port)]
+        proc = subprocess.Popen(_pin(cmd, SERVER_CPU, pinned), cwd=tree, env=env)
+        _wait_ready(proc, port, target)
+        return proc
     elif target.startswith("service"):
         if db_url:
             env["DATABASE_URL"] = db_url
@@ -164,9 +189,13 @@ def run_one(
     db_url: str | None,
     workdir: Path,
     profile_dir: Path | None = None,
+    barge_in: bool = False,
 ) -> EchoResult:
     """One target at one call count: fresh echo fake, fresh server, one load run."""
-    echo, echo_url = _start_echo(workdir, pinned)
+    echo_log = workdir / f"echo-{uuid.uuid4().hex}.json"
+    # Cut in a second into the measuring window (after the ramp at 40 calls/s and the settle).
+    barge_after = calls / 40 + 3.0 if barge_in else None
+    echo, echo_url = _start_echo(workdir, pinned, barge_after, echo_log)
     port = _free_port()
     server: subprocess.Popen[bytes] | None = None
     try:
@@ -193,11 +222,15 @@ def run_one(
         ]
         if deflate_offer:
             cmd.append("--deflate")
+        window_file = workdir / f"window-{uuid.uuid4().hex}"
+        cmd += ["--window-file", str(window_file)]
         spy: subprocess.Popen[bytes] | None = None
         load_proc = subprocess.Popen(_pin(cmd, LOAD_CPU, pinned), cwd=ROOT)
         if profile_dir is not None:
-            # Inside the measuring window: after the ramp (40 calls/s) and the 2 s settle.
-            time.sleep(calls / 40 + 3.0)
+            while not window_file.exists():  # profile the measuring window only
+                if load_proc.poll() is not None:
+                    break
+                time.sleep(0.05)
             profile_dir.mkdir(parents=True, exist_ok=True)
             spy = subprocess.Popen(
                 _pin(
@@ -226,19 +259,55 @@ def run_one(
             raise RuntimeError(f"load generator failed ({load_proc.returncode})")
         if spy is not None:
             spy.wait(60)
-        return EchoResult(target, calls, pinned, json.loads(out.read_text()), load)
+        result = EchoResult(target, calls, pinned, json.loads(out.read_text()), load)
     finally:
         if server is not None:
             _stop(server)
         _stop(echo, signal.SIGTERM)
+    if barge_in and echo_log.exists():
+        _barge_ins(result, json.loads(echo_log.read_text()))
+    return result
+
+
+def _barge_ins(result: EchoResult, sessions: list[dict]) -> None:
+    clears = result.data.get("clears", {})
+    for session in sessions:
+        started = session["speech_started_at"]
+        heard = [c for c in clears.get(str(session["call"]), []) if started and c[0] >= started]
+        if started is None or not heard:
+            continue
+        t_clear, heard_ms = heard[0]
+        result.clear_ms.append((t_clear - started) * 1000)
+        if session["truncates"]:
+            result.truncate_error_ms.append(session["truncates"][0]["audio_end_ms"] - heard_ms)
+
+
+def _cut(d: dict) -> str:
+    cut = d.get("cut_by_barge_in", 0)
+    return f" (+{cut} cut by barge-in)" if cut else ""
+
+
+def _pair(values: list[float]) -> str:
+    return f"{pct(values, 50):.1f} / {pct(values, 99):.1f}" if values else "-"
+
+
+def _abs3(values: list[float]) -> str:
+    if not values:
+        return "-"
+    absolute = [abs(v) for v in values]
+    worst = max(values, key=abs)
+    return f"{pct(absolute, 50):.1f} / {pct(absolute, 99):.1f} / {worst:+.1f}"
 
 
 def table(results: list[EchoResult]) -> str:
     lines = [
         "| target | calls | pinned | streaming | frames sent | lost | RTT p50 ms | p99 ms | max ms "
-        "| server CPU ms per call-s | vs relay | vs relay-plain | media msgs/s per call "
-        "| marks/s per call | load gen CPU % | echo CPU % | loadavg at start |",
-        "|" + "---|" * 17,
+        "| server CPU ms per call-s (kernel part) | vs relay | vs relay-plain "
+        "| media msgs/s per call "
+        "| marks/s per call | barge-ins | speech_started->clear at caller p50 / p99 ms "
+        "| truncate - heard abs p50 / p99 / worst ms | load gen CPU % | echo CPU % "
+        "| loadavg at start |",
+        "|" + "---|" * 20,
     ]
     base: dict[tuple[str, int, bool], list[EchoResult]] = {}
     for r in results:
@@ -256,9 +325,12 @@ def table(results: list[EchoResult]) -> str:
         window = d["window_s"]
         lines.append(
             f"| {r.target} | {r.calls} | {'yes' if r.pinned else 'no'} | {r.streaming} "
-            f"| {d['sent']} | {d['lost']} | {r.rtt(50):.1f} | {r.rtt(99):.1f} | {r.rtt(100):.1f} "
-            f"| {r.cpu_ms_per_call_s:.2f} | {ratio(r, 'relay')} | {ratio(r, 'relay-plain')} "
+            f"| {d['sent']} | {d['lost']}{_cut(d)} "
+            f"| {r.rtt(50):.1f} | {r.rtt(99):.1f} | {r.rtt(100):.1f} "
+            f"| {r.cpu_ms_per_call_s:.2f} ({r.sys_share * 100:.0f}% kernel) "
+            f"| {ratio(r, 'relay')} | {ratio(r, 'relay-plain')} "
             f"| {d['media_per_call_s']:.1f} | {d['marks_per_call_s']:.1f} "
+            f"| {len(r.clear_ms) or '-'} | {_pair(r.clear_ms)} | {_abs3(r.truncate_error_ms)} "
             f"| {d['loadgen_cpu_s'] / window * 100:.0f} | {d['echo_cpu_s'] / window * 100:.0f} "
             f"| {r.load} |"
         )
@@ -275,6 +347,7 @@ def run(
     repeat: int,
     deflate_offer: bool,
     profile_dir: Path | None = None,
+    barge_in: bool = False,
 ) -> list[EchoResult]:
     """Every target at every call count, `repeat` times, alternating targets per count."""
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
@@ -300,6 +373,7 @@ def run(
                             db_url,
                             workdir,
                             profile_dir,
+                            barge_in,
                         )
                         print(
                             f"{target} x{calls}: {r.streaming} streaming, lost {r.data['lost']}"

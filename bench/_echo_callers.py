@@ -36,9 +36,15 @@ SLOTS = 20  # callers are spread over the 20 ms period, one slot per millisecond
 TAIL = base64.b64encode(b"\xff" * (FRAME_BYTES - 6)).decode()  # mu-law silence
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all threads, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
 
 
 class Window:
@@ -67,6 +73,8 @@ class Caller:
         self.mark_msgs = 0
         self.other_msgs = 0
         self.playout_end = 0.0
+        self.queued_bytes = 0  # agent audio received since the stream began or the last clear
+        self.clears: list[tuple[float, float]] = []  # (when, ms of the item heard by then)
         self.t0 = 0.0
         self.twilio_seq = 2
 
@@ -131,6 +139,7 @@ class Caller:
                 if seq < len(self.sent) and window.inside(self.sent[seq]):
                     self.got.setdefault(seq, now - self.sent[seq])
             self.playout_end = max(self.playout_end, now) + len(audio) / 8000
+            self.queued_bytes += len(audio)
         elif event == "mark":
             self.mark_msgs += counted
             name = msg["mark"]["name"]
@@ -140,6 +149,10 @@ class Caller:
                 self.run.schedule_mark(self.playout_end, self, name)
         elif event == "clear":
             self.other_msgs += 1
+            # Twilio drops what it had not played yet: the item was heard up to here.
+            unplayed = max(0.0, self.playout_end - now) * 8000
+            self.clears.append((now, (self.queued_bytes - unplayed) / 8))
+            self.queued_bytes = 0
             self.playout_end = now
             self.run.flush_marks(self)
         else:
@@ -261,6 +274,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--echo-pid", type=int)
     parser.add_argument("--deflate", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--window-file", help="created when the measuring window opens")
     return parser.parse_args()
 
 
@@ -276,13 +290,15 @@ async def main(args: argparse.Namespace) -> dict:
     failed = [repr(r) for r in results if isinstance(r, BaseException)]
     ramp_s = time.monotonic() - t_ramp
     await asyncio.sleep(args.settle)
-    cpu0 = cpu_seconds(args.server_pid)
+    user0, sys0 = cpu_times(args.server_pid)
     echo0 = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
     self0 = time.process_time()
     run.window.start = time.monotonic()
+    if args.window_file:
+        await asyncio.to_thread(Path(args.window_file).touch)
     await asyncio.sleep(args.seconds)
     run.window.end = time.monotonic()
-    cpu1 = cpu_seconds(args.server_pid)
+    user1, sys1 = cpu_times(args.server_pid)
     echo1 = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
     self1 = time.process_time()
     window_s = run.window.end - run.window.start
@@ -293,12 +309,20 @@ async def main(args: argparse.Namespace) -> dict:
         caller.stop()
     await asyncio.sleep(0.2)
     rtts: list[float] = []
-    sent = lost = 0
+    sent = lost = cut = 0
     media_msgs = mark_msgs = 0
     for caller in run.callers:
         in_window = [seq for seq, t in enumerate(caller.sent) if run.window.inside(t)]
         sent += len(in_window)
-        lost += sum(1 for seq in in_window if seq not in caller.got)
+        for seq in in_window:
+            if seq in caller.got:
+                continue
+            t = caller.sent[seq]
+            # Audio still queued in the server when the caller cut in is dropped, as it must be.
+            if any(t_clear - 0.5 <= t <= t_clear for t_clear, _ in caller.clears):
+                cut += 1
+            else:
+                lost += 1
         rtts.extend(v * 1000 for v in caller.got.values())
         media_msgs += caller.media_msgs
         mark_msgs += caller.mark_msgs
@@ -312,8 +336,11 @@ async def main(args: argparse.Namespace) -> dict:
         "window_s": window_s,
         "sent": sent,
         "lost": lost,
+        "cut_by_barge_in": cut,
+        "clears": {str(c.index): c.clears for c in run.callers if c.clears},
         "rtt_ms": sorted(rtts),
-        "server_cpu_s": cpu1 - cpu0,
+        "server_cpu_s": user1 - user0 + sys1 - sys0,
+        "server_sys_s": sys1 - sys0,
         "echo_cpu_s": echo1 - echo0,
         "loadgen_cpu_s": self1 - self0,
         "late_ticks": run.late_ticks,
