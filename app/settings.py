@@ -50,10 +50,10 @@ class Settings(BaseSettings):
 
     # Capacity: calls beyond this per process hear a busy message instead.
     max_live_calls: int = 50
-    # Agent audio goes to Twilio in chunks of this many ms, each followed by a mark. 20 ms
-    # confirms every frame; 60 ms sends a third of the messages, which bench/bridge.py shows
-    # is what keeps `clear` as fast as a bare relay's at 50 calls, while the tracker
-    # interpolates between marks (truncation stays within a frame in the e2e tests).
+    # Agent audio goes to Twilio as it arrives, in media frames of at most this many ms, and a
+    # mark closes every this-many ms of audio (and an item's last audio). 20 ms marks every
+    # frame; 60 ms sends a third of the marks, and the tracker interpolates between them
+    # (bench/bridge.py echo --barge-in measures truncation error against the audio heard).
     twilio_media_chunk_ms: int = Field(default=60, ge=20, multiple_of=20)
     # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
     max_ws_frame_bytes: int = 64 * 1024
