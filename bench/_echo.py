@@ -180,6 +180,31 @@ def _loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def _busy_share(seconds: float = 2.0) -> float:
+    """The machine's CPU use (0..1, all cores) over the next `seconds`, from /proc/stat."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields), idle
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_quiet(limit: float, patience_s: float) -> float:
+    """Wait (up to `patience_s`) until others use under `limit` of the machine; returns the
+    share measured last. The machine is shared: numbers taken under load mean little."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        busy = _busy_share()
+        if busy < limit or time.monotonic() > deadline:
+            return busy
+        time.sleep(3.0)
+
+
 def run_one(
     target: str,
     calls: int,
@@ -190,8 +215,10 @@ def run_one(
     workdir: Path,
     profile_dir: Path | None = None,
     barge_in: bool = False,
+    quiet: tuple[float, float] | None = None,
 ) -> EchoResult:
     """One target at one call count: fresh echo fake, fresh server, one load run."""
+    busy = wait_for_quiet(*quiet) if quiet else _busy_share(1.0)
     echo_log = workdir / f"echo-{uuid.uuid4().hex}.json"
     # Cut in a second into the measuring window (after the ramp at 40 calls/s and the settle).
     barge_after = calls / 40 + 3.0 if barge_in else None
@@ -201,7 +228,7 @@ def run_one(
     try:
         server = _start_server(target, port, echo_url, db_url, workdir, pinned)
         out = workdir / f"result-{uuid.uuid4().hex}.json"
-        load = _loadavg()
+        load = f"{_loadavg()}, others {busy * 100:.0f}% busy"
         cmd = [
             PY,
             str(ROOT / "bench" / "_echo_callers.py"),
@@ -306,7 +333,7 @@ def table(results: list[EchoResult]) -> str:
         "| media msgs/s per call "
         "| marks/s per call | barge-ins | speech_started->clear at caller p50 / p99 ms "
         "| truncate - heard abs p50 / p99 / worst ms | load gen CPU % | echo CPU % "
-        "| loadavg at start |",
+        "| load at start (1/5/15 min; machine busy just before) |",
         "|" + "---|" * 20,
     ]
     base: dict[tuple[str, int, bool], list[EchoResult]] = {}
@@ -348,6 +375,7 @@ def run(
     deflate_offer: bool,
     profile_dir: Path | None = None,
     barge_in: bool = False,
+    quiet: tuple[float, float] | None = None,
 ) -> list[EchoResult]:
     """Every target at every call count, `repeat` times, alternating targets per count."""
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
@@ -374,6 +402,7 @@ def run(
                             workdir,
                             profile_dir,
                             barge_in,
+                            quiet,
                         )
                         print(
                             f"{target} x{calls}: {r.streaming} streaming, lost {r.data['lost']}"

@@ -421,6 +421,13 @@ def main() -> None:
         action="store_true",
         help="each call's caller cuts in once inside the window (clear latency, truncate error)",
     )
+    e.add_argument(
+        "--quiet",
+        type=float,
+        metavar="SHARE",
+        help="before each run wait (up to --patience s) until the machine is under SHARE busy",
+    )
+    e.add_argument("--patience", type=float, default=180.0)
     args = parser.parse_args()
     # With no harness named, both run with their defaults.
     echo_args = args if args.harness == "echo" else e.parse_args([])
@@ -437,6 +444,7 @@ def main() -> None:
             not echo_args.no_deflate_offer,
             echo_args.profile,
             echo_args.barge_in,
+            (echo_args.quiet, echo_args.patience) if echo_args.quiet else None,
         )
         print(_echo.table(echo_results))
     if args.harness in (None, "barge-in"):
