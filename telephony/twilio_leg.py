@@ -211,7 +211,8 @@ class TwilioLeg:
     # Send side.
 
     async def play(self, item_id: str, payload: str) -> None:
-        """Queue agent audio in chunks, each followed by a mark; never waits on the socket."""
+        """Queue agent audio in frames of at most a chunk, a mark closing every chunk of it;
+        never waits on the socket."""
         if self._closed or not payload:
             return
         if self._pending_item != item_id:
