@@ -397,6 +397,8 @@ async def barge_in(levels: list[int], targets: list[str]) -> list[LevelResult]:
 
 
 def main() -> None:
+    # A stopped run still drops its scratch database and stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="harness")
     b = sub.add_parser("barge-in", help="scripted calls against the Realtime simulator")
