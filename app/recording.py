@@ -66,7 +66,7 @@ class CallRecorder:
         # (arrival s, stream timestamp ms or None, payload bytes or base64 text)
         self._caller: list[tuple[float, int | None, bytes | str]] = []
         # (at s, audio bytes); empty audio marks a clear
-        self._agent: list[tuple[float, bytes]] = []
+        self._agent: list[tuple[float, bytes | str]] = []
         self.truncated = False
 
     def _full(self, now: float) -> bool:
@@ -81,8 +81,8 @@ class CallRecorder:
         if not self._full(now):
             self._caller.append((now, timestamp_ms, payload))
 
-    def agent_audio(self, audio: bytes) -> None:
-        """Agent audio handed to the leg to play."""
+    def agent_audio(self, audio: bytes | str) -> None:
+        """Agent audio handed to the leg to play (G.711 bytes, or the delta's base64 text)."""
         now = self._clock()
         if audio and not self._full(now):
             self._agent.append((now, audio))
@@ -130,8 +130,9 @@ class CallRecorder:
         """(start sample, G.711 bytes) of agent audio as played, cut at each clear."""
         placed: list[tuple[int, bytes]] = []
         cursor = 0  # where the audio queued so far ends, in samples
-        for at, data in self._agent:
+        for at, payload in self._agent:
             now = max(0, round((at - self.started) * RATE))
+            data = self._g711(payload)
             if not data:  # a clear: nothing after `now` was ever heard
                 placed = [
                     (start, chunk if start + len(chunk) <= now else chunk[: now - start])
@@ -185,12 +186,12 @@ class RecordingLeg:
         record = self.recorder.caller_audio
         async for event in self.inner.events():
             if type(event) is AudioIn:
-                record(event.audio, event.timestamp_ms)
+                record(event.payload, event.timestamp_ms)  # decoded at the end, off the loop
             yield event
 
-    async def play(self, item_id: str, audio: bytes) -> None:
-        self.recorder.agent_audio(audio)
-        await self.inner.play(item_id, audio)
+    async def play(self, item_id: str, payload: str) -> None:
+        self.recorder.agent_audio(payload)
+        await self.inner.play(item_id, payload)
 
     async def clear(self) -> None:
         self.recorder.cleared()

@@ -56,13 +56,18 @@ class Settings(BaseSettings):
     # On SIGTERM/SIGINT, live calls may go on for this long (new calls hear busy, /readyz
     # fails); the rest are then ended. Keep it under the orchestrator's grace period.
     drain_timeout_s: float = Field(default=30.0, ge=0)
-    # Agent audio goes to Twilio in chunks of this many ms, each followed by a mark. 20 ms
-    # confirms every frame; 60 ms sends a third of the messages, which bench/bridge.py shows
-    # is what keeps `clear` as fast as a bare relay's at 50 calls, while the tracker
-    # interpolates between marks (truncation stays within a frame in the e2e tests).
+    # Agent audio goes to Twilio as it arrives, in media frames of at most this many ms, and a
+    # mark closes every this-many ms of audio (and an item's last audio). 20 ms marks every
+    # frame; 60 ms sends a third of the marks, and the tracker interpolates between them
+    # (bench/bridge.py echo --barge-in measures truncation error against the audio heard).
     twilio_media_chunk_ms: int = Field(default=60, ge=20, multiple_of=20)
     # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
     max_ws_frame_bytes: int = 64 * 1024
+    # permessage-deflate on the media socket. Off: compressing every 20 ms base64 frame costs
+    # more CPU than the bytes it saves are worth (bench/bridge.py echo, target service-deflate).
+    ws_deflate: bool = False
+    # The server's event loop: "auto" is uvloop where it is installed, else asyncio's own.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     # SIP (unset SIP_BIND means no SIP listener): `host:port` for UDP and TCP.
     sip_bind: str | None = None

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.exc import DataError, DBAPIError
@@ -24,10 +25,12 @@ from sqlalchemy.exc import DataError, DBAPIError
 from app import call_store
 from app.call_store import CallStatus
 from app.media_session import CallSink
+from app.recording import RecordingLeg
 from app.runtime import Runtime
 from app.settings import Settings
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.leg import CallLeg
 from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList
 from telephony.sip.dialog import CallKey
 from telephony.sip.digest import DigestAuth, parse_users
@@ -317,9 +320,21 @@ class SipService:
             from_number=incoming.from_user,
             to_number=incoming.to_user,
         )
-        bridge = Bridge(leg, ctx, runtime.gateway, sink, runtime.bridge_config, runtime.openai)
+        # Recording taps the leg between it and the bridge, as on the Twilio path.
+        recordings = runtime.console.recordings if runtime.console is not None else None
+        recorder = recordings.start(leg.audio_format) if recordings is not None else None
+        bridge_leg: CallLeg = RecordingLeg(leg, recorder) if recorder is not None else leg
+        bridge = Bridge(
+            bridge_leg,
+            ctx,
+            runtime.gateway,
+            sink,
+            runtime.bridge_config,
+            runtime.openai,
+            announcements=runtime.delivery,
+        )
         pending.bridge = bridge
-        entry = runtime.registry.attach(key.call_id, call_id, bridge)
+        entry = runtime.registry.attach(key.call_id, call_id, bridge, incoming.from_user)
         started = time.monotonic()
         run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{call_id}")
         answered = False
@@ -341,7 +356,12 @@ class SipService:
                 direction = ANSWER_DIRECTION[remote.direction] if remote else "sendrecv"
                 leg.answered(remote, direction)
                 await call_store.transition(
-                    runtime.engine, call_id, CallStatus.IN_PROGRESS, stream_sid=None
+                    runtime.engine,
+                    call_id,
+                    CallStatus.IN_PROGRESS,
+                    stream_sid=None,
+                    holder=runtime.holder,
+                    heartbeat_at=datetime.now(UTC),
                 )
                 sink.emit(
                     CallEvent(
@@ -372,9 +392,17 @@ class SipService:
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await run
-            runtime.registry.detach(entry)
-            reason = entry.end_reason or sink.end_reason or "ended"
-            await self._finish(call_id, status, reason, emit_end=sink.end_reason is None)
+            try:
+                if runtime.delivery is not None:
+                    # What the caller heard of an announcement is durable before the call's
+                    # end hands whatever was not heard to SMS.
+                    await runtime.delivery.flush(call_id)
+                reason = entry.end_reason or sink.end_reason or "ended"
+                await self._finish(call_id, status, reason, emit_end=sink.end_reason is None)
+                if recorder is not None and recordings is not None and answered:
+                    await recordings.finish(call_id, recorder)
+            finally:
+                runtime.registry.detach(entry)
 
     async def _finish(
         self, call_id: str, status: CallStatus, reason: str, *, emit_end: bool = True

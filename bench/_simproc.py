@@ -33,10 +33,13 @@ def dump(sim: RealtimeSimulator, path: Path) -> None:
     sessions = []
     for session in sim.sessions:
         appends: list[tuple[float, str]] = []
+        truncates: list[tuple[float, str, int]] = []
         for t, event in session.received:
             if event.get("type") == "input_audio_buffer.append":
                 marker = base64.b64decode(event.get("audio", ""))[:8]
                 appends.append((t, marker.hex()))
+            elif event.get("type") == "conversation.item.truncate":
+                truncates.append((t, str(event.get("item_id")), int(event["audio_end_ms"])))
         deltas: list[tuple[float, str, int]] = []
         speech: list[float] = []
         for t, event in session.sent:
@@ -45,7 +48,9 @@ def dump(sim: RealtimeSimulator, path: Path) -> None:
                 deltas.append((t, event["response_id"], len(base64.b64decode(event["delta"]))))
             elif kind == "input_audio_buffer.speech_started":
                 speech.append(t)
-        sessions.append({"appends": appends, "deltas": deltas, "speech_started": speech})
+        sessions.append(
+            {"appends": appends, "deltas": deltas, "speech_started": speech, "truncates": truncates}
+        )
     path.write_text(json.dumps(sessions))
 
 

@@ -10,8 +10,10 @@ Each call: the agent greets (3 s of audio); after 1.5 s the caller talks over it
 caller frame carries a unique 8-byte marker (quiet mu-law codes), so an append received by
 the simulator is matched to the exact frame the caller sent.
 
-Usage: python bench/bridge.py [--levels 1,50,200]. Uses DATABASE_URL / TEST_DATABASE_URL for
-the service, else an embedded PostgreSQL.
+Usage: python bench/bridge.py barge-in [--levels 1,50,200] [--targets ...]: this scripted
+harness; python bench/bridge.py echo [--calls 1,50,100] [--pin] ...: the full-duplex echo
+harness (bench/_echo.py); with no harness named, both. Uses DATABASE_URL / TEST_DATABASE_URL
+for the service, else an embedded PostgreSQL.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ TAIL = 50  # 1 s
 WARMUP_FRAMES = 25  # frames sent while the Realtime session opens are not "per-frame" latency
 CALL_S = (SILENCE_1 + SPEECH + SILENCE_2 + TAIL) * 0.02
 QUIET = [0xF8 + d for d in range(8)]  # mu-law codes within a few LSB of zero
+
+
+# A throwaway database on the DATABASE_URL / TEST_DATABASE_URL server, for this run only.
+SCRATCH_DB: list[str] = []
 
 
 def marker(call: int, frame: int) -> bytes:
@@ -93,6 +99,9 @@ class LevelResult:
     clear_ms: list[float] = field(default_factory=list)
     heard_after_ms: list[float] = field(default_factory=list)
     cpu_per_call: float = float("nan")
+    # conversation.item.truncate's audio_end_ms minus the greeting audio the caller had heard
+    # when the clear reached it (what the model is told was heard vs what was).
+    truncate_error_ms: list[float] = field(default_factory=list)
     # The bridge's own measure (BARGE_IN events): from handling speech_started to `clear`
     # written to the socket; excludes time the event waited behind earlier ones.
     server_clear_ms: list[float] = field(default_factory=list)
@@ -144,10 +153,15 @@ def start_target(target: str, port: int, sim_url: str, workdir: Path) -> subproc
         "LOG_LEVEL": "WARNING",
         "DATA_DIR": str(workdir / "data"),
     }
-    db = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
-    if db:
-        env["DATABASE_URL"] = db
-    if target.startswith("bridge"):
+    if SCRATCH_DB:
+        env["DATABASE_URL"] = SCRATCH_DB[0]
+    cwd = ROOT
+    if target == "bridge-before":
+        # The service from another source tree (BENCH_BEFORE_TREE), with its own defaults.
+        cwd = Path(os.environ["BENCH_BEFORE_TREE"])
+        env["PYTHONPATH"] = str(cwd)
+        cmd = [PY, "-m", "app.cli", "serve", "--no-worker", "--port", str(port)]
+    elif target.startswith("bridge"):
         # "bridge" runs the default settings; "bridge-20ms" sends agent audio in 20 ms chunks
         # (a mark each), "bridge-100ms" in 100 ms chunks.
         chunk = target.removeprefix("bridge").strip("-").removesuffix("ms")
@@ -156,7 +170,7 @@ def start_target(target: str, port: int, sim_url: str, workdir: Path) -> subproc
         cmd = [str(Path(PY).parent / "voice-agent"), "serve", "--no-worker", "--port", str(port)]
     else:
         cmd = [PY, str(ROOT / "bench" / "bare_relay.py"), str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -241,6 +255,9 @@ def analyse(
             result.heard_after_ms.append(
                 caller.heard_ms_after(onset) - caller.heard_ms_after(clear_t)
             )
+            if session.get("truncates"):
+                heard = caller.heard_ms - caller.heard_ms_after(clear_t)
+                result.truncate_error_ms.append(session["truncates"][0][2] - heard)
 
 
 async def run_level(target: str, url: str, calls: int, sim: Simulator, pid: int) -> LevelResult:
@@ -279,7 +296,7 @@ async def server_clear_latencies(call_sids: list[str]) -> list[float]:
 
     from app.db import plain_url
 
-    url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    url = SCRATCH_DB[0] if SCRATCH_DB else None
     if not url or not call_sids:
         return []
     await asyncio.sleep(1.0)  # the event writer flushes at call end; give it a moment
@@ -298,20 +315,29 @@ def _pair(values: list[float]) -> str:
     return f"{pct(values, 50):.2f} / {pct(values, 99):.2f}"
 
 
+def _truncate_error(values: list[float]) -> str:
+    if not values:
+        return "-"
+    absolute = [abs(v) for v in values]
+    worst = max(values, key=abs)
+    return f"{pct(absolute, 50):.1f} / {pct(absolute, 99):.1f} / {worst:+.1f}"
+
+
 def table(results: list[LevelResult]) -> str:
     head = (
         "| target | calls | ok | up p50 ms | up p99 ms | down p50 ms | down p99 ms | "
         "speech_started->clear p50 ms | p99 ms | heard after barge-in p50 ms | p99 ms | "
-        "CPU per call (% of a core) | in-bridge speech_started->clear sent p50/p99 ms |"
+        "CPU per call (% of a core) | in-bridge speech_started->clear sent p50/p99 ms "
+        "| truncate - heard p50 / p99 of abs / max ms |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in results:
         lines.append(
             f"| {r.target} | {r.calls} | {r.ok} | {pct(r.up_ms, 50):.1f} | {pct(r.up_ms, 99):.1f} "
             f"| {pct(r.down_ms, 50):.1f} | {pct(r.down_ms, 99):.1f} | {pct(r.clear_ms, 50):.1f} "
             f"| {pct(r.clear_ms, 99):.1f} | {pct(r.heard_after_ms, 50):.0f} "
             f"| {pct(r.heard_after_ms, 99):.0f} | {r.cpu_per_call:.2f} "
-            f"| {_pair(r.server_clear_ms)} |"
+            f"| {_pair(r.server_clear_ms)} | {_truncate_error(r.truncate_error_ms)} |"
         )
     by = {(r.target, r.calls): r for r in results}
     lines.append("")
@@ -333,33 +359,102 @@ def table(results: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--levels", default="1,50,200")
-    parser.add_argument("--targets", default="relay,bridge,bridge-20ms")
-    args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+async def barge_in(levels: list[int], targets: list[str]) -> list[LevelResult]:
+    """The scripted-call harness: latency each way, barge-in and CPU per call."""
     results: list[LevelResult] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        for target in args.targets.split(","):
-            sim = Simulator(workdir)
-            port = free_port()
-            proc = start_target(target, port, sim.base_url, workdir)
-            try:
-                for calls in levels:
-                    r = await run_level(target, f"http://127.0.0.1:{port}", calls, sim, proc.pid)
-                    print(f"{target} x{calls}: {r.ok}/{calls} calls ok", file=sys.stderr)
-                    results.append(r)
-            finally:
-                proc.send_signal(signal.SIGINT)
+    server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    dbname = f"bench_bridge_{os.getpid()}"
+    if server_url:
+        from app.db import create_database
+
+        SCRATCH_DB.append(await asyncio.to_thread(create_database, server_url, dbname))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp)
+            for target in targets:
+                sim = Simulator(workdir)
+                port = free_port()
+                proc = start_target(target, port, sim.base_url, workdir)
                 try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                sim.stop()
-    print(table(results))
+                    for calls in levels:
+                        url = f"http://127.0.0.1:{port}"
+                        r = await run_level(target, url, calls, sim, proc.pid)
+                        print(f"{target} x{calls}: {r.ok}/{calls} calls ok", file=sys.stderr)
+                        results.append(r)
+                finally:
+                    proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    sim.stop()
+    finally:
+        if server_url:
+            from app.db import drop_database
+
+            await asyncio.to_thread(drop_database, server_url, dbname)
+    return results
+
+
+def main() -> None:
+    # A stopped run still drops its scratch database and stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="harness")
+    b = sub.add_parser("barge-in", help="scripted calls against the Realtime simulator")
+    b.add_argument("--levels", default="1,50,200")
+    b.add_argument("--targets", default="relay,bridge,bridge-20ms")
+    e = sub.add_parser("echo", help="full duplex against an echo Realtime fake (bench/_echo.py)")
+    e.add_argument("--calls", default="1,50,100")
+    e.add_argument("--targets", default="relay,relay-plain,service")
+    e.add_argument("--seconds", type=float, default=10.0)
+    e.add_argument("--repeat", type=int, default=1)
+    e.add_argument("--pin", action="store_true", help="server on CPU 0, load on CPU 1")
+    e.add_argument(
+        "--no-deflate-offer",
+        action="store_true",
+        help="callers do not offer permessage-deflate (by default they do, as websockets does)",
+    )
+    e.add_argument(
+        "--profile", type=Path, help="py-spy record each server into this directory (raw format)"
+    )
+    e.add_argument(
+        "--barge-in",
+        action="store_true",
+        help="each call's caller cuts in once inside the window (clear latency, truncate error)",
+    )
+    e.add_argument(
+        "--quiet",
+        type=float,
+        metavar="SHARE",
+        help="before each run wait (up to --patience s) until the machine is under SHARE busy",
+    )
+    e.add_argument("--patience", type=float, default=180.0)
+    args = parser.parse_args()
+    # With no harness named, both run with their defaults.
+    echo_args = args if args.harness == "echo" else e.parse_args([])
+    barge_args = args if args.harness == "barge-in" else b.parse_args([])
+    if args.harness in (None, "echo"):
+        import _echo
+
+        echo_results = _echo.run(
+            echo_args.targets.split(","),
+            [int(x) for x in echo_args.calls.split(",")],
+            echo_args.seconds,
+            echo_args.pin,
+            echo_args.repeat,
+            not echo_args.no_deflate_offer,
+            echo_args.profile,
+            echo_args.barge_in,
+            (echo_args.quiet, echo_args.patience) if echo_args.quiet else None,
+        )
+        print(_echo.table(echo_results))
+    if args.harness in (None, "barge-in"):
+        results = asyncio.run(
+            barge_in([int(x) for x in barge_args.levels.split(",")], barge_args.targets.split(","))
+        )
+        print(table(results))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

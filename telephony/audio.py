@@ -133,6 +133,16 @@ def duration_ms(num_bytes: int, codec: Codec = "pcmu", rate: int = TELEPHONY_RAT
     return num_bytes * 1000 / (_SAMPLE_WIDTH[codec] * rate)
 
 
+def base64_size(payload: str) -> int:
+    """Bytes encoded by canonical base64 text, without decoding it."""
+    size = len(payload) // 4 * 3
+    if payload.endswith("=="):
+        return size - 2
+    if payload.endswith("="):
+        return size - 1
+    return size
+
+
 def silence_byte(codec: Codec) -> int:
     """The byte value that encodes silence (for PCM16, both bytes of a zero sample)."""
     return {"pcmu": MULAW_SILENCE, "pcma": ALAW_SILENCE, "pcm16": 0}[codec]

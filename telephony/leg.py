@@ -1,7 +1,15 @@
-"""The call-leg seam: what the bridge needs from a phone leg (Twilio stream, SIP/RTP)."""
+"""The call-leg seam: what the bridge needs from a phone leg (Twilio stream, SIP/RTP).
+
+Audio crosses this seam as base64 text in both directions, because that is what the Realtime
+API carries (`input_audio_buffer.append.audio`, `response.output_audio.delta.delta`): a leg
+whose wire is base64 too (Twilio Media Streams) passes it through without decoding or
+re-encoding, and a leg whose wire is bytes (RTP) converts exactly once each way, which it would
+have to do anyway. Payloads are canonical base64 of G.711 in the leg's `audio_format`.
+"""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -11,12 +19,27 @@ from telephony.playback import PlaybackTracker
 AudioFormat = Literal["audio/pcmu", "audio/pcma"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per 20 ms frame, and a frozen one costs 3x to build
 class AudioIn:
-    """Caller audio in the leg's codec (8 kHz G.711), one frame."""
+    """Caller audio in the leg's codec (8 kHz G.711), one frame, as base64 text.
 
-    audio: bytes
+    The bridge splices `payload` into the append frame as is, so it must be canonical base64
+    (its alphabet needs no JSON escaping): a Twilio payload that decoded cleanly, or what
+    `AudioIn.of_bytes` makes from an RTP payload.
+    """
+
+    payload: str
     timestamp_ms: int
+
+    @classmethod
+    def of_bytes(cls, audio: bytes, timestamp_ms: int) -> AudioIn:
+        """A frame from raw G.711 bytes (an RTP payload): encoded once, here."""
+        return cls(base64.b64encode(audio).decode("ascii"), timestamp_ms)
+
+    @property
+    def audio(self) -> bytes:
+        """The G.711 bytes (decoded on each access: not for the hot path)."""
+        return base64.b64decode(self.payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +69,14 @@ class CallLeg(Protocol):
         """Caller events until the leg closes (ends with LegClosed)."""
         ...
 
-    async def play(self, item_id: str, audio: bytes) -> None:
-        """Queue agent audio of `item_id` for the caller; returns without waiting for playout."""
+    async def play(self, item_id: str, payload: str) -> None:
+        """Queue agent audio of `item_id` for the caller; returns without waiting for playout.
+
+        `payload` is canonical base64 of G.711 in `audio_format`, as the Realtime API sends
+        it: Twilio forwards it untouched when it fits one outbound chunk; an RTP leg decodes
+        it once (`base64.b64decode`) into its playout queue. `telephony.audio.base64_size`
+        gives its length in bytes without decoding.
+        """
         ...
 
     async def clear(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class _Item:
+    index: int  # position in the tracker's order
     queued_ms: float = 0.0  # audio handed to the leg for playout
     played_ms: float = 0.0  # audio the leg confirmed as played (mark echo, RTP sent)
     confirmed_at: float = 0.0  # clock() when played_ms was last confirmed
@@ -28,6 +29,9 @@ class PlaybackTracker:
         self._clock = clock
         self._items: dict[str, _Item] = {}
         self._order: list[str] = []
+        # Items before this index in `_order` have all their audio confirmed played, so the
+        # per-chunk lookups start here instead of at the call's first item.
+        self._head = 0
         self.epoch = 0
         self._playing_since: float | None = None  # clock() when unconfirmed audio was queued
 
@@ -35,8 +39,10 @@ class PlaybackTracker:
         """Record `ms` of audio of `item_id` handed to the leg; returns (epoch, end offset)."""
         item = self._items.get(item_id)
         if item is None:
-            item = self._items[item_id] = _Item(confirmed_at=self._clock())
+            item = self._items[item_id] = _Item(len(self._order), confirmed_at=self._clock())
             self._order.append(item_id)
+        elif item.index < self._head:
+            self._head = item.index  # more audio for an item that had finished
         if not self.is_playing():
             # Playout of this chunk starts now; interpolation counts from here.
             item.confirmed_at = self._clock()
@@ -57,10 +63,8 @@ class PlaybackTracker:
             item.played_ms = min(upto_ms, item.queued_ms)
             item.confirmed_at = now
         # Earlier items are finished once a later item plays.
-        for other_id in self._order:
-            if other_id == item_id:
-                break
-            other = self._items[other_id]
+        for position in range(self._head, item.index):
+            other = self._items[self._order[position]]
             other.played_ms = other.queued_ms
         if item.played_ms >= item.queued_ms:
             # The next item queued behind this one starts playing now, not when it was queued.
@@ -114,10 +118,16 @@ class PlaybackTracker:
 
     def current_item(self) -> str | None:
         """The first item with audio still waiting to be confirmed played."""
-        for item_id in self._order:
-            item = self._items[item_id]
+        order, items = self._order, self._items
+        position = self._head
+        while position < len(order):
+            item_id = order[position]
+            item = items[item_id]
             if item.played_ms < item.queued_ms:
+                self._head = position
                 return item_id
+            position += 1
+        self._head = position
         return None
 
     def is_playing(self) -> bool:

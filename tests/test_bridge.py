@@ -214,7 +214,8 @@ class FakeLeg:
             if isinstance(event, LegClosed):
                 return
 
-    async def play(self, item_id: str, audio: bytes) -> None:
+    async def play(self, item_id: str, payload: str) -> None:
+        audio = base64.b64decode(payload)  # as an RTP leg would
         now = time.monotonic()
         self.plays.append(Played(item_id, audio, now))
         for offset in range(0, len(audio), FRAME):
@@ -276,13 +277,13 @@ class FakeLeg:
 
     def speak(self, ms: int) -> None:
         for i in range(ms // 20):
-            self.inbox.put_nowait(AudioIn(bytes([0x10]) * FRAME, i * 20))
+            self.inbox.put_nowait(AudioIn.of_bytes(bytes([0x10]) * FRAME, i * 20))
 
     def say(self, speech_ms: int, then_silence_ms: int = 800) -> None:
         """Speech-like caller audio then silence, which the simulator's VAD detects."""
         clip = audio.speech_like_mulaw(speech_ms) + audio.silence(then_silence_ms)
         for offset in range(0, len(clip) - FRAME + 1, FRAME):
-            self.inbox.put_nowait(AudioIn(clip[offset : offset + FRAME], offset // 8))
+            self.inbox.put_nowait(AudioIn.of_bytes(clip[offset : offset + FRAME], offset // 8))
 
 
 @dataclass

@@ -221,9 +221,11 @@ async def test_barge_in_while_the_reply_is_generated_cancels_it_and_none_of_it_p
             items_after.add(parsed[2])
     assert cancelled_item not in items_after
     assert items_after, "the conversation continued after the barge-in"
-    media_after = sum(1 for m in after_clear if m.event == "media")
-    marks_after = sum(1 for m in after_clear if m.event == "mark")
-    assert media_after == marks_after  # every frame after the clear is accounted to a new item
+    # Every media frame after the clear is closed by a later mark, and those name new items
+    # only: all audio the caller got after the clear is accounted to a new item.
+    kinds_after = [m.event for m in after_clear if m.event in ("media", "mark")]
+    assert "media" in kinds_after
+    assert kinds_after[-1] == "mark"
     barge_in = next(e["data"] for e in events if e["kind"] == "barge_in")
     assert barge_in["cancelled"] is True
 

@@ -119,7 +119,7 @@ def test_twilio_leg_turns_valid_frames_into_events_amid_junk() -> None:
         '{"event":"dtmf","dtmf":{"digit":"9"}}',  # after stop: never read
     ]
     seen, leg, _ = asyncio.run(_drain(frames))
-    assert seen == [AudioIn(b"\xff\xff", 20), DtmfIn("7"), LegClosed("stop")]
+    assert seen == [AudioIn.of_bytes(b"\xff\xff", 20), DtmfIn("7"), LegClosed("stop")]
     assert leg.malformed_frames == 3
 
 

@@ -81,6 +81,11 @@ class Pair:
                 await asyncio.sleep(0.005)
 
 
+def b64(audio: bytes) -> str:
+    """Agent audio as the Realtime API hands it to the leg."""
+    return base64.b64encode(audio).decode()
+
+
 def media(payload: bytes | str, timestamp: str = "20") -> dict[str, Any]:
     encoded = payload if isinstance(payload, str) else base64.b64encode(payload).decode()
     return {
@@ -158,7 +163,7 @@ async def test_media_dtmf_and_stop_become_leg_events(make_pair):
     await pair.send(dtmf("5"))
     await pair.send(STOP)
     closed = await pair.event(lambda e: isinstance(e, LegClosed))
-    assert pair.events == [AudioIn(audio, 40), DtmfIn("5"), closed]
+    assert pair.events == [AudioIn.of_bytes(audio, 40), DtmfIn("5"), closed]
     assert closed == LegClosed("stop")
 
 
@@ -175,7 +180,7 @@ async def test_malformed_frames_are_recorded_and_survived(make_pair):
     await pair.send(media(b"\x01" * 160))
     await pair.send(STOP)
     await pair.event(lambda e: isinstance(e, LegClosed))
-    assert pair.events == [AudioIn(b"\x01" * 160, 20), LegClosed("stop")]
+    assert pair.events == [AudioIn.of_bytes(b"\x01" * 160, 20), LegClosed("stop")]
     malformed = [e for e in pair.sink.events if e.kind == CallEventKind.MALFORMED_FRAME]
     assert len(malformed) == 7
     assert pair.leg.malformed_frames == 7
@@ -189,7 +194,7 @@ async def test_malformed_frames_are_recorded_and_survived(make_pair):
 async def test_play_sends_20ms_media_frames_each_followed_by_its_mark(make_pair):
     pair = await make_pair()
     audio = bytes(range(200)) * 2  # 50 ms
-    await pair.leg.play("item:a", audio)
+    await pair.leg.play("item:a", b64(audio))
     frames = [await pair.recv() for _ in range(6)]
     assert [f["event"] for f in frames] == ["media", "mark"] * 3
     payloads = [base64.b64decode(f["media"]["payload"]) for f in frames[::2]]
@@ -207,9 +212,9 @@ async def test_a_response_ending_in_a_short_tail_is_sent_whole_with_larger_chunk
     pair = await make_pair(chunk_ms=60)
     first = bytes(range(200)) * 6  # 150 ms
     last = b"\x55" * 8 * 10  # 10 ms
-    await pair.leg.play("item:a", first)
+    await pair.leg.play("item:a", b64(first))
     await pair.sync()
-    await pair.leg.play("item:a", last)
+    await pair.leg.play("item:a", b64(last))
     frames: list[dict[str, Any]] = []
     sent = b""
     async with asyncio.timeout(5):
@@ -228,7 +233,7 @@ async def test_a_response_ending_in_a_short_tail_is_sent_whole_with_larger_chunk
 
 async def test_echoed_marks_count_as_heard_but_marks_of_cleared_audio_do_not(make_pair):
     pair = await make_pair()
-    await pair.leg.play("item_1", b"\x7f" * 8 * 400)  # 400 ms
+    await pair.leg.play("item_1", b64(b"\x7f" * 8 * 400))  # 400 ms
     frames = [await pair.recv() for _ in range(40)]
     names = [f["mark"]["name"] for f in frames if f["event"] == "mark"]
     for name in names[:3]:
@@ -248,7 +253,7 @@ async def test_echoed_marks_count_as_heard_but_marks_of_cleared_audio_do_not(mak
     assert not pair.leg.playback.is_playing()
 
     # New audio after the clear belongs to the next epoch and is tracked again.
-    await pair.leg.play("item_2", b"\x7f" * CHUNK_BYTES)
+    await pair.leg.play("item_2", b64(b"\x7f" * CHUNK_BYTES))
     media_frame, mark_frame = await pair.recv(), await pair.recv()
     assert media_frame["event"] == "media"
     assert parse_mark_name(mark_frame["mark"]["name"]) == (1, 20, "item_2")
@@ -259,7 +264,7 @@ async def test_echoed_marks_count_as_heard_but_marks_of_cleared_audio_do_not(mak
 
 async def test_clear_drops_audio_still_queued_behind_a_slow_socket(make_pair):
     pair = await make_pair(send_delay_s=0.01)
-    await pair.leg.play("item_1", b"\x7f" * 8 * 2000)  # 2 s: 200 frames to send
+    await pair.leg.play("item_1", b64(b"\x7f" * 8 * 2000))  # 2 s: 200 frames to send
     first = await pair.recv()
     assert first["event"] == "media"
     await pair.leg.clear()
@@ -286,10 +291,10 @@ async def test_socket_disconnect_ends_the_events(make_pair):
 
 async def test_close_is_idempotent_and_closes_the_socket(make_pair):
     pair = await make_pair()
-    await pair.leg.play("item_1", b"\x7f" * 8 * 1000)
+    await pair.leg.play("item_1", b64(b"\x7f" * 8 * 1000))
     await pair.leg.close("call ended")
     await pair.leg.close("again")
-    await pair.leg.play("item_1", b"\x7f" * 160)  # ignored once closed
+    await pair.leg.play("item_1", b64(b"\x7f" * 160))  # ignored once closed
     async with asyncio.timeout(WAIT_S):
         await pair.twilio.wait_closed()
     assert pair.twilio.close_code == 1000
@@ -304,8 +309,8 @@ def test_mark_names_round_trip_item_ids_with_separators():
 
 async def test_an_item_queued_behind_another_starts_counting_when_that_one_ends(make_pair):
     pair = await make_pair()
-    await pair.leg.play("item_a", b"\x7f" * 8 * 100)
-    await pair.leg.play("item_b", b"\x7f" * 8 * 200)
+    await pair.leg.play("item_a", b64(b"\x7f" * 8 * 100))
+    await pair.leg.play("item_b", b64(b"\x7f" * 8 * 200))
     frames = [await pair.recv() for _ in range(30)]
     names = [f["mark"]["name"] for f in frames if f["event"] == "mark"]
     assert [parse_mark_name(n)[2] for n in names] == ["item_a"] * 5 + ["item_b"] * 10  # type: ignore[index]
@@ -322,8 +327,8 @@ async def test_an_item_queued_behind_another_starts_counting_when_that_one_ends(
 
 async def test_clear_counts_nothing_of_items_that_had_not_started(make_pair):
     pair = await make_pair()
-    await pair.leg.play("item_a", b"\x7f" * 8 * 300)
-    await pair.leg.play("item_b", b"\x7f" * 8 * 300)
+    await pair.leg.play("item_a", b64(b"\x7f" * 8 * 300))
+    await pair.leg.play("item_b", b64(b"\x7f" * 8 * 300))
     frames = [await pair.recv() for _ in range(60)]
     first_mark = next(f["mark"]["name"] for f in frames if f["event"] == "mark")
     await pair.send(mark(first_mark))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -55,7 +57,7 @@ class SipLeg:
                 self.dropped_audio += 1
             except asyncio.QueueEmpty:
                 pass
-        self._events.put_nowait(AudioIn(audio, timestamp_ms))
+        self._events.put_nowait(AudioIn.of_bytes(audio, timestamp_ms))
 
     def _on_digit(self, digit: str) -> None:
         if not self._closed:
@@ -93,9 +95,15 @@ class SipLeg:
             if isinstance(event, LegClosed):
                 return
 
-    async def play(self, item_id: str, audio: bytes) -> None:
-        if not self._closed and audio:
-            self.rtp.enqueue(item_id, audio)
+    async def play(self, item_id: str, payload: str) -> None:
+        if self._closed or not payload:
+            return
+        try:
+            audio = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            log.warning("call %s: agent audio that is not base64 was dropped", self.call_id)
+            return
+        self.rtp.enqueue(item_id, audio)
 
     async def clear(self) -> None:
         # Frames still queued never left: the caller never heard them.

@@ -1,0 +1,266 @@
+"""The audio hot path's shortcuts agree with the typed models they stand in for.
+
+Twilio media and mark frames are checked by hand (`parse_frame`), outbound media and mark
+frames built by concatenation (`OutboundFrames`), the append frame spliced (`append_frame`)
+and audio deltas recognised before the SDK's parse (`audio_delta`). Each is held here to the
+typed path: same accepted frames, same values, same refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from openai.types.realtime import InputAudioBufferAppendEvent, ResponseAudioDeltaEvent
+
+from telephony.audio import base64_size
+from telephony.errors import MalformedFrame
+from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
+from telephony.twilio_events import (
+    Mark,
+    MarkFrame,
+    Media,
+    MediaFrame,
+    OutboundFrames,
+    mark_message,
+    media_message,
+    parse_frame,
+    parse_inbound,
+    parse_outbound,
+)
+from telephony.watchdog import Watchdog
+from tests.test_fuzz_parsers import _frameish, json_values
+
+FAST = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+_b64 = st.binary(max_size=400).map(lambda b: base64.b64encode(b).decode())
+# Media frames that are nearly right: real shapes with a field or two off.
+_media_values = st.one_of(
+    _b64,
+    st.sampled_from(["", "AA==", "AA=", "A", "!!!", "AAAA====", "\u00e9\u00e9==", " AAAA"]),
+    json_values,
+)
+_near_media = st.fixed_dictionaries(
+    {
+        "event": st.sampled_from(["media", "mark"]),
+        "media": st.fixed_dictionaries(
+            {"payload": _media_values},
+            optional={
+                "track": st.sampled_from(["inbound", "outbound", "inbound_track"]) | json_values,
+                "timestamp": st.sampled_from(["0", "20", "-1", " 7", "1_0", "x"]) | json_values,
+                "chunk": st.sampled_from(["1"]) | json_values,
+            },
+        ),
+        "mark": st.fixed_dictionaries({}, optional={"name": st.text(max_size=20) | json_values}),
+    },
+    optional={
+        "streamSid": st.sampled_from(["MZ1"]) | json_values,
+        "stream_sid": json_values,
+        "sequenceNumber": st.sampled_from(["3"]) | json_values,
+        "sequence_number": json_values,
+    },
+)
+
+
+def _typed(raw: str) -> tuple[str, Any]:
+    """What the model path makes of a frame: ("error", None) or ("ok", message)."""
+    try:
+        message = parse_inbound(raw)
+    except MalformedFrame:
+        return "error", None
+    if isinstance(message, Media):
+        try:
+            message.media.audio()
+            message.media.timestamp_ms()
+        except MalformedFrame:
+            return "unusable", message
+    return "ok", message
+
+
+def _assert_agrees(raw: str) -> None:
+    verdict, typed = _typed(raw)
+    try:
+        fast = parse_frame(raw)
+    except MalformedFrame:
+        assert verdict == "error"
+        return
+    assert verdict != "error", "the hot path accepted a frame the models refuse"
+    if isinstance(fast, MediaFrame):
+        assert verdict == "ok" and isinstance(typed, Media)
+        assert fast.payload == typed.media.payload
+        assert fast.track == typed.media.track
+        assert fast.timestamp_ms == typed.media.timestamp_ms()
+    elif isinstance(fast, MarkFrame):
+        assert isinstance(typed, Mark) and fast.name == typed.mark.name
+    else:
+        assert fast == typed
+        # Every usable media or mark frame takes the hot path.
+        assert not (verdict == "ok" and isinstance(typed, Media | Mark))
+
+
+@FAST
+@given(_near_media)
+def test_hand_checked_media_and_mark_frames_agree_with_their_models(frame: dict) -> None:
+    _assert_agrees(json.dumps(frame))
+
+
+@FAST
+@given(_frameish() | json_values)
+def test_hand_checked_frames_agree_with_the_models_on_junk(frame: Any) -> None:
+    _assert_agrees(json.dumps(frame, allow_nan=True))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"event":"media","media":{"payload":"AA==","timestamp":"' + "9" * 5000 + '"}}',
+        '{"event":"media","media":{"payload":"\\ud800","timestamp":"1"}}',
+        '{"event":"mark","mark":{"name":"\\ud800"}}',
+        '{"event":"media","streamSid":"MZ\\u0000","media":{"payload":"AA=="}}',
+        '{"event":"media","media":{"payload":"AA=="},"event":"mark","mark":{"name":"x"}}',
+        "[" * 5000,
+        "not json",
+    ],
+)
+def test_hand_checked_frames_agree_with_the_models_at_the_edges(raw: str) -> None:
+    _assert_agrees(raw)
+
+
+def test_a_valid_media_frame_keeps_its_base64_as_sent() -> None:
+    payload = base64.b64encode(bytes(range(160))).decode()
+    frame = json.dumps(
+        {
+            "event": "media",
+            "sequenceNumber": "4",
+            "media": {"track": "inbound", "chunk": "2", "timestamp": "40", "payload": payload},
+            "streamSid": "MZ1",
+        }
+    )
+    assert parse_frame(frame) == MediaFrame("inbound", payload, 40)
+
+
+@FAST
+@given(st.text(max_size=40), st.text(max_size=60), st.binary(max_size=300))
+def test_concatenated_outbound_frames_equal_the_models(sid: str, name: str, audio: bytes) -> None:
+    frames = OutboundFrames(sid)
+    payload = base64.b64encode(audio).decode()
+    assert parse_outbound(frames.media(payload)) == parse_outbound(media_message(sid, audio))
+    assert parse_outbound(frames.mark(name)) == parse_outbound(mark_message(sid, name))
+    assert json.loads(frames.media(payload)) == json.loads(media_message(sid, audio))
+
+
+@FAST
+@given(st.binary(max_size=2000))
+def test_base64_size_is_the_decoded_length(data: bytes) -> None:
+    assert base64_size(base64.b64encode(data).decode()) == len(data)
+
+
+@FAST
+@given(st.binary(max_size=400))
+def test_the_spliced_append_frame_is_a_valid_sdk_append_event(audio: bytes) -> None:
+    payload = base64.b64encode(audio).decode()
+    event = InputAudioBufferAppendEvent.model_validate_json(append_frame(payload))
+    assert event.type == "input_audio_buffer.append" and event.audio == payload
+
+
+def _sdk_parse(raw: bytes) -> Any:
+    # parse_event needs no live connection; call it unbound as the SDK's own code would.
+    return AsyncRealtimeConnection.parse_event(None, raw)  # type: ignore[arg-type]
+
+
+@FAST
+@given(st.text(max_size=30), st.text(max_size=30), st.binary(max_size=600))
+def test_audio_deltas_are_recognised_with_the_sdks_fields(
+    response_id: str, item_id: str, audio: bytes
+) -> None:
+    raw = json.dumps(
+        {
+            "type": "response.output_audio.delta",
+            "event_id": "ev_1",
+            "response_id": response_id,
+            "item_id": item_id,
+            "output_index": 0,
+            "content_index": 0,
+            "delta": base64.b64encode(audio).decode(),
+        }
+    ).encode()
+    fast = audio_delta(raw)
+    typed = _sdk_parse(raw)
+    assert isinstance(typed, ResponseAudioDeltaEvent)
+    assert fast == AudioDelta(typed.response_id, typed.item_id, typed.delta)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"type":"response.output_audio_transcript.delta","delta":"hi","item_id":"i",'
+        b'"response_id":"r"}',
+        b'{"type":"response.output_audio.delta","response_id":"r","item_id":"i","delta":5}',
+        b'{"type":"response.output_audio.delta","item_id":"i","delta":"AA=="}',
+        b'{"type":"error","error":{"type":"x","message":"response.output_audio.delta"}}',
+        b"[1]",
+        b"not json",
+        b"",
+    ],
+)
+def test_everything_but_a_well_formed_audio_delta_is_left_to_the_sdk(raw: bytes) -> None:
+    assert audio_delta(raw) is None
+
+
+# The watchdog that bounds per-frame awaits.
+
+
+async def test_a_watchdog_turns_an_await_past_its_limit_into_a_timeout() -> None:
+    watch = Watchdog(0.05)
+    with pytest.raises(TimeoutError):
+        with watch:
+            await asyncio.Event().wait()
+    # Reusable afterwards, and an await within the limit is left alone.
+    with watch:
+        await asyncio.sleep(0.01)
+    watch.close()
+
+
+async def test_a_watchdog_measures_each_await_from_its_own_start() -> None:
+    watch = Watchdog(0.2)
+    for _ in range(6):  # 6 x 0.05 s: longer than the limit in total, never in one await
+        with watch:
+            await asyncio.sleep(0.05)
+    watch.close()
+
+
+async def test_cancelling_a_watched_task_from_outside_is_a_cancel_not_a_timeout() -> None:
+    watch = Watchdog(5.0)
+    started = asyncio.Event()
+
+    async def body() -> None:
+        with watch:
+            started.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(body())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    watch.close()
+
+
+async def test_a_watchdog_guards_one_await_at_a_time() -> None:
+    watch = Watchdog(1.0)
+    with watch, pytest.raises(RuntimeError):
+        with watch:
+            pass
+    watch.close()
