@@ -25,9 +25,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from app.db import require_migrated, resolve_database_url
     from app.settings import get_settings
+    from app.tool_wiring import load_configured_catalog
     from app.worker import run_worker
 
     settings = get_settings()
+    # A catalog that cannot run is refused first: that check needs no database.
+    asyncio.run(load_configured_catalog(settings).aclose())
     # Workers never migrate (serve and `db upgrade` do): an old schema is a clear stop.
     require_migrated(resolve_database_url(settings.database_url, settings.data_dir))
     return asyncio.run(run_worker(settings, concurrency=args.concurrency))

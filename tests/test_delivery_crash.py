@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.simulator import RealtimeSimulator
+from tests.domains import RESTAURANT
 from tests.e2e_support import AUTH_TOKEN, CONSOLE, call_row, wait_until
 from tests.server_proc import ServerProcess
 from tests.sor_support import CALLBACK_SECRET, start_sor
@@ -40,7 +41,7 @@ WAIT_S = 45.0  # process starts and stalled-job detection take a moment on a loa
 
 @pytest.fixture
 async def sim() -> AsyncIterator[RealtimeSimulator]:
-    async with RealtimeSimulator(booking_scenario(requested_ms=800)) as simulator:
+    async with RealtimeSimulator(booking_scenario(RESTAURANT, requested_ms=800)) as simulator:
         yield simulator
 
 
@@ -62,6 +63,7 @@ def server_env(db: str, sim: RealtimeSimulator, api: FakeTwilioApi, sor_url: str
         "STREAM_TOKEN_SECRET": "stream-secret-for-tests",
         "CONSOLE_USER": CONSOLE[0],
         "CONSOLE_PASSWORD": CONSOLE[1],
+        "CONSOLE_HTTP_BASIC": "true",
         "LOG_LEVEL": "WARNING",
         # Fast enough for a test: a dead process is noticed within ~2 s.
         "CALL_HEARTBEAT_S": "0.3",

@@ -29,7 +29,6 @@ from telephony.sim.simulator import SimulatedSession, synthesize_speech
 from tests.e2e_support import CONSOLE, Stack, call_stack, wait_until
 from tests.sor_support import start_sor
 from tests.test_e2e_booking import (
-    BOOK,
     CONFIRM,
     GREETING_MS,
     PREAMBLE_MS,
@@ -47,6 +46,10 @@ from tests.test_e2e_booking import (
 from tools.restaurant.sor import Faults, SystemOfRecord
 
 ROOT = Path(__file__).resolve().parent.parent
+BOOK = {
+    "name": "book_table",
+    "arguments": {"date": "{tomorrow}", "time": "20:00", "party_size": 4, "name": "Alex"},
+}
 NOTE_MS = 1500  # the announcement's audio
 REQUESTED_MS = 1200
 
