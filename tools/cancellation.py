@@ -62,6 +62,17 @@ async def request_cancel(
                 data={"cancel": answer.outcome.value},
             )
             return moved or current
+        if answer.outcome is Outcome.committed and current.status is S.CANCELLED:
+            # The attempt in flight answered first (withdrawn, so the worker cancelled it).
+            await ledger.record_event(
+                conn,
+                operation_id,
+                kind="note",
+                actor=actor,
+                reason="the provider confirmed the cancel",
+                data={"cancel": answer.outcome.value},
+            )
+            return current
         await ledger.record_event(
             conn,
             operation_id,

@@ -230,6 +230,20 @@ class Executor:
                 )
                 return current
             if result.outcome is Outcome.failed_final:
+                if current.cancel_requested:
+                    # Staff or the caller asked to cancel, and the provider did not do it (it
+                    # may have withdrawn it for that very cancel, racing this answer): what
+                    # was asked for is what happened.
+                    return await ledger.transition(
+                        conn,
+                        op_id,
+                        (S.RUNNING, S.UNKNOWN),
+                        S.CANCELLED,
+                        actor=self.actor,
+                        reason="cancel requested, and the provider did not do it",
+                        data=data,
+                        error=result.error,
+                    )
                 return await ledger.transition(
                     conn,
                     op_id,
