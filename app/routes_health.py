@@ -61,6 +61,8 @@ async def metrics(runtime: RuntimeDep) -> Response:
          runtime.delivery.offered if runtime.delivery is not None else 0),
         ("voice_agent_sms_sends_total", "counter", "SMS create requests made by this process.",
          runtime.sms.sent if runtime.sms is not None else 0),
+        ("voice_agent_streams_rejected_total", "counter",
+         "Media streams refused for their token.", runtime.streams_rejected),
         ("voice_agent_event_queue_depth", "gauge", "Call events waiting to be written.",
          events.queue_depth),
         ("voice_agent_events_written_total", "counter", "Call events written.", events.written),

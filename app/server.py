@@ -26,6 +26,7 @@ import uvicorn
 from app import banner, embedded_db
 from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
+from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
@@ -155,7 +156,17 @@ class ServiceServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn settings for the service (also used by the demo and the tests)."""
+    limits = HttpLimits(
+        header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s,
+        max_connections_per_source=settings.http_max_connections_per_source,
+    )
+    http = overrides.pop("http", "auto")
     options: dict[str, Any] = {
+        "http": guarded_protocol(base_protocol(http), limits) if isinstance(http, str) else http,
+        "timeout_keep_alive": settings.http_idle_timeout_s,
+        # A header block larger than this is refused (h11; httptools has its own bound).
+        "h11_max_incomplete_event_size": 16 * 1024,
         "host": settings.host,
         "port": settings.port,
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
