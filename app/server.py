@@ -246,10 +246,12 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             from tools.restaurant.sor import SystemOfRecord
 
             callback = settings.sor_callback_secret
+            control = settings.sor_control_token
             sor = SystemOfRecord(
                 url,
                 host="127.0.0.1",
                 callback_secret=callback.get_secret_value() if callback else None,
+                control_token=control.get_secret_value() if control else None,
             )
             await sor.start()
             settings = settings.model_copy(update={"sor_base_url": sor.url})
