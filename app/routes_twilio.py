@@ -23,6 +23,7 @@ from app.errors import (
     WS_POLICY_VIOLATION,
     BadRequest,
     BadSignature,
+    Conflict,
     DatabaseUnavailable,
     PayloadTooLarge,
     TokenRejected,
@@ -75,6 +76,16 @@ def _xml(body: str) -> Response:
     return Response(content=body, media_type="application/xml")
 
 
+ENDED_WEBHOOKS = RateLimitedLog(log)
+
+
+def _ended(status: str) -> Response:
+    ENDED_WEBHOOKS.warning("voice webhook for a call that has ended (%s) refused", status)
+    if status == CallStatus.BUSY:
+        return _xml(twiml.busy())  # Twilio retrying a call we refused: the same answer
+    raise Conflict("this call has ended")
+
+
 @router.post("/twilio/voice")
 async def voice(request: Request, runtime: RuntimeDep) -> Response:
     """Answer an incoming call: connect its audio to our media socket, or say we are busy."""
@@ -89,6 +100,15 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         "from_number": params.get("From") or None,
         "to_number": params.get("To") or None,
     }
+    # A call that has ended stays ended: a replayed webhook gets no stream (and no capacity).
+    try:
+        known = await call_store.find_by_sid(runtime.engine, call_sid)
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls lookup failed") from exc
+    if known is not None and known.status in call_store.TERMINAL:
+        return _ended(known.status)
     if not runtime.registry.try_reserve(call_sid):
         draining = runtime.registry.draining
         why = (
@@ -119,6 +139,9 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
     except DBAPIError as exc:
         runtime.registry.release_reservation(call_sid)
         raise DatabaseUnavailable("calls insert failed") from exc
+    if not created and row.status in call_store.TERMINAL:
+        runtime.registry.release_reservation(call_sid)
+        return _ended(row.status)
     if created:
         runtime.events.emit(
             CallEvent(

@@ -179,6 +179,33 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **options)
 
 
+def metrics_listener(app: Any, settings: Settings) -> tuple[uvicorn.Server, socket.socket]:
+    """A small server for `/metrics` alone on METRICS_BIND (`host:port`)."""
+    from app.routes_health import metrics_app
+
+    assert settings.metrics_bind is not None
+    host, _, port = settings.metrics_bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise StartupError(f"METRICS_BIND must be host:port, not {settings.metrics_bind!r}")
+    sock = bind_listener(host.strip("[]"), int(port))
+    config = uvicorn.Config(
+        metrics_app(app),
+        log_config=None,
+        lifespan="off",
+        access_log=False,
+        timeout_keep_alive=max(1, int(settings.http_idle_timeout_s)),
+    )
+    return _QuietServer(config), sock
+
+
+class _QuietServer(uvicorn.Server):
+    """A side server: the service's own server owns SIGTERM and SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """The service's listening socket, bound before anything else starts, so a taken port
     is a one-line error and not a half-started service."""
@@ -222,6 +249,8 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     port = sock.getsockname()[1]
     simulator: Any = None
     sor: Any = None
+    metrics_server: uvicorn.Server | None = None
+    metrics_task: asyncio.Task[None] | None = None
     try:
         if "public_base_url" not in settings.model_fields_set:
             # Unset: this process as reached from this machine (on the port actually bound).
@@ -273,9 +302,19 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             on_started=lambda: banner.show(info),
             freeze_heap=True,
         )
+        if settings.metrics_bind:
+            metrics_server, metrics_sock = metrics_listener(app, settings)
+            metrics_task = asyncio.create_task(
+                metrics_server.serve(sockets=[metrics_sock]), name="metrics"
+            )
+            log.info("metrics on http://%s/metrics (METRICS_BIND)", settings.metrics_bind)
         await server.serve(sockets=[sock])
     finally:
         sock.close()
+        if metrics_server is not None and metrics_task is not None:
+            metrics_server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(metrics_task, 5)
         if catalog is not None:
             await catalog.aclose()
         if sor is not None:
