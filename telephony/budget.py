@@ -64,7 +64,7 @@ class StreamBudget:
 
     def may_record(self) -> bool:
         """Whether one more malformed frame may still be written to the timeline."""
-        return self.tripped is None and self.malformed_count <= self.limits.max_malformed
+        return self.tripped is None and self.malformed_count < self.limits.max_malformed
 
     def dtmf(self) -> None:
         self.dtmf_count += 1
