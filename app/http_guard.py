@@ -7,6 +7,7 @@ nothing, half its headers or half its body stays open for ever (finding 4 of iss
 - a header deadline: a request's headers must be in within `header_timeout_s` of the
   connection opening or of the previous response;
 - a body deadline: its body within `body_timeout_s` after that;
+- a bound on the bytes sent before a request's headers are complete;
 - a bound on open connections per source address (more are closed at once).
 
 The application's own work is not timed: once a request is fully read the clock stops until
@@ -33,6 +34,8 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections_per_source: int = 256
+    # Bytes a connection may send while its request's headers are not complete.
+    max_header_bytes: int = 256 * 1024
 
 
 class _Counters:
@@ -68,6 +71,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             super().connection_made(transport)
             self._guard_timer: asyncio.TimerHandle | None = None
             self._guard_body_phase = False
+            self._guard_header_bytes = 0
             client = self.client
             self._guard_source: str | None = client[0] if client else None
             if self._guard_source is not None:
@@ -131,10 +135,31 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             counters.note("closed a connection whose request %s did not arrive in time", what)
             self.transport.close()
 
+        def data_received(self, data: bytes) -> None:
+            before = self.cycle
+            super().data_received(data)
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # closed, or upgraded to a WebSocket
+            cycle = self.cycle
+            # Still waiting for a request's headers after this read (not the rest of a body
+            # answered early, as a 413 is): a header block has a size, not only a time.
+            waiting = cycle is None or (
+                cycle is before and cycle.response_complete and not cycle.more_body
+            )
+            if not waiting:
+                self._guard_header_bytes = 0
+                return
+            self._guard_header_bytes += len(data)
+            if self._guard_header_bytes > limits.max_header_bytes:
+                counters.timed_out += 1
+                counters.note("closed a connection whose request headers were too large")
+                self.transport.close()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._guard_body_phase = False
+                self._guard_header_bytes = 0
                 self._guard_arm(limits.header_timeout_s)
 
         def handle_websocket_upgrade(self, *args: Any) -> None:

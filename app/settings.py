@@ -192,9 +192,8 @@ class Settings(BaseSettings):
     pin_lockout_s: float = Field(default=900.0, gt=0)
     # Per media stream budgets; a stream that exceeds one is ended as abusive.
     media_max_frames_before_start: int = Field(default=20, ge=1)
-    media_max_malformed_frames: int = Field(default=50, ge=1)
+    media_max_malformed_frames: int = Field(default=100, ge=1)
     media_max_dtmf: int = Field(default=200, ge=1)
-    media_max_tool_tasks: int = Field(default=16, ge=1)
     # Deprecated: provider callbacks signed with the old body-only `X-Signature` are refused
     # unless this is set (Standard Webhooks headers are the scheme now).
     sor_callback_accept_legacy_signature: bool = False

@@ -18,7 +18,7 @@ from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 class BudgetLimits:
     """Per-stream limits (the defaults are far above what Twilio sends)."""
 
-    max_malformed: int = 50
+    max_malformed: int = 100
     max_dtmf: int = 200
     # Frames: a bucket of `frame_burst`, refilled at `frames_per_s` (Twilio: 50/s).
     frames_per_s: float = 200.0

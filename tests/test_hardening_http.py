@@ -156,6 +156,22 @@ async def test_silent_half_headers_and_half_body_connections_are_closed(
     assert ok.status_code == 200
 
 
+async def test_an_endless_header_block_is_cut_off_by_size_not_only_by_time(
+    engine: AsyncEngine,
+) -> None:
+    async with running_service(engine, http_header_timeout_s=30.0) as service:
+        sock = _open(service.settings.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+        try:
+            for _ in range(400):  # 400 KB of headers, never ended
+                sock.sendall(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        closed = await _closed_within(sock, 5.0)
+        sock.close()
+    assert closed is not None  # long before the 30 s header deadline
+
+
 async def test_connections_beyond_the_per_source_bound_are_closed_at_once(
     engine: AsyncEngine,
 ) -> None:
