@@ -15,16 +15,25 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
+from twilio.request_validator import RequestValidator
 
 from app.logging import LOG_FORMAT, RedactingFilter, RedactingFormatter
 from app.settings import Settings
 from app.tool_wiring import runs_demo_sor
-from tests.e2e_support import CONSOLE, call_row, post_signed, running_service, wait_until
+from tests.e2e_support import (
+    AUTH_TOKEN,
+    CONSOLE,
+    call_row,
+    post_signed,
+    running_service,
+    wait_until,
+)
 from tests.server_proc import ServerProcess, free_port
 from tests.test_operation_callback import _report, _running
 from tools.callback import SIGNATURE_HEADER, sign, signed_headers
@@ -96,6 +105,33 @@ async def test_a_voice_webhook_at_capacity_with_a_104_character_to_logs_no_numbe
     text = service_log.getvalue()
     assert response.status_code == 200 and "<Say" in response.text  # the busy answer
     assert "could not record a busy call" in text and "Traceback" in text  # the path ran
+    assert "5551234567" not in text and "7777777777" not in text
+
+
+async def test_serve_at_capacity_writes_no_phone_number_to_its_log_stream(
+    clean_db: str, tmp_path: Path
+) -> None:
+    """The attack as reported: `voice-agent serve`, a signed webhook at capacity with a
+    104-character To, then the whole log stream grepped."""
+    stderr = tmp_path / "serve.log"
+    server = ServerProcess(
+        {"DATABASE_URL": clean_db, "MAX_LIVE_CALLS": "0", "LOG_LEVEL": "INFO"},
+        stderr_path=stderr,
+    )
+    await server.start()
+    try:
+        params = _voice("CAserve", To=LONG_TO)
+        public = server.url + "/twilio/voice"
+        signature = RequestValidator(AUTH_TOKEN).compute_signature(public, params)
+        async with httpx.AsyncClient(timeout=10) as http:
+            response = await http.post(
+                public, data=params, headers={"X-Twilio-Signature": signature}
+            )
+    finally:
+        await server.stop()
+    text = stderr.read_text("utf-8", "replace")
+    assert response.status_code == 200
+    assert "could not record a busy call" in text and "Traceback" in text
     assert "5551234567" not in text and "7777777777" not in text
 
 
