@@ -20,6 +20,12 @@ from app.db import create_database, drop_database, make_engine, resolve_database
 settings.register_profile("voice-agent", deadline=None)
 settings.load_profile("voice-agent")
 
+# No test may reach api.twilio.com (these machines have no internet, and a test must not
+# depend on it): a service a test starts without a fake Twilio REST API of its own sends its
+# SMS to an address where nothing listens, so a send fails at once, as when Twilio is down.
+NO_TWILIO_API = "http://127.0.0.1:9"
+os.environ.setdefault("TWILIO_API_BASE_URL", NO_TWILIO_API)
+
 # Without TEST_DATABASE_URL/DATABASE_URL: an embedded PostgreSQL of this checkout (ignored
 # by git), so two clones testing at once never share a server or its files.
 EMBEDDED_TEST_DATA_DIR = Path(__file__).resolve().parent.parent / ".voice-agent" / "test"
