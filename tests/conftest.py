@@ -36,6 +36,18 @@ def _server_url() -> str:
     return resolve_database_url(url, EMBEDDED_TEST_DATA_DIR)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist with no database configured, the controller starts the embedded
+    server once and hands its URL to the workers, so they never race to initdb one directory."""
+    if hasattr(config, "workerinput"):
+        return
+    if os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL"):
+        return
+    if not getattr(config.option, "numprocesses", None):
+        return
+    os.environ["TEST_DATABASE_URL"] = _server_url()
+
+
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
     """A fresh database, migrated to head, for this test session; dropped afterwards."""
