@@ -310,6 +310,7 @@ class SipInterconnect:
         # (monotonic, method, path, json body) of every REST request, in order.
         self.requests: list[tuple[float, str, str, Any]] = []
         self.sideband_refusals = 0
+        self._fail_sidebands = 0
         self._requested_port = port
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -451,6 +452,10 @@ class SipInterconnect:
             if transport is not None and not session.closed.is_set():
                 transport.abort()
 
+    def fail_sideband(self, n: int) -> None:
+        """Answer the next `n` sideband handshakes with 503 (a network or edge failure)."""
+        self._fail_sidebands = n
+
     async def wait_for_state(self, call_id: str, state: str, *, within: float = 10.0) -> SimCall:
         async with asyncio.timeout(within):
             while True:
@@ -560,6 +565,9 @@ class SipInterconnect:
         auth = request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
             return self._error(401, "Missing bearer authentication")
+        if self._fail_sidebands > 0:
+            self._fail_sidebands -= 1
+            return self._error(503, "Service Unavailable")
         if call is None or call.state != "accepted" or call.config is None:
             self.sideband_refusals += 1
             return self._error(404, "Call not found or no longer active.")
