@@ -442,7 +442,7 @@ class Bridge:
             started = time.monotonic()
             session, attempts, error = await self._connect(resumed=not first)
             if session is None and self.ended_remotely:
-                self._emit(CallEventKind.REALTIME_FAILED, reason=error or "sideband refused")
+                # Not a failure: the call is over (a hang-up, a transfer) on OpenAI's side.
                 self._finish(f"ended on OpenAI's side: {error}")
                 return
             if session is None:
@@ -840,8 +840,9 @@ class Bridge:
         item = event.item
         if item.type != "message" or not item.id or item.id in self._items:
             return
-        # Its length is known only once the server stops playing it.
-        self._items[item.id] = _AgentItem(event.response_id, received_ms=0.0)
+        # Its length is known only once the server stops playing it; until then it counts as
+        # not heard in full (an announcement in it is not yet heard).
+        self._items[item.id] = _AgentItem(event.response_id, received_ms=OPEN_PLAYOUT_MS)
         session.items.add(item.id)
 
     def _items_of(self, response_id: str) -> list[tuple[str, _AgentItem]]:

@@ -38,6 +38,7 @@ class SidebandLeg:
         self._ended = asyncio.Event()
         self._reason = ""
         self._closed = False
+        self._next: list[str] = []  # items whose playout started while another still played
 
     async def events(self) -> AsyncIterator[LegEvent]:
         """Nothing but the end: DTMF and speech arrive as server events on the sideband."""
@@ -56,16 +57,24 @@ class SidebandLeg:
 
     async def clear(self) -> None:
         """The bridge sent `output_audio_buffer.clear`: freeze each item at what was heard."""
+        self._next.clear()
         self.playback.cleared()
 
     def output_started(self, item_ids: Iterable[str]) -> None:
         """`output_audio_buffer.started`: the caller starts hearing these items now."""
-        for item_id in item_ids:
+        ids = list(item_ids)
+        if self.playback.is_playing():
+            self._next.extend(ids)  # one buffer: they play once the current item stops
+            return
+        for item_id in ids:
             self.playback.queued(item_id, OPEN_PLAYOUT_MS)
 
     def output_ended(self) -> None:
         """`output_audio_buffer.stopped` or `cleared`: nothing more of it will be heard."""
         self.playback.cleared()
+        waiting, self._next = self._next, []
+        for item_id in waiting:
+            self.playback.queued(item_id, OPEN_PLAYOUT_MS)
 
     async def close(self, reason: str) -> None:
         """Our side is done with the call; the hook (hang-up through the API) runs once."""

@@ -19,8 +19,16 @@ from app.openai_sip import sip_user, transfer_target
 from telephony.session_config import instructions_text
 from telephony.sim.interconnect import sign_webhook
 from telephony.sim.scenario import Scenario
+from tests.domains import RESTAURANT
 from tests.e2e_support import event_rows, wait_until
 from tests.openai_sip_support import SECRET, Interconnect, interconnect
+from tests.test_e2e_booking import (
+    REQUESTED,
+    booking_scenario,
+    tool_calls_of,
+    wait_for_delivery,
+    wait_for_operation,
+)
 from tools import webhooks as our_webhooks
 
 LONG_GREETING = {"text": "Thanks for calling, " + "this is a long welcome message. " * 6}
@@ -340,3 +348,57 @@ def _outputs(sessions: list[Any]) -> list[dict[str, Any]]:
             if item.get("type") == "function_call_output":
                 found.append(json.loads(item["output"]))
     return found
+
+
+async def test_a_function_call_on_the_sideband_reaches_the_ledger_and_its_late_result_is_announced_there(  # noqa: E501
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    domain = RESTAURANT
+    async with domain.start(clean_db) as backend:
+        backend.set_faults(latency_s=0.5)  # the commit comes after "requested, not confirmed"
+        catalog = backend.catalog()
+        try:
+            async with interconnect(
+                engine,
+                booking_scenario(domain),
+                auto_caller=True,  # the caller speaks each scripted turn, then hangs up
+                with_worker=True,
+                catalog=catalog,
+                database_url=clean_db,
+                sweep_interval_s=1.0,
+            ) as ic:
+                call = await ic.sim.place_call(from_number="+15551230000")
+                row = await ic.wait_row(call.call_id, "in_progress")
+                call_id = str(row["id"])
+                op = await wait_for_operation(engine, call_id, "committed", within=30)
+                delivered = await wait_for_delivery(engine, op["operation_id"], "heard", 30)
+                await ic.sim.wait_for_state(call.call_id, "ended", within=30)
+                await ic.wait_over(call.call_id)
+                calls = await tool_calls_of(engine, call_id)
+                announced = await events_of(ic, call.call_id, "result_announced")
+                heard = await events_of(ic, call.call_id, "result_heard")
+                said = [e["text"] for e in await events_of(ic, call.call_id, "agent_transcript")]
+                final = await ic.row(call.call_id)
+        finally:
+            await catalog.aclose()
+
+    operation_id = str(op["operation_id"])
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        (domain.book_tool, "needs_confirmation"),
+        ("confirm_operation", "allow"),
+    ]
+    assert {str(c["operation_id"]) for c in calls} == {operation_id}
+    # The outputs went back on the sideband, and the late result was added there and spoken.
+    outputs = _outputs(call.sessions)
+    assert len(outputs) == 2 and all(o.get("operation_id") == operation_id for o in outputs)
+    notes = [n for s in call.sessions for n in _notes(s)]
+    assert any("An update arrived" in n for n in notes)
+    assert [a["operation_ids"] for a in announced] == [[operation_id]]
+    assert delivered["state"] == "heard"
+    # Heard means the server played the announcement out, not merely that it was generated.
+    assert len(heard) == 1 and heard[0]["heard_ms"] > 0
+    assert heard[0]["heard_ms"] == heard[0]["audio_ms"]
+    assert REQUESTED in said and domain.confirmed_text in said
+    assert said.index(REQUESTED) < said.index(domain.confirmed_text)
+    assert final is not None and final["status"] == "completed"
+    assert ic.sim.requests_for(call.call_id, "hangup") == []  # the caller hung up

@@ -165,7 +165,8 @@ class SidebandSession(SimulatedSession):
         self._vad = None  # no caller audio here: the caller's turns are scripted
         self._auto_caller = auto_caller
         self._on_script_done = on_script_done
-        self._playout: asyncio.Task[None] | None = None
+        self._playout: asyncio.Task[None] | None = None  # the last one queued
+        self._playouts: list[asyncio.Task[None]] = []
         self._playout_response: str | None = None
         self._caller_task: asyncio.Task[None] | None = None
         # The conversation continues from the call's earlier sidebands (a re-attach).
@@ -182,7 +183,7 @@ class SidebandSession(SimulatedSession):
         try:
             await super().run()
         finally:
-            for task in (self._playout, self._caller_task):
+            for task in (*self._playouts, self._caller_task):
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
 
@@ -198,31 +199,44 @@ class SidebandSession(SimulatedSession):
     ) -> None:  # fmt: skip
         if not first:
             return
-        await self._send(
-            OutputAudioBufferStarted(
-                type="output_audio_buffer.started", event_id="", response_id=response.id
-            )
-        )
-        self._playout_response = response.id
-        self._playout = asyncio.create_task(self._play_out(response.id, total_ms / 1000))
+        # One output buffer: a response's audio plays after what is still playing.
+        before = self._playout if self.playing else None
+        self._playout = asyncio.create_task(self._play_out(response.id, total_ms / 1000, before))
+        self._playouts = [t for t in self._playouts if not t.done()] + [self._playout]
 
-    async def _play_out(self, response_id: str, seconds: float) -> None:
+    async def _play_out(
+        self, response_id: str, seconds: float, before: asyncio.Task[None] | None
+    ) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        self._playout_response = response_id
+        with contextlib.suppress(ConnectionClosed):
+            await self._send(
+                OutputAudioBufferStarted(
+                    type="output_audio_buffer.started", event_id="", response_id=response_id
+                )
+            )
         await asyncio.sleep(seconds * self._factor)
-        self._playout = None
+        if self._playout is asyncio.current_task():
+            self._playout = None
         with contextlib.suppress(ConnectionClosed):
             await self._send(
                 OutputAudioBufferStopped(
                     type="output_audio_buffer.stopped", event_id="", response_id=response_id
                 )
             )
-        if self._auto_caller and self._caller_task is None:
+        if self._auto_caller and self._caller_task is None and self._playout is None:
             self._caller_task = asyncio.create_task(self._next_caller_turn())
 
     async def _stop_playout(self) -> bool:
-        task, self._playout = self._playout, None
-        if task is None or task.done():
+        """Clear the output buffer: what plays and whatever was queued behind it."""
+        tasks = [t for t in self._playouts if not t.done()]
+        self._playouts.clear()
+        self._playout = None
+        if not tasks:
             return False
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await self._send(
             OutputAudioBufferCleared(
                 type="output_audio_buffer.cleared",
