@@ -114,7 +114,7 @@ class OpenAISipService:
         self.duplicates = 0
         self.accepted = 0
         self.rejected: dict[int, int] = {}
-        # Latency samples (seconds) for the benchmark: webhook in -> accept sent.
+        # Latency samples (seconds) for the benchmark: webhook in -> accept sent (not answered).
         self.accept_latencies: list[float] = []
 
     @property
@@ -270,6 +270,7 @@ class OpenAISipService:
         runtime = self.runtime
         settings = self._settings
         body = self.session()
+        self.accept_latencies.append(time.monotonic() - call.received_at)  # accept sent now
         try:
             await runtime.openai.realtime.calls.accept(
                 call.openai_call_id, **body, timeout=settings.openai_sip_api_timeout_s
@@ -281,7 +282,6 @@ class OpenAISipService:
             await self._finish(call.row_id, CallStatus.FAILED, "accept failed")
             return
         accept_s = time.monotonic() - call.received_at
-        self.accept_latencies.append(accept_s)
         self.accepted += 1
         call.accepted.set()
         sink = CallSink(runtime.events)
