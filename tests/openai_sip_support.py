@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.interconnect import SipInterconnect
 from telephony.sim.scenario import Scenario
 from tests.e2e_support import Service, call_row, running_service, wait_until
@@ -22,6 +23,7 @@ class Interconnect:
     sim: SipInterconnect
     service: Service
     engine: AsyncEngine
+    twilio: FakeTwilioApi  # SMS follow-ups go here
 
     async def row(self, call_id: str) -> dict[str, Any] | None:
         return await call_row(self.engine, call_id)
@@ -58,10 +60,18 @@ async def interconnect(
     **overrides: Any,
 ) -> AsyncIterator[Interconnect]:
     """The interconnect stand-in and the service, pointed at each other."""
-    async with SipInterconnect(
-        scenario, realtime_factor=realtime_factor, auto_caller=auto_caller, webhook_secret=SECRET
-    ) as sim:
+    async with (
+        SipInterconnect(
+            scenario,
+            realtime_factor=realtime_factor,
+            auto_caller=auto_caller,
+            webhook_secret=SECRET,
+        ) as sim,
+        FakeTwilioApi() as twilio,
+    ):
         overrides.setdefault("openai_webhook_secret", SECRET)
-        async with running_service(engine, openai_base_url=sim.base_url, **overrides) as service:
+        async with running_service(
+            engine, openai_base_url=sim.base_url, twilio_api_base_url=twilio.base_url, **overrides
+        ) as service:
             sim.webhook_url = service.url + "/openai/webhook"
-            yield Interconnect(sim, service, engine)
+            yield Interconnect(sim, service, engine, twilio)

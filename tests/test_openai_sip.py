@@ -402,3 +402,42 @@ async def test_a_function_call_on_the_sideband_reaches_the_ledger_and_its_late_r
     assert said.index(REQUESTED) < said.index(domain.confirmed_text)
     assert final is not None and final["status"] == "completed"
     assert ic.sim.requests_for(call.call_id, "hangup") == []  # the caller hung up
+
+
+async def test_a_hang_up_on_openais_side_before_the_commit_hands_the_outcome_to_sms(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    domain = RESTAURANT
+    async with domain.start(clean_db) as backend:
+        backend.set_faults(latency_s=2.0)
+        catalog = backend.catalog()
+        try:
+            async with interconnect(
+                engine,
+                booking_scenario(domain),
+                auto_caller=True,
+                with_worker=True,
+                catalog=catalog,
+                database_url=clean_db,
+                sweep_interval_s=1.0,
+            ) as ic:
+                call = await ic.sim.place_call(from_number="+15551230000")
+                row = await ic.wait_row(call.call_id, "in_progress")
+                call_id = str(row["id"])
+                op = await wait_for_operation(engine, call_id, "running", within=30)
+                await ic.sim.remote_hangup(call.call_id)  # the caller hangs up mid-operation
+                await ic.wait_over(call.call_id)
+                ended = await ic.row(call.call_id)
+                await wait_for_operation(engine, call_id, "committed", within=30)
+                texted = await wait_for_delivery(engine, op["operation_id"], "texted", 30)
+                messages = ic.twilio.messages_to("+15551230000")
+                announced = await events_of(ic, call.call_id, "result_announced")
+        finally:
+            await catalog.aclose()
+
+    assert ended is not None and ended["status"] == "completed"
+    assert "caller hung up" in ended["end_reason"]
+    assert texted["state"] == "texted"
+    assert len(messages) == 1
+    assert announced == []
+    assert ic.sim.requests_for(call.call_id, "hangup") == []
