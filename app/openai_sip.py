@@ -52,7 +52,15 @@ _TARGET = re.compile(r"^(tel:\+[1-9][0-9]{6,14}|sips?:[^\s@]+@[^\s]+)$")
 
 
 class WebhookRejected(Exception):
-    """A webhook that did not verify: answered 400, nothing recorded."""
+    """A webhook that did not verify: nothing recorded. 401 when it carries no signature at all
+    (an anonymous request), 400 when its signature is wrong, stale or malformed."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+SIGNATURE_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
 
 
 def sip_user(value: str | None) -> str | None:
@@ -130,6 +138,9 @@ class OpenAISipService:
     async def on_webhook(self, body: bytes, headers: Mapping[str, str]) -> str:
         """Take one webhook delivery; returns what became of it. Raises WebhookRejected."""
         received_at = time.monotonic()
+        if not any(headers.get(name) for name in SIGNATURE_HEADERS):
+            self.bad_signatures += 1
+            raise WebhookRejected("no webhook signature", status=401)
         secret = self._secret()
         if secret is None:
             self.bad_signatures += 1
@@ -185,6 +196,9 @@ class OpenAISipService:
             await self._refuse(fields, 403, "not our number", CallStatus.REJECTED)
             return "rejected 403"
         if not runtime.registry.try_reserve(call_id):
+            if runtime.registry.draining:  # this process is stopping: the trunk may retry
+                await self._refuse(fields, 503, "draining", CallStatus.BUSY)
+                return "rejected 503"
             await self._refuse(fields, 486, "capacity", CallStatus.BUSY)
             return "rejected 486"
         try:

@@ -24,5 +24,5 @@ async def openai_webhook(request: Request, runtime: RuntimeDep) -> Response:
         outcome = await service.on_webhook(body, request.headers)
     except WebhookRejected as exc:
         log.warning("OpenAI webhook refused: %s", exc)
-        return JSONResponse({"error": "invalid webhook signature"}, status_code=400)
+        return JSONResponse({"error": "invalid webhook signature"}, status_code=exc.status)
     return JSONResponse({"status": outcome})

@@ -1033,7 +1033,8 @@ class Bridge:
             )
             return
         output = json.dumps(reply.output, separators=(",", ":"), default=str)
-        if session.generation == generation:
+        # A re-attached sideband joins the same conversation: the function call is still there.
+        if session.generation == generation or self._sideband is not None:
             sent = await self._guarded(
                 session,
                 session.conn.conversation.item.create(

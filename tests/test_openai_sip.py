@@ -9,6 +9,7 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from openai import OpenAI
@@ -132,6 +133,10 @@ async def test_bad_or_stale_signature_gets_400_and_nothing_is_accepted_or_record
         bad = await ic.sim.deliver(call, secret=wrong)
         stale = await ic.sim.deliver(call, timestamp=int(time.time()) - 301)
         unsigned = await ic.sim.deliver(call, signature="v1,")
+        async with httpx.AsyncClient() as http:
+            anonymous = await http.post(
+                ic.service.url + "/openai/webhook", content=ic.sim.webhook_body(call)
+            )
         tampered_body = ic.sim.webhook_body(call).replace(b"+1555", b"+1666")
         stamp = int(time.time())
         signed_other = sign_webhook(SECRET, call.webhook_id, stamp, ic.sim.webhook_body(call))
@@ -143,7 +148,8 @@ async def test_bad_or_stale_signature_gets_400_and_nothing_is_accepted_or_record
         deliveries = await openai_webhooks.delivery_count(engine)
 
     assert [bad, stale, unsigned, tampered] == [400, 400, 400, 400]
-    assert counter == 4
+    assert anonymous.status_code == 401  # no signature at all: not even an attempt
+    assert counter == 5
     assert ic.sim.requests_for(call.call_id) == []
     assert row is None and deliveries == 0
 
