@@ -51,3 +51,4 @@ bench: install
 	$(BIN)/python bench/sip_rtp.py
 	$(BIN)/python bench/console.py
 	$(BIN)/python bench/delivery.py
+	$(BIN)/python bench/openai_sip.py

@@ -41,6 +41,8 @@ _CALL_LANE_KINDS = {
     "dtmf": "keypad",
     "malformed_frame": "bad frame",
     "apology_played": "apology",
+    "call_transferred": "transferred",
+    "call_hangup": "hung up",
     "error": "error",
     "call_ended": "call ended",
 }
