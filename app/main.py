@@ -189,6 +189,7 @@ def create_app(
         from app.openai_sip import OpenAISipService
 
         runtime.openai_sip = OpenAISipService(runtime)
+        control.transfer = runtime.openai_sip.transfer
         if settings.sip_bind:
             from app.sip_calls import SipService
 

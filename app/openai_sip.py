@@ -413,8 +413,9 @@ class OpenAISipService:
             raise LookupError(f"no live OpenAI SIP call {call!r} in this process")
         return found
 
-    async def transfer(self, call: str, target: str) -> None:
-        """Transfer a live call (our id or OpenAI's) to a number or SIP URI: `refer`."""
+    async def transfer(self, call: str, target: str, by: str | None = None) -> None:
+        """Transfer a live call (our id or OpenAI's) to a number or SIP URI: `refer` (`by`:
+        who asked, recorded with it)."""
         live = self._find(call)
         uri = transfer_target(target)
         error: str | None = None
@@ -425,6 +426,8 @@ class OpenAISipService:
         except Exception as exc:
             error = repr(exc)[:200]
         data: dict[str, Any] = {"target_uri": uri, "ok": error is None}
+        if by:
+            data["by"] = by[:128]
         if error is not None:
             data["error"] = error
         self.runtime.events.emit(CallEvent(live.row_id, CallEventKind.CALL_TRANSFERRED, data))

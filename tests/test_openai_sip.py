@@ -447,3 +447,53 @@ async def test_a_hang_up_on_openais_side_before_the_commit_hands_the_outcome_to_
     assert len(messages) == 1
     assert announced == []
     assert ic.sim.requests_for(call.call_id, "hangup") == []
+
+
+async def test_staff_transfer_and_end_a_live_call_through_the_api(engine: AsyncEngine) -> None:
+    from app.staff import Role
+    from tests.console_support import bearer
+
+    async with interconnect(engine, chat()) as ic:
+        operator = await bearer(engine, Role.OPERATOR, "olga")
+        viewer = await bearer(engine, Role.VIEWER, "vic")
+        first = await ic.sim.place_call()
+        second = await ic.sim.place_call()
+        for call in (first, second):
+            await ic.sim.wait_for_session(call.call_id)
+        rows = [await ic.wait_row(c.call_id, "in_progress") for c in (first, second)]
+        async with httpx.AsyncClient(base_url=ic.service.url) as http:
+            api = f"/api/calls/{rows[0]['id']}/actions"
+            refused = await http.post(
+                f"{api}/transfer", json={"target": "+15559990000", "why": "x"}, headers=viewer
+            )
+            bad = await http.post(
+                f"{api}/transfer", json={"target": "http://evil", "why": "x"}, headers=operator
+            )
+            moved = await http.post(
+                f"{api}/transfer",
+                json={"target": "+15559990000", "why": "asked for a person"},
+                headers=operator,
+            )
+            ended = await http.post(
+                f"/api/calls/{rows[1]['id']}/actions/end",
+                json={"why": "abusive caller"},
+                headers=operator,
+            )
+            await ic.wait_over(first.call_id)
+            await ic.wait_over(second.call_id)
+            again = await http.post(f"{api}/end", json={"why": "late"}, headers=operator)
+        transferred = await events_of(ic, first.call_id, "call_transferred")
+        finals = [await ic.row(c.call_id) for c in (first, second)]
+
+    assert refused.status_code == 403 and bad.status_code == 400
+    assert moved.status_code == 202 and ended.status_code == 202
+    assert again.status_code == 409  # the call is over: nothing to end
+    assert ic.sim.requests_for(first.call_id, "refer") == [{"target_uri": "tel:+15559990000"}]
+    assert transferred == [
+        {"target_uri": "tel:+15559990000", "ok": True, "by": "olga: asked for a person"}
+    ]
+    assert ic.sim.requests_for(second.call_id, "refer") == []
+    assert second.hangups == 1  # our `hangup` reached OpenAI's side
+    assert finals[0] is not None and finals[0]["end_reason"].startswith("transferred to tel:")
+    assert finals[1] is not None
+    assert finals[1]["end_reason"] == "ended by staff (olga): abusive caller"
