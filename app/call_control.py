@@ -1,14 +1,15 @@
 """Ending a call from whichever replica hears about it.
 
-Twilio's status callback can land on any replica; the media stream (and so the bridge) runs
-on one. The replica that got the callback publishes `call_control` and the one holding the
-call ends it.
+Twilio's status callback (or a staff action) can land on any replica; the media stream (and
+so the bridge) runs on one. The replica that got it publishes `call_control` and the one
+holding the call acts: `end`, or `transfer` (OpenAI SIP interconnect calls: `refer`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -29,12 +30,26 @@ async def publish_end(engine: AsyncEngine, call_sid: str, reason: str) -> None:
         await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
 
 
+async def publish_transfer(engine: AsyncEngine, call_sid: str, target: str, by: str) -> None:
+    """Ask every replica to transfer `call_sid` to `target` (the one holding it does)."""
+    payload = json.dumps(
+        {"action": "transfer", "call_sid": call_sid, "target": target, "by": by[:128]}
+    )
+    async with engine.begin() as conn:
+        await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
+
+
+# (call_sid, target, by): transfers a call of this process; set where a leg can transfer.
+Transfer = Callable[[str, str, str], Awaitable[None]]
+
+
 class CallControl:
-    """Ends live calls of this process when another replica asks."""
+    """Ends (or transfers) live calls of this process when another replica asks."""
 
     def __init__(self, registry: CallRegistry) -> None:
         self._registry = registry
         self._work = OwnedTasks()
+        self.transfer: Transfer | None = None
 
     def subscribe(self, listener: PgListener) -> None:
         listener.subscribe(CHANNEL, self._on_notify)
@@ -47,9 +62,20 @@ class CallControl:
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring malformed %s notification", CHANNEL)
             return
-        if action != "end" or self._registry.get(call_sid) is None:
+        if self._registry.get(call_sid) is None:
             return
-        self._work.spawn(self._registry.end(call_sid, reason), f"end-{call_sid}")
+        if action == "end":
+            self._work.spawn(self._registry.end(call_sid, reason), f"end-{call_sid}")
+        elif action == "transfer" and self.transfer is not None:
+            target, by = str(data.get("target") or ""), str(data.get("by") or "")
+            self._work.spawn(self._transfer(call_sid, target, by), f"transfer-{call_sid}")
+
+    async def _transfer(self, call_sid: str, target: str, by: str) -> None:
+        assert self.transfer is not None
+        try:
+            await self.transfer(call_sid, target, by)
+        except Exception as exc:  # recorded on the call's timeline by the leg
+            log.warning("transfer of a call failed: %s", type(exc).__name__)
 
     async def stop(self) -> None:
         await self._work.cancel_all()

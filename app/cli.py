@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="one scripted call end to end, offline, then its timeline")
     p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
     p.add_argument("--wide", action="store_true", help="one line per timeline entry (no wrapping)")
+    p.add_argument(
+        "--leg",
+        choices=("twilio", "openai-sip"),
+        default="twilio",
+        help="how the call arrives: a Twilio media stream, or OpenAI's SIP interconnect",
+    )
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")

@@ -299,6 +299,19 @@ class RecordOutcomeBody(ActionBody):
     )
 
 
+class TransferBody(ActionBody):
+    target: str = Field(
+        min_length=1,
+        max_length=256,
+        description="Where to: an E.164 number (`+15551234567`), `tel:+…`, or a `sip:` URI.",
+    )
+
+
+class CallActionResult(BaseModel):
+    message: str
+    call_id: str
+
+
 class ActionResult(BaseModel):
     message: str
     status: str = Field(description="The operation's status afterwards.")

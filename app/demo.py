@@ -249,4 +249,11 @@ def run_demo(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("app.db").setLevel(logging.WARNING)
     logging.getLogger("app.embedded_db").setLevel(logging.WARNING)
+    if getattr(args, "leg", "twilio") == "openai-sip":
+        from app.demo_openai_sip import demo_openai_sip
+
+        logging.getLogger("telephony.sim.interconnect").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp").setLevel(logging.WARNING)
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+        return asyncio.run(demo_openai_sip(get_settings(), wide=args.wide))
     return asyncio.run(demo(get_settings(), Path(args.out), wide=args.wide))

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import (
     routes_deliveries,
     routes_health,
+    routes_openai,
     routes_operations,
     routes_sms,
     routes_twilio,
@@ -186,6 +187,10 @@ def create_app(
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
+        from app.openai_sip import OpenAISipService
+
+        runtime.openai_sip = OpenAISipService(runtime)
+        control.transfer = runtime.openai_sip.transfer
         if settings.sip_bind:
             from app.sip_calls import SipService
 
@@ -195,6 +200,7 @@ def create_app(
             yield
         finally:
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            await runtime.openai_sip.stop()
             await heartbeat.stop()
             if runtime.sip is not None:
                 await runtime.sip.stop()
@@ -220,6 +226,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(routes_twilio.router)
+    app.include_router(routes_openai.router)
     app.include_router(routes_health.router)
     app.include_router(routes_operations.router)
     app.include_router(routes_sms.router)

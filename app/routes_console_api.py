@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import api_tokens, call_query, operation_query, staff
 from app.auth import AdminDep, OperatorDep, Principal, ViewerDep
+from app.call_control import publish_end, publish_transfer
 from app.call_store import call_events, calls
 from app.call_view import call_view
 from app.console import Console
@@ -26,6 +27,7 @@ from app.console_models import call_recordings_table as recordings_t
 from app.console_schemas import (
     ActionBody,
     ActionResult,
+    CallActionResult,
     CallList,
     CallListQuery,
     NoQuery,
@@ -39,10 +41,11 @@ from app.console_schemas import (
     TokenCreate,
     TokenCreated,
     TokenList,
+    TransferBody,
     WhoAmI,
 )
 from app.deps import EngineDep, RuntimeDep
-from app.errors import Conflict, NotFound
+from app.errors import BadRequest, Conflict, NotFound
 from app.live_updates import ALL_CALLS, LiveHub, call_key, op_key
 from app.masking import masker_for
 from app.operation_actions import Action, ActionDone, ActionRefused
@@ -244,6 +247,74 @@ async def _require_call(engine: AsyncEngine, call_id: uuid.UUID) -> None:
         found = await conn.scalar(sa.select(calls.c.id).where(calls.c.id == call_id))
     if found is None:
         raise NotFound(f"no call {call_id}")
+
+
+_CALL_ACTION: dict[str, Any] = {
+    "response_model": CallActionResult,
+    "status_code": 202,
+    "responses": {
+        **_NOT_FOUND,
+        400: {"model": Problem, "description": "A transfer target that is not a number or URI."},
+        409: {"model": Problem, "description": "The call is not live (or its leg cannot)."},
+    },
+}
+
+
+async def _live_call(engine: AsyncEngine, call_id: uuid.UUID) -> Any:
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                sa.select(calls.c.call_sid, calls.c.leg, calls.c.status, calls.c.ended_at).where(
+                    calls.c.id == call_id
+                )
+            )
+        ).one_or_none()
+    if row is None:
+        raise NotFound(f"no call {call_id}")
+    if row.ended_at is not None or row.status not in ("ringing", "in_progress"):
+        raise Conflict(f"the call is not live (status {row.status})")
+    return row
+
+
+@router.post("/calls/{call_id}/actions/end", **_CALL_ACTION)
+async def call_action_end(
+    call_id: uuid.UUID,
+    body: ActionBody,
+    engine: EngineDep,
+    principal: OperatorDep,
+    _q: Annotated[NoQuery, Query()],
+) -> dict[str, Any]:
+    """End a live call on any leg (Twilio: the stream ends and the call is hung up; SIP: BYE;
+    OpenAI SIP interconnect: `hangup`). The process holding the call ends it; the reason on
+    the timeline names who and why."""
+    row = await _live_call(engine, call_id)
+    reason = f"ended by staff ({principal.name}): {body.why}"[:128]
+    await publish_end(engine, row.call_sid, reason)
+    return {"message": "asked the process holding the call to end it", "call_id": str(call_id)}
+
+
+@router.post("/calls/{call_id}/actions/transfer", **_CALL_ACTION)
+async def call_action_transfer(
+    call_id: uuid.UUID,
+    body: TransferBody,
+    engine: EngineDep,
+    principal: OperatorDep,
+    _q: Annotated[NoQuery, Query()],
+) -> dict[str, Any]:
+    """Transfer a live OpenAI SIP interconnect call to a number or SIP URI (`refer`); the
+    `call_transferred` event on the timeline says where, who asked, and whether it worked."""
+    from app.openai_sip import transfer_target
+
+    try:
+        target = transfer_target(body.target)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    row = await _live_call(engine, call_id)
+    if row.leg != "openai_sip":
+        raise Conflict(f"transfer needs an OpenAI SIP interconnect call (this one is {row.leg})")
+    await publish_transfer(engine, row.call_sid, target, f"{principal.name}: {body.why}")
+    return {"message": f"asked the process holding the call to transfer it to {target}",
+            "call_id": str(call_id)}  # fmt: skip
 
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")

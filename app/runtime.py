@@ -31,6 +31,7 @@ class Runtime:
     twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
     sip: Any = None  # app.sip_calls.SipService when SIP_BIND is set
+    openai_sip: Any = None  # app.openai_sip.OpenAISipService: OpenAI's SIP interconnect
     console: Any = None  # app.console.Console: recordings, live updates, operation actions
     delivery: Any = None  # app.delivery.ResultDelivery: late results of this process's calls
     sms: Any = None  # app.sms.SmsChannel: SMS follow-ups (and staff resends)

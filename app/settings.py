@@ -88,6 +88,19 @@ class Settings(BaseSettings):
     # RFC 3261 T1 (round-trip estimate): retransmissions start at T1, give up after 64*T1.
     sip_t1_s: float = Field(default=0.5, gt=0)
 
+    # OpenAI's SIP interconnect (POST /openai/webhook): To numbers that are ours, E.164,
+    # comma-separated (unset: any To is accepted; another To gets 403).
+    openai_sip_numbers: str | None = None
+    # A dropped sideband gets this long to re-attach; then the call is ended with hangup. A
+    # re-attach OpenAI refuses (404: the call ended on its side) ends it at once.
+    openai_sip_reattach_budget_s: float = Field(default=3.0, gt=0)
+    # Which SIP header vouches for the caller ID the policy engine sees. SIP headers reach us
+    # through OpenAI untrusted: `from` (the From user, as trusted as your trunk makes it),
+    # `asserted` (P-Asserted-Identity only, for a trunk that sets it), `none` (never).
+    openai_sip_caller_id: Literal["from", "asserted", "none"] = "from"
+    # Bound of each call-control request (accept, reject, refer, hangup).
+    openai_sip_api_timeout_s: float = Field(default=5.0, gt=0)
+
     # The tools calls may use: a catalog by import path (TOOLS=package.module:catalog, a
     # Catalog or a factory taking a CatalogContext) and/or HTTP tools declared in a YAML file
     # (TOOLS_FILE). Both unset: the restaurant demo.
@@ -235,6 +248,12 @@ class Settings(BaseSettings):
         ):
             raise ValueError("WEBHOOKS must be a JSON list of {url, secret} objects")
         return data
+
+    def openai_sip_number_set(self) -> frozenset[str] | None:
+        """OPENAI_SIP_NUMBERS as a set (None: every To number is ours)."""
+        if not self.openai_sip_numbers:
+            return None
+        return frozenset(n.strip() for n in self.openai_sip_numbers.split(",") if n.strip())
 
     def public_ws_base(self) -> str:
         """The public base URL with a WebSocket scheme."""

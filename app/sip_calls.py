@@ -246,17 +246,30 @@ class SipService:
             "leg": "sip",
         }
         if not runtime.registry.try_reserve(key.call_id):
-            self._reject(key, 486)
+            # Stopping: 503 with Retry-After sends the caller's proxy to another server (RFC
+            # 3261 21.5.4); full: 486 Busy Here, as a busy line.
+            draining = runtime.registry.draining
+            if draining:
+                self._reject(key, 503, retry_after=5)
+            else:
+                self._reject(key, 486)
+            reason: dict[str, Any] = (
+                {"reason": "draining"}
+                if draining
+                else {"reason": "capacity", "max_live_calls": settings.max_live_calls}
+            )
             with contextlib.suppress(DBAPIError):
                 row, created = await call_store.create_call(
                     runtime.engine, status=CallStatus.BUSY, **fields
                 )
                 if created:
-                    runtime.events.emit(
-                        CallEvent(row.id, CallEventKind.CALL_REJECTED,
-                                  {"reason": "capacity", "max_live_calls": settings.max_live_calls})
-                    )  # fmt: skip
-            log.warning("at capacity: SIP call %s gets 486", key.call_id[:64])
+                    runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, reason))
+            log.warning(
+                "%s: SIP call %s gets %d",
+                "draining" if draining else "at capacity",
+                key.call_id[:64],
+                503 if draining else 486,
+            )
             return
         try:
             row, created = await call_store.create_call(runtime.engine, **fields)

@@ -44,6 +44,8 @@ _CALL_LANE_KINDS = {
     "stream_abusive": "ended as abusive",
     "malformed_frame": "bad frame",
     "apology_played": "apology",
+    "call_transferred": "transferred",
+    "call_hangup": "hung up",
     "error": "error",
     "call_ended": "call ended",
 }

@@ -35,9 +35,13 @@ from openai.types.realtime import (
     ResponseAudioTranscriptDoneEvent,
     ResponseCreatedEvent,
     ResponseDoneEvent,
+    ResponseOutputItemAddedEvent,
     ResponseOutputItemDoneEvent,
 )
-from websockets.exceptions import ConnectionClosed
+from openai.types.realtime.input_audio_buffer_dtmf_event_received_event import (
+    InputAudioBufferDtmfEventReceivedEvent,
+)
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from telephony import audio
 from telephony.announcements import AnnouncementTracker, ItemAudio
@@ -47,6 +51,7 @@ from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
 from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
 from telephony.session_config import BridgeConfig, instructions_text, session_update
+from telephony.sideband_leg import OPEN_PLAYOUT_MS, SidebandLeg
 from telephony.tool_gateway import (
     AnnouncementSink,
     CallContext,
@@ -91,6 +96,15 @@ async def _close_quietly(conn: AsyncRealtimeConnection) -> None:
 
 class _SessionRejected(TelephonyError):
     """The server refused the session configuration."""
+
+
+class _SidebandRefused(TelephonyError):
+    """OpenAI refused to (re-)attach the sideband: the call is over on its side."""
+
+
+# Speech runs at ~15 characters a second: the length of an item cut before its transcript's
+# audio was known (sideband mode has no audio to measure).
+MS_PER_CHAR = 65
 
 
 class IllegalTransition(TelephonyError):
@@ -205,6 +219,9 @@ class Bridge:
         self.config = config
         self._client = client
         self._on_fatal = on_fatal
+        # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
+        self._sideband = leg if isinstance(leg, SidebandLeg) else None
+        self.ended_remotely = False  # the sideband was refused: the call ended on OpenAI's side
         self._state = BridgeState.CONNECTING
         self._session: _Session | None = None
         self._generation = 0
@@ -444,6 +461,10 @@ class Bridge:
         while True:
             started = time.monotonic()
             session, attempts, error = await self._connect(resumed=not first)
+            if session is None and self.ended_remotely:
+                # Not a failure: the call is over (a hang-up, a transfer) on OpenAI's side.
+                self._finish(f"ended on OpenAI's side: {error}")
+                return
             if session is None:
                 await self._fail(error or "could not connect")
                 return
@@ -493,6 +514,10 @@ class Bridge:
             conn: AsyncRealtimeConnection | None = None
             try:
                 async with asyncio.timeout(min(self.config.connect_timeout_s, remaining)):
+                    if self._sideband is not None:
+                        conn = await self._attach_sideband(self._sideband)
+                        self._generation += 1
+                        return _Session(conn, self._generation), attempts, None
                     conn = await self._client.realtime.connect(
                         model=self.config.model,
                         # Base64 audio both ways, 50 frames a second: compression costs CPU
@@ -516,6 +541,9 @@ class Bridge:
                 if conn is not None:
                     await _close_quietly(conn)
                 raise
+            except _SidebandRefused as exc:
+                self.ended_remotely = True
+                return None, attempts, str(exc)
             except _SessionRejected as exc:
                 # The server refuses our configuration: retrying cannot help.
                 if conn is not None:
@@ -536,6 +564,19 @@ class Bridge:
                 return _Session(conn, self._generation), attempts, None
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)
+
+    async def _attach_sideband(self, leg: SidebandLeg) -> AsyncRealtimeConnection:
+        """Join OpenAI's call over the sideband: the session was set by the accept."""
+        try:
+            return await self._client.realtime.connect(
+                call_id=leg.openai_call_id, websocket_connection_options={"compression": None}
+            ).enter()
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if 400 <= status < 500 and status not in (401, 408, 429):
+                # 404/410: the call is gone. A network drop never gets an HTTP answer.
+                raise _SidebandRefused(f"sideband refused ({status})") from exc
+            raise
 
     async def _await_session_updated(self, conn: AsyncRealtimeConnection) -> None:
         """Until the server confirms the configuration: audio in another codec is noise."""
@@ -620,6 +661,11 @@ class Bridge:
             return
         self._transition(BridgeState.FAILING)
         self._emit(CallEventKind.REALTIME_FAILED, reason=reason)
+        if self._sideband is not None:
+            # No audio path of ours to apologise on: the app hangs up through the API.
+            await self._run_on_fatal(reason)
+            self._finish(f"realtime failed: {reason}")
+            return
         clip = apology_clip(self.leg.audio_format)
         clip_ms = len(clip) // BYTES_PER_MS
         with contextlib.suppress(Exception):
@@ -636,13 +682,16 @@ class Bridge:
             clip_ms=clip_ms,
             heard_ms=self.leg.playback.heard_ms("apology"),
         )
+        await self._run_on_fatal(reason)
+        self._finish(f"realtime failed: {reason}")
+
+    async def _run_on_fatal(self, reason: str) -> None:
         if self._on_fatal is not None:
             try:
                 async with asyncio.timeout(TIMEOUT_S):
                     await self._on_fatal(reason)
             except Exception:
                 log.exception("call %s: on_fatal failed", self.ctx.call_id)
-        self._finish(f"realtime failed: {reason}")
 
     # Realtime side: events.
 
@@ -679,6 +728,23 @@ class Bridge:
             case "response.done":
                 assert isinstance(event, ResponseDoneEvent)
                 await self._on_response_done(session, event)
+            case "response.output_item.added" if self._sideband is not None:
+                assert isinstance(event, ResponseOutputItemAddedEvent)
+                self._on_output_item_added(session, event)
+            case "output_audio_buffer.started" if self._sideband is not None:
+                self._on_output_started(self._sideband, str(getattr(event, "response_id", "")))
+            case "output_audio_buffer.stopped" | "output_audio_buffer.cleared" if (
+                self._sideband is not None
+            ):
+                self._on_output_ended(
+                    self._sideband,
+                    str(getattr(event, "response_id", "")),
+                    cleared=event.type == "output_audio_buffer.cleared",
+                )
+            case "input_audio_buffer.dtmf_event_received":
+                assert isinstance(event, InputAudioBufferDtmfEventReceivedEvent)
+                self._emit(CallEventKind.DTMF, digit=event.event)
+                self._spawn(self._dtmf(event.event), "dtmf", tool=True)
             case "response.output_item.done":
                 assert isinstance(event, ResponseOutputItemDoneEvent)
                 if isinstance(event.item, RealtimeConversationItemFunctionCall):
@@ -720,7 +786,10 @@ class Bridge:
         self._speech_stopped_at = None
         self.turn_id += 1
         self._turn_item_id = event.item_id
-        if self.leg.playback.is_playing():
+        if self._sideband is not None:
+            if self.leg.playback.is_playing() or session.response is ResponseState.ACTIVE:
+                await self._barge_in_sideband(session, received_at)
+        elif self.leg.playback.is_playing():
             await self._barge_in(session, received_at)
         self._emit(
             CallEventKind.SPEECH_STARTED, turn_id=self.turn_id, audio_start_ms=event.audio_start_ms
@@ -781,6 +850,90 @@ class Bridge:
             audio_end_ms=audio_end_ms,
             truncated=truncated,
             cancelled=cancelled,
+            turn_id=self.turn_id,
+            clear_latency_ms=round(clear_ms, 3),
+        )
+
+    # Sideband mode: the server plays the audio and says what was heard.
+
+    def _on_output_item_added(self, session: _Session, event: ResponseOutputItemAddedEvent) -> None:
+        item = event.item
+        if item.type != "message" or not item.id or item.id in self._items:
+            return
+        # Its length is known only once the server stops playing it; until then it counts as
+        # not heard in full (an announcement in it is not yet heard).
+        self._items[item.id] = _AgentItem(event.response_id, received_ms=OPEN_PLAYOUT_MS)
+        session.items.add(item.id)
+
+    def _items_of(self, response_id: str) -> list[tuple[str, _AgentItem]]:
+        return [(i, item) for i, item in self._items.items() if item.response_id == response_id]
+
+    def _on_output_started(self, leg: SidebandLeg, response_id: str) -> None:
+        if response_id in self._muted_responses:
+            return
+        items = [(i, it) for i, it in self._items_of(response_id) if it.cut_at_ms is None]
+        for _, item in items:
+            item.received_ms = OPEN_PLAYOUT_MS  # playing, length unknown: not heard in full yet
+        leg.output_started(i for i, _ in items)
+
+    def _on_output_ended(self, leg: SidebandLeg, response_id: str, *, cleared: bool) -> None:
+        items = [
+            (i, it)
+            for i, it in self._items_of(response_id)
+            if it.cut_at_ms is None and not it.recorded and leg.playback.queued_ms(i) > 0
+        ]
+        if not items:
+            return
+        heard = {item_id: leg.playback.heard_ms(item_id) for item_id, _ in items}
+        leg.output_ended()
+        for item_id, item in items:
+            if cleared:
+                self._muted_responses.add(item.response_id)
+                item.cut_at_ms = heard[item_id]
+                item.received_ms = max(heard[item_id] + 2.0, self._estimated_ms(item))
+            else:
+                item.received_ms = float(heard[item_id])
+            if item.transcript is not None:
+                self._record_agent_transcript(item_id, item)
+        self._announcing.check(response_id)
+
+    @staticmethod
+    def _estimated_ms(item: _AgentItem) -> float:
+        return float(len(item.transcript or "") * MS_PER_CHAR)
+
+    async def _barge_in_sideband(self, session: _Session, received_at: float) -> None:
+        """Stop the model (response.cancel) and the server's playout (output_audio_buffer.clear).
+
+        The server truncates the item at what it played; we freeze ours at the same moment.
+        """
+        cancelled = False
+        response_id = session.active_response_id
+        if session.response is ResponseState.ACTIVE and response_id:
+            self._muted_responses.add(response_id)
+            cancelled = await self._guarded(session, session.conn.response.cancel())
+        playback = self.leg.playback
+        item_id = playback.current_item()
+        cleared = await self._guarded(session, session.conn.output_audio_buffer.clear())
+        clear_ms = (time.perf_counter() - received_at) * 1000
+        played_ms = playback.heard_ms(item_id) if item_id else 0
+        await self.leg.clear()
+        item = self._items.get(item_id) if item_id else None
+        if item is not None and item_id is not None:
+            self._muted_responses.add(item.response_id)
+            item.cut_at_ms = played_ms
+            item.received_ms = max(played_ms + 2.0, self._estimated_ms(item))
+            if item.transcript is not None and not item.recorded:
+                self._record_agent_transcript(item_id, item)
+        self._announcing.check_all()
+        self._emit(
+            CallEventKind.BARGE_IN,
+            item_id=item_id,
+            played_ms=played_ms,
+            received_ms=int(item.received_ms) if item else 0,
+            audio_end_ms=played_ms,
+            truncated=False,  # the server truncates on output_audio_buffer.clear
+            cancelled=cancelled,
+            output_cleared=cleared,
             turn_id=self.turn_id,
             clear_latency_ms=round(clear_ms, 3),
         )
@@ -903,7 +1056,8 @@ class Bridge:
             )
             return
         output = json.dumps(reply.output, separators=(",", ":"), default=str)
-        if session.generation == generation:
+        # A re-attached sideband joins the same conversation: the function call is still there.
+        if session.generation == generation or self._sideband is not None:
             sent = await self._guarded(
                 session,
                 session.conn.conversation.item.create(
@@ -1128,7 +1282,13 @@ class Bridge:
             return
         item.transcript = text
         if item.cut_at_ms is not None:
+            if self._sideband is not None:
+                item.received_ms = max(item.received_ms, self._estimated_ms(item))
             self._record_agent_transcript(item_id, item)
+        elif self._sideband is not None:
+            # Recorded when the server says its playout stopped (or was cut).
+            if not self.leg.playback.is_playing() and self.leg.playback.queued_ms(item_id) > 0:
+                self._record_agent_transcript(item_id, item)
         else:
             self._check_played(item_id)
 
@@ -1158,6 +1318,9 @@ class Bridge:
         heard = item.cut_at_ms
         if heard is None:
             heard = self.leg.playback.heard_ms(item_id) if final else int(item.received_ms)
+        if self._sideband is not None and item.received_ms >= OPEN_PLAYOUT_MS:
+            # The call ended while the server was still playing it.
+            item.received_ms = max(heard + 2.0, self._estimated_ms(item))
         audio_ms = int(item.received_ms)
         cut = audio_ms > 0 and heard < audio_ms - 1
         if cut:

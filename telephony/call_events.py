@@ -37,6 +37,8 @@ class CallEventKind(StrEnum):
     RESULT_CUT = "result_cut"
     RESULT_NOT_SPOKEN = "result_not_spoken"
     DTMF = "dtmf"
+    CALL_TRANSFERRED = "call_transferred"  # refer sent (OpenAI's SIP interconnect)
+    CALL_HANGUP = "call_hangup"  # hangup sent through the call-control API
     MALFORMED_FRAME = "malformed_frame"
     APOLOGY_PLAYED = "apology_played"
     ERROR = "error"

@@ -49,6 +49,9 @@ class PlaybackTracker:
             if item.started_at is None:
                 item.started_at = item.confirmed_at
         item.queued_ms += ms
+        if item.index < self._head:
+            # The playing check above saw a new item as empty and moved the head past it.
+            self._head = item.index
         return self.epoch, item.queued_ms
 
     def played(self, epoch: int, item_id: str, upto_ms: float) -> bool:

@@ -25,6 +25,7 @@ def clean_env(**values: str) -> dict[str, str]:
     for name in ("DATA_DIR", "PORT", "HOST", "CONSOLE_PASSWORD", "DRAIN_TIMEOUT_S", "SOR_BASE_URL"):
         env.pop(name, None)
     env["PYTHONPATH"] = str(ROOT)
+    env["TWILIO_API_BASE_URL"] = "http://127.0.0.1:9"  # nothing listens: never api.twilio.com
     return {**env, **values}
 
 

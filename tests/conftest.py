@@ -20,6 +20,12 @@ from app.db import create_database, drop_database, make_engine, resolve_database
 settings.register_profile("voice-agent", deadline=None)
 settings.load_profile("voice-agent")
 
+# No test may reach api.twilio.com (these machines have no internet, and a test must not
+# depend on it): a service a test starts without a fake Twilio REST API of its own sends its
+# SMS to an address where nothing listens, so a send fails at once, as when Twilio is down.
+NO_TWILIO_API = "http://127.0.0.1:9"
+os.environ.setdefault("TWILIO_API_BASE_URL", NO_TWILIO_API)
+
 # Without TEST_DATABASE_URL/DATABASE_URL: an embedded PostgreSQL of this checkout (ignored
 # by git), so two clones testing at once never share a server or its files.
 EMBEDDED_TEST_DATA_DIR = Path(__file__).resolve().parent.parent / ".voice-agent" / "test"
@@ -28,6 +34,18 @@ EMBEDDED_TEST_DATA_DIR = Path(__file__).resolve().parent.parent / ".voice-agent"
 def _server_url() -> str:
     url = os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL")
     return resolve_database_url(url, EMBEDDED_TEST_DATA_DIR)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist with no database configured, the controller starts the embedded
+    server once and hands its URL to the workers, so they never race to initdb one directory."""
+    if hasattr(config, "workerinput"):
+        return
+    if os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL"):
+        return
+    if not getattr(config.option, "numprocesses", None):
+        return
+    os.environ["TEST_DATABASE_URL"] = _server_url()
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,7 @@ def make_settings(port: int, **overrides: Any) -> Settings:
         "openai_api_key": None,
         "openai_base_url": None,
         "twilio_auth_token": AUTH_TOKEN,
-        "twilio_api_base_url": None,
+        "twilio_api_base_url": "http://127.0.0.1:9",  # nothing listens: never api.twilio.com
         "public_base_url": f"http://127.0.0.1:{port}",
         "host": "127.0.0.1",
         "port": port,

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "telephony", "tools")
 SIM = "telephony.sim"
 # Entry points that run the stand-ins or the demo on purpose (the offline mode is a feature):
-# the CLI's `simulator`, `call`, `sor` and `demo` commands; the demo itself; and `serve`,
+# the CLI's `simulator`, `call`, `sor` and `demo` commands; the demos themselves; and `serve`,
 # which starts the simulator without OPENAI_API_KEY and the demo SOR for the demo catalog.
-STAND_IN_USERS = frozenset({"app.cli", "app.demo", "app.server"})
+STAND_IN_USERS = frozenset({"app.cli", "app.demo", "app.demo_openai_sip", "app.server"})
 
 
 @dataclass(frozen=True, slots=True)

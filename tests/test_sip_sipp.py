@@ -251,6 +251,39 @@ async def test_beyond_max_live_calls_of_the_process_an_invite_gets_486_and_a_bus
         assert sorted(r["status"] for r in rows) == ["busy", "completed", "completed"]
 
 
+async def test_while_draining_an_invite_gets_503_with_retry_after_and_a_draining_row(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    import sqlalchemy as sa
+
+    async with sip_stack(engine) as stack:
+        stack.service.runtime.registry.stop_accepting()  # what SIGTERM does first
+        sip = stack.service.runtime.sip
+        run = await run_sipp(sip.port, "cap.xml", tmp_path, calls=1, limit=1, extra=["-trace_msg"])
+        assert run.returncode == 0, run.explain()
+        assert count_in_trace(tmp_path, "SIP/2.0 503") == 1
+        assert count_in_trace(tmp_path, "SIP/2.0 486") == 0
+        assert count_in_trace(tmp_path, "Retry-After:") >= 1
+        await settled(stack)
+        (row,) = await sip_rows(engine)
+        assert row["status"] == "busy"
+        async with engine.connect() as conn:
+            reasons = (
+                (
+                    await conn.execute(
+                        sa.text(
+                            "SELECT data->>'reason' FROM call_events "
+                            "WHERE call_id = :c AND kind = 'call_rejected'"
+                        ),
+                        {"c": row["id"]},
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert reasons == ["draining"]
+
+
 async def test_twenty_concurrent_calls_all_complete(engine: AsyncEngine, tmp_path: Path) -> None:
     speech_pcap(tmp_path)
     async with sip_stack(engine, sip_rate_per_source=50) as stack:

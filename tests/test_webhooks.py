@@ -236,7 +236,12 @@ async def test_subscriptions_through_the_api_and_the_configuration(
         while len(rx.received) < 2:  # noqa: ASYNC110 - the receiver has no event of its own
             await asyncio.sleep(0.02)
         sub_id = made.json()["id"]
-        log = (await http.get(f"/api/webhooks/{sub_id}/deliveries")).json()["deliveries"]
+        # The receiver answers before the worker records the answer: wait for the record.
+        for _ in range(500):
+            log = (await http.get(f"/api/webhooks/{sub_id}/deliveries")).json()["deliveries"]
+            if log and all(d["state"] != "sending" for d in log):
+                break
+            await asyncio.sleep(0.02)
         assert [(d["operation_id"], d["status"], d["state"]) for d in log] == [
             (str(op_id), "admitted", "delivered")
         ]

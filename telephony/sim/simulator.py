@@ -851,13 +851,7 @@ class SimulatedSession:
                     InputAudioBufferClearedEvent(type="input_audio_buffer.cleared", event_id="")
                 )
             case OutputAudioClear():
-                await self._send(
-                    OutputAudioBufferCleared(
-                        type="output_audio_buffer.cleared",
-                        event_id="",
-                        response_id=self._last_response_id or "",
-                    )
-                )
+                await self._on_output_clear()
             case ItemCreate():
                 await self._on_item_create(event)
             case ItemTruncate():
@@ -882,6 +876,15 @@ class SimulatedSession:
                 await self._on_response_create()
             case ResponseCancel():
                 await self._on_response_cancel(event)
+
+    async def _on_output_clear(self) -> None:
+        await self._send(
+            OutputAudioBufferCleared(
+                type="output_audio_buffer.cleared",
+                event_id="",
+                response_id=self._last_response_id or "",
+            )
+        )
 
     # ---- session -----------------------------------------------------------------------
 
@@ -1411,14 +1414,7 @@ class SimulatedSession:
             for offset in range(0, len(audio), step):
                 chunk = audio[offset : offset + step]
                 chunk_ms = len(chunk) // _bytes_per_ms(encoding)
-                await self._send(
-                    ResponseAudioDeltaEvent(
-                        type="response.output_audio.delta",
-                        event_id="",
-                        delta=base64.b64encode(chunk).decode("ascii"),
-                        **ids,
-                    )
-                )
+                await self._send_audio_chunk(response, ids, chunk, total_ms, first=offset == 0)
                 sent_ms += chunk_ms
                 upto = len(text) if sent_ms >= total_ms else len(text) * sent_ms // total_ms
                 if upto < len(text):
@@ -1463,6 +1459,20 @@ class SimulatedSession:
             )
         )
         await self._finish_output_item(response, item, output_index)
+
+    async def _send_audio_chunk(
+        self, response: _ActiveResponse, ids: dict[str, Any], chunk: bytes, total_ms: int,
+        *, first: bool,
+    ) -> None:  # fmt: skip
+        """Hand one chunk of agent audio to the client (the sideband plays it out itself)."""
+        await self._send(
+            ResponseAudioDeltaEvent(
+                type="response.output_audio.delta",
+                event_id="",
+                delta=base64.b64encode(chunk).decode("ascii"),
+                **ids,
+            )
+        )
 
     async def _stream_function_call(
         self, response: _ActiveResponse, call: FunctionCallStep
