@@ -374,14 +374,7 @@ class Bridge:
                 case AudioIn():
                     await self._send_audio(event.payload)
                 case DtmfIn():
-                    # One task takes the digits in order; a flood waits in a bounded queue
-                    # (the leg's budget ends a stream that sends too many).
-                    if self._dtmf_queue.full():
-                        log.info("call %s: keypad digit dropped (queue full)", self.ctx.call_id)
-                        continue
-                    self._dtmf_queue.put_nowait(event.digit)
-                    if self._dtmf_task is None or self._dtmf_task.done():
-                        self._dtmf_task = self._spawn(self._dtmf_loop(), "dtmf", tool=True)
+                    self._take_digit(event.digit)
                 case LegClosed():
                     self._finish(f"leg closed: {event.reason}")
                     return
@@ -413,6 +406,16 @@ class Bridge:
         if sent:
             self.frames_up += 1
         return sent
+
+    def _take_digit(self, digit: str) -> None:
+        """A keypad digit (any leg): one task takes the digits in order; a flood waits in a
+        bounded queue (the leg's budget ends a stream that sends too many)."""
+        if self._dtmf_queue.full():
+            log.info("call %s: keypad digit dropped (queue full)", self.ctx.call_id)
+            return
+        self._dtmf_queue.put_nowait(digit)
+        if self._dtmf_task is None or self._dtmf_task.done():
+            self._dtmf_task = self._spawn(self._dtmf_loop(), "dtmf", tool=True)
 
     async def _dtmf_loop(self) -> None:
         while not self._dtmf_queue.empty():
@@ -743,8 +746,7 @@ class Bridge:
                 )
             case "input_audio_buffer.dtmf_event_received":
                 assert isinstance(event, InputAudioBufferDtmfEventReceivedEvent)
-                self._emit(CallEventKind.DTMF, digit=event.event)
-                self._spawn(self._dtmf(event.event), "dtmf", tool=True)
+                self._take_digit(event.event)
             case "response.output_item.done":
                 assert isinstance(event, ResponseOutputItemDoneEvent)
                 if isinstance(event.item, RealtimeConversationItemFunctionCall):

@@ -201,7 +201,7 @@ async def test_bad_token_streams_naming_a_real_call_write_nothing_to_its_timelin
     rejected_lines = [ln for ln in service_log.getvalue().splitlines() if "rejected" in ln]
     assert after == before  # not one row for 20 attempts
     assert "voice_agent_streams_rejected_total 20" in metrics
-    assert 1 <= len(rejected_lines) <= 2  # rate-limited
+    assert len(rejected_lines) <= 2  # rate-limited (one line per 10 s, per process)
 
 
 async def _raw_media(url: str) -> Any:
