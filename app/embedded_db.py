@@ -183,14 +183,14 @@ def _is_postgres_of(pid: int, pgdata: Path) -> bool:
 
 def _route_package_log(data_dir: Path) -> None:
     """The package's INFO chatter to `DATA_DIR/postgres.log`, never to the terminal."""
-    from app.logging import RedactingFilter
+    from app.logging import RedactingFilter, RedactingFormatter
 
     path = log_path(data_dir)
     if path in _log_handlers:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(message)s"))
     handler.addFilter(RedactingFilter())
     package = logging.getLogger(_PACKAGE_LOGGER)
     package.addHandler(handler)

@@ -7,6 +7,7 @@ from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.requests import ClientDisconnect
 
 from telephony.errors import MalformedFrame, StreamRejected, TelephonyError
 
@@ -167,3 +168,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return PlainTextResponse(type(exc).__name__, status_code=status, headers=headers)
 
     app.add_exception_handler(AppError, handle)
+
+    async def gone(request: Request, exc: Exception) -> Response:
+        # The client went away mid-body: nobody reads the answer, and it is no server error
+        # (it was a 60-line traceback per attempt).
+        log.info("%s %s: client disconnected mid-request", request.method, request.url.path)
+        return PlainTextResponse("ClientDisconnect", status_code=400)
+
+    app.add_exception_handler(ClientDisconnect, gone)

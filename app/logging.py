@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 # E.164 numbers (+ and 7-15 digits, maybe spaced) and bare runs of 10-15 digits; dates,
 # times and ids with fewer digits are left readable.
-_PHONE = re.compile(r"\+\d[\d\-\s]{5,17}\d|(?<![\w-])\d{10,15}(?![\w-])")
+# Over-long runs are masked whole: a 104-digit `To` must not leave 85 digits in clear.
+_PHONE = re.compile(r"\+\d[\d\-\s]{5,}\d|(?<![\w-])\d{10,}(?![\w-])")
 _SECRET = re.compile(
     r"(?i)(authorization|auth_token|api_key|password|secret|token|signature)"
     r"([\"']?\s*[:=]\s*[\"']?)([^\s\"'&,]+)"
@@ -35,6 +37,55 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+class RedactingFormatter(logging.Formatter):
+    """Redacts the whole formatted record: the message, the traceback (`exc_text`), the stack
+    and whatever an exception carries in its text (a database error's bound parameters).
+
+    A filter sees the record before the traceback is formatted, so it cannot do this.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        try:
+            text = super().format(record)
+        except Exception:
+            text = f"{record.levelname} {record.name}: (unformattable record {record.msg!r})"
+        # The cached traceback is raw: a second handler formatting this record must not
+        # pick it up unredacted.
+        record.exc_text = None
+        return redact(text)
+
+    def formatException(self, ei: Any) -> str:
+        return redact(super().formatException(ei))
+
+
+class RateLimitedLog:
+    """At most one line per `every_s` for a flood of the same event (the rest are counted)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self._log = logger
+        self._every_s = every_s
+        self._last = -every_s
+        self.count = 0
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        import time
+
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last < self._every_s:
+            self._suppressed += 1
+            return
+        self._last = now
+        suppressed, self._suppressed = self._suppressed, 0
+        if suppressed:
+            message += " (and %d more like it since the last such line)"
+            args = (*args, suppressed)
+        self._log.warning(message, *args)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 # Libraries whose INFO lines say nothing an operator needs (alembic lists its plugins).
 _QUIET = ("alembic.runtime.plugins",)
 
@@ -42,10 +93,16 @@ _QUIET = ("alembic.runtime.plugins",)
 def configure_logging(level: str = "INFO") -> None:
     """Root logging to stderr with redaction on every handler."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter(LOG_FORMAT))
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for name in _QUIET:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    # uvicorn's own loggers ("Exception in ASGI application" and its traceback) go through
+    # the same handler, whatever configured them before.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.propagate = True

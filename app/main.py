@@ -146,6 +146,7 @@ def create_app(
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended
+            tools.pipeline.events = events  # a caller's verification lockout, on the timeline
         control = CallControl(calls)
         listener = PgListener(plain_url(db_url))
         delivery.subscribe(listener)

@@ -13,6 +13,7 @@ from app.call_store import CallRow, CallStatus
 from app.recording import RecordingLeg
 from app.runtime import Runtime
 from telephony.bridge import Bridge
+from telephony.budget import BudgetLimits, StreamBudget
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.leg import CallLeg
 from telephony.tool_gateway import CallContext
@@ -69,6 +70,14 @@ async def run_media_session(
     async def hang_up(reason: str) -> None:
         await _hang_up_via_rest(runtime, sink, call, reason)
 
+    s = runtime.settings
+    budget = StreamBudget(
+        sink,
+        call.id,
+        BudgetLimits(max_malformed=s.media_max_malformed_frames, max_dtmf=s.media_max_dtmf),
+    )
+    if hasattr(ws, "budget"):
+        ws.budget = budget  # the frame guard's drops count against the same budget
     leg = TwilioLeg(
         ws,
         start,
@@ -76,6 +85,7 @@ async def run_media_session(
         call.id,
         chunk_ms=runtime.settings.twilio_media_chunk_ms,
         idle_timeout_s=runtime.settings.media_idle_timeout_s,
+        budget=budget,
     )
     # Recording taps the leg here, between it and the bridge (app.recording): neither knows.
     recordings = runtime.console.recordings if runtime.console is not None else None

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from sqlalchemy.exc import DBAPIError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.routing import Route
 
 from app.deps import RuntimeDep
+from app.runtime import Runtime
 from telephony.call_events import CallEventKind
 
 router = APIRouter()
@@ -38,7 +43,28 @@ async def readyz(runtime: RuntimeDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(runtime: RuntimeDep) -> Response:
-    """Prometheus text exposition of this process's call counters."""
+    """Prometheus text exposition of this process's call counters (here unless METRICS_BIND
+    moves them to their own address)."""
+    if runtime.settings.metrics_bind:
+        return PlainTextResponse("Not Found", status_code=404)
+    return render_metrics(runtime)
+
+
+def metrics_app(main: Any) -> Starlette:
+    """`/metrics` alone, for METRICS_BIND: a private address of its own (the main port faces
+    Twilio and the internet; counters say how busy the service is)."""
+
+    async def endpoint(request: Request) -> Response:
+        runtime = getattr(main.state, "runtime", None)
+        if runtime is None:
+            return PlainTextResponse("starting", status_code=503)
+        return render_metrics(runtime)
+
+    return Starlette(routes=[Route("/metrics", endpoint)])
+
+
+def render_metrics(runtime: Runtime) -> Response:
+    """The exposition text of this process's counters."""
     registry, events = runtime.registry, runtime.events
     samples = [
         ("voice_agent_live_calls", "gauge", "Calls whose media stream runs here.",
@@ -61,6 +87,8 @@ async def metrics(runtime: RuntimeDep) -> Response:
          runtime.delivery.offered if runtime.delivery is not None else 0),
         ("voice_agent_sms_sends_total", "counter", "SMS create requests made by this process.",
          runtime.sms.sent if runtime.sms is not None else 0),
+        ("voice_agent_streams_rejected_total", "counter",
+         "Media streams refused for their token.", runtime.streams_rejected),
         ("voice_agent_event_queue_depth", "gauge", "Call events waiting to be written.",
          events.queue_depth),
         ("voice_agent_events_written_total", "counter", "Call events written.", events.written),

@@ -3,19 +3,21 @@ staff make (the console API lists and shows operations)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, IntegrityError
 
 from app.auth import OperatorDep
 from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep
 from app.errors import BadRequest, BadSignature, Conflict, NotFound, PayloadTooLarge
+from tools import callback_receipts as receipts
 from tools import staff
-from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
+from tools.callback import SIGNATURE_HEADER, CallbackReport, verify, verify_standard
 from tools.cancellation import request_cancel
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger import OperationRecord
@@ -50,14 +52,32 @@ async def operation_callback(
     body = bytes(buffer)
     secret = settings.sor_callback_secret
     # No secret configured means no callback can be trusted.
-    if secret is None or not verify(
-        secret.get_secret_value(), body, request.headers.get(SIGNATURE_HEADER)
-    ):
+    if secret is None:
         raise BadSignature()
+    key = secret.get_secret_value()
+    webhook_id = verify_standard(key, request.headers, body)
+    if webhook_id is None:
+        legacy = request.headers.get(SIGNATURE_HEADER)
+        if not (settings.sor_callback_accept_legacy_signature and verify(key, body, legacy)):
+            raise BadSignature()
+        # The old scheme has no id: the same body twice is the same message.
+        webhook_id = "legacy_" + hashlib.sha256(body).hexdigest()
+        log.warning("provider callback signed with the deprecated X-Signature header")
     try:
         report = CallbackReport.model_validate_json(body)
     except ValidationError as exc:
         raise BadRequest("malformed report") from exc
+    try:
+        async with engine.begin() as conn:
+            admission = await receipts.admit(
+                conn, webhook_id, operation_id, report.sequence, report.status
+            )
+    except IntegrityError as exc:
+        raise NotFound(str(operation_id)) from exc
+    except DataError as exc:
+        raise BadRequest("unstorable report") from exc
+    if admission is not receipts.Admission.APPLY:
+        return {"applied": False, "status": None, "reason": admission.value}
     try:
         outcome = await apply_report(
             engine,
@@ -69,6 +89,8 @@ async def operation_callback(
             error=report.error,
             compensation=compensation,
         )
+        async with engine.begin() as conn:
+            await receipts.settle(conn, webhook_id, outcome.applied)
     except OperationNotFound as exc:
         raise NotFound(str(operation_id)) from exc
     except IdempotencyConflict as exc:

@@ -23,14 +23,17 @@ from app.errors import (
     WS_POLICY_VIOLATION,
     BadRequest,
     BadSignature,
+    Conflict,
     DatabaseUnavailable,
     PayloadTooLarge,
     TokenRejected,
     ws_close_code,
 )
+from app.logging import RateLimitedLog
 from app.media_session import run_media_session
 from app.runtime import Runtime
 from app.settings import Settings
+from telephony.budget import StreamBudget
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
 from telephony.twilio_events import Connected, Start, StartInfo, parse_inbound
@@ -73,6 +76,16 @@ def _xml(body: str) -> Response:
     return Response(content=body, media_type="application/xml")
 
 
+ENDED_WEBHOOKS = RateLimitedLog(log)
+
+
+def _ended(status: str) -> Response:
+    ENDED_WEBHOOKS.warning("voice webhook for a call that has ended (%s) refused", status)
+    if status == CallStatus.BUSY:
+        return _xml(twiml.busy())  # Twilio retrying a call we refused: the same answer
+    raise Conflict("this call has ended")
+
+
 @router.post("/twilio/voice")
 async def voice(request: Request, runtime: RuntimeDep) -> Response:
     """Answer an incoming call: connect its audio to our media socket, or say we are busy."""
@@ -87,6 +100,15 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         "from_number": params.get("From") or None,
         "to_number": params.get("To") or None,
     }
+    # A call that has ended stays ended: a replayed webhook gets no stream (and no capacity).
+    try:
+        known = await call_store.find_by_sid(runtime.engine, call_sid)
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls lookup failed") from exc
+    if known is not None and known.status in call_store.TERMINAL:
+        return _ended(known.status)
     if not runtime.registry.try_reserve(call_sid):
         draining = runtime.registry.draining
         why = (
@@ -117,6 +139,9 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
     except DBAPIError as exc:
         runtime.registry.release_reservation(call_sid)
         raise DatabaseUnavailable("calls insert failed") from exc
+    if not created and row.status in call_store.TERMINAL:
+        runtime.registry.release_reservation(call_sid)
+        return _ended(row.status)
     if created:
         runtime.events.emit(
             CallEvent(
@@ -247,20 +272,15 @@ async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
     return row
 
 
+# Streams refused for their token: counted (on /metrics) and logged at most every 10 s.
+# Never written to the named call's timeline: anyone can name a CallSid, so a row per
+# attempt would let an unauthenticated client write into a known call's timeline.
+STREAMS_REJECTED = RateLimitedLog(log)
+
+
 async def _record_rejection(runtime: Runtime, start: StartInfo, reason: str) -> None:
-    log.warning("media stream for call %s rejected: %s", start.call_sid, reason)
-    try:
-        row = await call_store.find_by_sid(runtime.engine, start.call_sid)
-    except DBAPIError:
-        return
-    if row is not None:
-        runtime.events.emit(
-            CallEvent(
-                row.id,
-                CallEventKind.CALL_REJECTED,
-                {"reason": f"stream token {reason}", "stream_sid": start.stream_sid},
-            )
-        )
+    runtime.streams_rejected += 1
+    STREAMS_REJECTED.warning("media stream for call %s rejected: %s", start.call_sid, reason)
 
 
 class FrameGuard:
@@ -276,6 +296,8 @@ class FrameGuard:
         self._max = runtime.settings.max_ws_frame_bytes
         self.call_id: str | None = None
         self.dropped = 0
+        self.max_dropped_before_start = runtime.settings.media_max_frames_before_start
+        self.budget: StreamBudget | None = None  # set once the stream is admitted
         # When each `clear` left (monotonic): barge-in ordering is observable from outside.
         self.clears_sent_at: list[float] = []
 
@@ -287,18 +309,30 @@ class FrameGuard:
             text = message.get("text")
             if text is None:
                 self._drop("binary frame", len(message.get("bytes") or b""))
+                self._check_budget()
                 continue
             if len(text) > self._max or (
                 len(text) * 4 > self._max and len(text.encode()) > self._max
             ):
                 self._drop("oversized frame", len(text))
+                self._check_budget()
                 continue
             return str(text)
 
+    def _check_budget(self) -> None:
+        if self.call_id is None and self.dropped > self.max_dropped_before_start:
+            # Before `start` nothing is admitted yet: a client sending only junk goes.
+            raise MalformedFrame(f"{self.dropped} unusable frames before start")
+        if self.budget is not None:
+            self.budget.malformed()
+            if self.budget.tripped is not None:
+                raise MalformedFrame(self.budget.tripped)  # the leg ends the call on it
+
     def _drop(self, reason: str, length: int) -> None:
         self.dropped += 1
-        log.info("dropped %s (%d) on media stream of call %s", reason, length, self.call_id)
-        if self.call_id is not None:
+        if self.dropped <= 3:  # the first few; a flood is counted, not logged line by line
+            log.info("dropped %s (%d) on media stream of call %s", reason, length, self.call_id)
+        if self.call_id is not None and (self.budget is None or self.budget.may_record()):
             self._events.emit(
                 CallEvent(
                     self.call_id,

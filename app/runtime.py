@@ -36,3 +36,5 @@ class Runtime:
     delivery: Any = None  # app.delivery.ResultDelivery: late results of this process's calls
     sms: Any = None  # app.sms.SmsChannel: SMS follow-ups (and staff resends)
     holder: str = "replica"  # this process, as written into the calls it holds
+    # Media streams refused for their token: counted, never written to a call's timeline.
+    streams_rejected: int = 0

@@ -26,6 +26,7 @@ import uvicorn
 from app import banner, embedded_db
 from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
+from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
@@ -155,7 +156,17 @@ class ServiceServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn settings for the service (also used by the demo and the tests)."""
+    limits = HttpLimits(
+        header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s,
+        max_connections_per_source=settings.http_max_connections_per_source,
+    )
+    http = overrides.pop("http", "auto")
     options: dict[str, Any] = {
+        "http": guarded_protocol(base_protocol(http), limits) if isinstance(http, str) else http,
+        "timeout_keep_alive": settings.http_idle_timeout_s,
+        # A header block larger than this is refused (h11; httptools has its own bound).
+        "h11_max_incomplete_event_size": 16 * 1024,
         "host": settings.host,
         "port": settings.port,
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
@@ -166,6 +177,33 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         **overrides,
     }
     return uvicorn.Config(app, **options)
+
+
+def metrics_listener(app: Any, settings: Settings) -> tuple[uvicorn.Server, socket.socket]:
+    """A small server for `/metrics` alone on METRICS_BIND (`host:port`)."""
+    from app.routes_health import metrics_app
+
+    assert settings.metrics_bind is not None
+    host, _, port = settings.metrics_bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise StartupError(f"METRICS_BIND must be host:port, not {settings.metrics_bind!r}")
+    sock = bind_listener(host.strip("[]"), int(port))
+    config = uvicorn.Config(
+        metrics_app(app),
+        log_config=None,
+        lifespan="off",
+        access_log=False,
+        timeout_keep_alive=max(1, int(settings.http_idle_timeout_s)),
+    )
+    return _QuietServer(config), sock
+
+
+class _QuietServer(uvicorn.Server):
+    """A side server: the service's own server owns SIGTERM and SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -211,6 +249,8 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     port = sock.getsockname()[1]
     simulator: Any = None
     sor: Any = None
+    metrics_server: uvicorn.Server | None = None
+    metrics_task: asyncio.Task[None] | None = None
     try:
         if "public_base_url" not in settings.model_fields_set:
             # Unset: this process as reached from this machine (on the port actually bound).
@@ -235,10 +275,12 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             from tools.restaurant.sor import SystemOfRecord
 
             callback = settings.sor_callback_secret
+            control = settings.sor_control_token
             sor = SystemOfRecord(
                 url,
                 host="127.0.0.1",
                 callback_secret=callback.get_secret_value() if callback else None,
+                control_token=control.get_secret_value() if control else None,
             )
             await sor.start()
             settings = settings.model_copy(update={"sor_base_url": sor.url})
@@ -260,9 +302,19 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             on_started=lambda: banner.show(info),
             freeze_heap=True,
         )
+        if settings.metrics_bind:
+            metrics_server, metrics_sock = metrics_listener(app, settings)
+            metrics_task = asyncio.create_task(
+                metrics_server.serve(sockets=[metrics_sock]), name="metrics"
+            )
+            log.info("metrics on http://%s/metrics (METRICS_BIND)", settings.metrics_bind)
         await server.serve(sockets=[sock])
     finally:
         sock.close()
+        if metrics_server is not None and metrics_task is not None:
+            metrics_server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(metrics_task, 5)
         if catalog is not None:
             await catalog.aclose()
         if sor is not None:

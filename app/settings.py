@@ -188,6 +188,32 @@ class Settings(BaseSettings):
     webhook_base_backoff_s: float = Field(default=2.0, gt=0)
     webhook_timeout_s: float = Field(default=10.0, gt=0)
 
+    # Hardening (issue 13). HTTP: a request's headers must arrive within HTTP_HEADER_TIMEOUT_S
+    # of the connection opening (or of the previous response), its body within
+    # HTTP_BODY_TIMEOUT_S of its headers; an idle keep-alive connection closes after
+    # HTTP_IDLE_TIMEOUT_S; one source address may hold HTTP_MAX_CONNECTIONS_PER_SOURCE.
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_idle_timeout_s: float = Field(default=5.0, gt=0)
+    http_max_connections_per_source: int = Field(default=256, ge=1)
+    # `/metrics` on its own `host:port` (meant for a private network); unset: on the main port.
+    metrics_bind: str | None = None
+    # Caller verification: this many wrong PINs within the window, across calls, per account
+    # and per caller number, lock verification for PIN_LOCKOUT_S.
+    pin_max_failures: int = Field(default=3, ge=1)
+    pin_failure_window_s: float = Field(default=900.0, gt=0)
+    pin_lockout_s: float = Field(default=900.0, gt=0)
+    # Per media stream budgets; a stream that exceeds one is ended as abusive.
+    media_max_frames_before_start: int = Field(default=20, ge=1)
+    media_max_malformed_frames: int = Field(default=100, ge=1)
+    media_max_dtmf: int = Field(default=200, ge=1)
+    # Deprecated: provider callbacks signed with the old body-only `X-Signature` are refused
+    # unless this is set (Standard Webhooks headers are the scheme now).
+    sor_callback_accept_legacy_signature: bool = False
+    # Control endpoints (fault modes) of the in-process demo system of record need this
+    # bearer token; unset: a random one per start, so nothing else can drive them.
+    sor_control_token: SecretStr | None = None
+
     def stream_secret(self) -> bytes:
         """Key for stream tokens: explicit, else derived from the Twilio auth token."""
         if self.stream_token_secret is not None:

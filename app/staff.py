@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -205,6 +204,15 @@ async def authenticate(engine: AsyncEngine, username: str, password: str) -> Sta
     return StaffAccount.from_row(row)
 
 
+def _controlling_terminal() -> TextIO | None:
+    """The terminal itself (/dev/tty), not stderr: stderr carries the log stream, which may be
+    collected; a password printed there would be kept with the logs."""
+    try:
+        return open("/dev/tty", "w", encoding="utf-8")  # closed by the caller
+    except OSError:
+        return None
+
+
 async def ensure_first_admin(
     engine: AsyncEngine,
     username: str,
@@ -215,8 +223,8 @@ async def ensure_first_admin(
     """With no staff account at all, create the admin `username`.
 
     Its password is `password` (CONSOLE_PASSWORD) or a generated one, which is written once to
-    `terminal` (stderr when that is a terminal), never to the log. Returns the generated
-    password, if one was made.
+    `terminal` (else the controlling terminal, /dev/tty, when there is one), never to stderr
+    or the log. Returns the generated password, if one was made.
     """
     if await count_staff(engine) > 0:
         return None
@@ -230,14 +238,19 @@ async def ensure_first_admin(
         raise StaffError(f"CONSOLE_USER/CONSOLE_PASSWORD: {exc}") from exc
     if not generated:
         return None
-    out = terminal if terminal is not None else (sys.stderr if sys.stderr.isatty() else None)
+    tty = _controlling_terminal() if terminal is None else None
+    out = terminal if terminal is not None else tty
     if out is not None:
-        print(
-            f"console admin created: {check_username(username)} / {secret}  (shown once; "
-            f"change it with `voice-agent staff password {check_username(username)}`)",
-            file=out,
-            flush=True,
-        )
+        try:
+            print(
+                f"console admin created: {check_username(username)} / {secret}  (shown once; "
+                f"change it with `voice-agent staff password {check_username(username)}`)",
+                file=out,
+                flush=True,
+            )
+        finally:
+            if tty is not None:
+                tty.close()
     else:
         log.warning(
             "console admin %r created with a generated password that is not shown (stderr is "

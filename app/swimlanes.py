@@ -39,6 +39,9 @@ _CALL_LANE_KINDS = {
     "realtime_failed": "Realtime failed",
     "realtime_error": "Realtime error",
     "dtmf": "keypad",
+    "pin_entered": "PIN entered",
+    "verification_locked": "verification locked",
+    "stream_abusive": "ended as abusive",
     "malformed_frame": "bad frame",
     "apology_played": "apology",
     "call_transferred": "transferred",
@@ -402,12 +405,22 @@ def _call_lane(events: list[dict[str, Any]]) -> Lane:
         label = _CALL_LANE_KINDS[e["kind"]]
         if e["kind"] == "dtmf":
             label = f"keypad {d.get('digit', '')}".strip()
+        if e["kind"] == "pin_entered":
+            label = f"PIN entered ({d.get('digits')} digits)"  # never which digits
         if e["kind"] in ("call_ended", "call_rejected") and d.get("reason"):
             label = f"{label}: {d['reason']}"
         detail = ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("excerpt",))
         css = (
             "call error"
-            if e["kind"] in ("error", "realtime_error", "realtime_failed", "malformed_frame")
+            if e["kind"]
+            in (
+                "error",
+                "realtime_error",
+                "realtime_failed",
+                "malformed_frame",
+                "verification_locked",
+                "stream_abusive",
+            )
             else "call"
         )
         lane.items.append(Item(e["t_ms"], None, _short(label), f"{e['kind']}: {detail}", css))

@@ -330,6 +330,9 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "result_cut": ("heard_ms", "audio_ms", "reason"),
     "result_not_spoken": ("reason",),
     "call_ended": ("reason",),
+    "pin_entered": ("digits", "outcome"),
+    "verification_locked": ("subject", "failures", "locked_until"),
+    "stream_abusive": ("budget", "reason"),
 }
 _IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
 

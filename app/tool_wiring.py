@@ -27,6 +27,7 @@ from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
 from tools.loading import load_catalog, split_import_path
 from tools.registry import Registry
+from tools.verification import LockoutPolicy
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,11 @@ def build_tools(
         enqueue=enqueue,
         read_executor=catalog.read,
         identities=load_accounts(settings.accounts_file, settings.tenant_id),
+        lockout=LockoutPolicy(
+            max_failures=settings.pin_max_failures,
+            window_s=settings.pin_failure_window_s,
+            lockout_s=settings.pin_lockout_s,
+        ),
     )
     return ToolWiring(
         pipeline=pipeline, registry=catalog.registry, catalog=catalog, enqueue=enqueue

@@ -77,6 +77,7 @@ HISTORY_LINES = 20
 MAX_PLAYED_CHECKS = 20  # looks at an agent item's playout before its transcript is recorded
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
+DTMF_QUEUE = 32  # keypad digits waiting for the tool layer; more are dropped
 # Caller audio kept while the session is (re)connecting, sent once it is up (2 s of frames).
 BACKLOG_FRAMES = 100
 RECHECK_S = 0.25  # how often queued response work looks for a safe moment
@@ -226,6 +227,8 @@ class Bridge:
         self._generation = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tool_tasks: set[asyncio.Task[Any]] = set()
+        self._dtmf_queue: asyncio.Queue[str] = asyncio.Queue(maxsize=DTMF_QUEUE)
+        self._dtmf_task: asyncio.Task[None] | None = None
         self._ended = asyncio.Event()
         self._closed = asyncio.Event()
         self._end_reason = ""
@@ -371,8 +374,7 @@ class Bridge:
                 case AudioIn():
                     await self._send_audio(event.payload)
                 case DtmfIn():
-                    self._emit(CallEventKind.DTMF, digit=event.digit)
-                    self._spawn(self._dtmf(event.digit), "dtmf", tool=True)
+                    self._take_digit(event.digit)
                 case LegClosed():
                     self._finish(f"leg closed: {event.reason}")
                     return
@@ -405,9 +407,30 @@ class Bridge:
             self.frames_up += 1
         return sent
 
-    async def _dtmf(self, digit: str) -> None:
-        async with asyncio.timeout(TIMEOUT_S):
-            await self._gateway.on_dtmf(self.ctx, digit)
+    def _take_digit(self, digit: str) -> None:
+        """A keypad digit (any leg): one task takes the digits in order; a flood waits in a
+        bounded queue (the leg's budget ends a stream that sends too many)."""
+        if self._dtmf_queue.full():
+            log.info("call %s: keypad digit dropped (queue full)", self.ctx.call_id)
+            return
+        self._dtmf_queue.put_nowait(digit)
+        if self._dtmf_task is None or self._dtmf_task.done():
+            self._dtmf_task = self._spawn(self._dtmf_loop(), "dtmf", tool=True)
+
+    async def _dtmf_loop(self) -> None:
+        while not self._dtmf_queue.empty():
+            digit = self._dtmf_queue.get_nowait()
+            async with asyncio.timeout(TIMEOUT_S):
+                entry = await self._gateway.on_dtmf(self.ctx, digit)
+            if entry is None or not entry.pin:
+                self._emit(CallEventKind.DTMF, digit=digit)
+            elif entry.submitted_digits is not None:
+                # The digits of a PIN are never recorded: only that one was entered.
+                self._emit(
+                    CallEventKind.PIN_ENTERED,
+                    digits=entry.submitted_digits,
+                    outcome=entry.outcome,
+                )
 
     async def _guarded(
         self, session: _Session, send: Awaitable[None], watch: Watchdog | None = None
@@ -723,8 +746,7 @@ class Bridge:
                 )
             case "input_audio_buffer.dtmf_event_received":
                 assert isinstance(event, InputAudioBufferDtmfEventReceivedEvent)
-                self._emit(CallEventKind.DTMF, digit=event.event)
-                self._spawn(self._dtmf(event.event), "dtmf", tool=True)
+                self._take_digit(event.event)
             case "response.output_item.done":
                 assert isinstance(event, ResponseOutputItemDoneEvent)
                 if isinstance(event.item, RealtimeConversationItemFunctionCall):
@@ -1005,11 +1027,14 @@ class Bridge:
             response_id=response_id,
             turn_id=self._response_turn.get(response_id, self.turn_id),
         )
+        redacts = getattr(self._gateway, "redacts_arguments", None)
+        secret = redacts is not None and redacts(request.name)
         self._emit(
             CallEventKind.FUNCTION_CALL,
             call_id=request.call_id,
             name=request.name,
-            arguments=request.arguments[:500],
+            # A tool that declares `redact_arguments` (a spoken PIN): never stored.
+            arguments={"redacted": True} if secret else request.arguments[:500],
             turn_id=request.turn_id,
             response_id=response_id,
         )

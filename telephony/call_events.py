@@ -42,6 +42,12 @@ class CallEventKind(StrEnum):
     MALFORMED_FRAME = "malformed_frame"
     APOLOGY_PLAYED = "apology_played"
     ERROR = "error"
+    # A media stream over one of its budgets (telephony.budget), ended as abusive.
+    STREAM_ABUSIVE = "stream_abusive"
+    # Caller verification locked for the account or number (tools.verification).
+    VERIFICATION_LOCKED = "verification_locked"
+    # A keypad PIN entry: how many digits, never which.
+    PIN_ENTERED = "pin_entered"
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,19 @@ class AnnouncementSink(Protocol):
     def report(self, report: AnnouncementReport) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class KeypadEntry:
+    """What one keypad digit was, as far as the timeline may know.
+
+    A digit that is part of a PIN entry is never recorded, logged or shown: only that a PIN
+    was entered and how many digits it had.
+    """
+
+    pin: bool  # part of a PIN entry
+    submitted_digits: int | None = None  # a PIN entry completed, with this many digits
+    outcome: str | None = None  # what it achieved (verified, wrong, locked)
+
+
 class ToolGateway(Protocol):
     """What the bridge asks of the tool layer."""
 
@@ -92,8 +105,12 @@ class ToolGateway(Protocol):
         """Run a function call through policy; answer reads inline, mutations at once."""
         ...
 
-    async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
-        """A keypad digit from the caller (PIN entry)."""
+    async def on_dtmf(self, ctx: CallContext, digit: str) -> KeypadEntry | None:
+        """A keypad digit from the caller; None: an ordinary digit, recorded as it is."""
+        ...
+
+    def redacts_arguments(self, name: str) -> bool:
+        """Whether the tool `name`'s arguments must never be stored (a spoken PIN)."""
         ...
 
     async def on_call_end(self, ctx: CallContext) -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from telephony.audio import base64_size
+from telephony.budget import StreamBudget
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import MalformedFrame
 from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
@@ -96,6 +97,7 @@ class TwilioLeg:
         idle_timeout_s: float = 15.0,
         send_timeout_s: float = 5.0,
         chunk_ms: int = CHUNK_MS,
+        budget: StreamBudget | None = None,
     ) -> None:
         if chunk_ms < 20 or chunk_ms % 20:
             raise ValueError("chunk_ms must be a positive multiple of 20 ms")
@@ -128,6 +130,7 @@ class TwilioLeg:
         self._closed = False
         self._close_reason: str | None = None
         self.malformed_frames = 0
+        self.budget = budget
 
     # Receive side.
 
@@ -143,11 +146,26 @@ class TwilioLeg:
             except KeyError:
                 # Starlette's receive_text() raises KeyError for a binary frame.
                 self._malformed("binary frame", "")
+                if self._over_budget():
+                    yield LegClosed(f"abusive stream: {self._over_budget()}")
+                    return
                 continue
             except Exception as exc:  # the socket is gone, whatever the server library says
+                if self._over_budget():
+                    yield LegClosed(f"abusive stream: {self._over_budget()}")
+                    return
                 yield LegClosed(self._close_reason or f"disconnected: {type(exc).__name__}")
                 return
+            budget = self.budget
+            if budget is not None:
+                budget.frame()
             event = self._parse(raw)
+            if budget is not None:
+                if isinstance(event, DtmfIn):
+                    budget.dtmf()
+                if budget.tripped is not None:
+                    yield LegClosed(f"abusive stream: {budget.tripped}")
+                    return
             if event is not None:
                 yield event
                 if isinstance(event, LegClosed):
@@ -197,9 +215,20 @@ class TwilioLeg:
         # Twilio echoes marks for cleared audio too; the epoch check discards those.
         self.playback.played(epoch, item_id, end_ms)
 
+    def _over_budget(self) -> str | None:
+        return self.budget.tripped if self.budget is not None else None
+
     def _malformed(self, why: str, raw: str) -> None:
         self.malformed_frames += 1
-        log.info("malformed Twilio frame on call %s: %s", self.call_id, why)
+        budget = self.budget
+        if budget is not None:
+            # Within budget each is logged and recorded; beyond it the stream is ended.
+            record = budget.may_record()
+            budget.malformed()
+            if not record:
+                return
+        if self.malformed_frames <= 5:
+            log.info("malformed Twilio frame on call %s: %s", self.call_id, why)
         self._sink.emit(
             CallEvent(
                 self.call_id,

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -34,6 +35,8 @@ class ServerProcess:
     env: dict[str, str]
     port: int = field(default_factory=free_port)
     proc: asyncio.subprocess.Process | None = None
+    # Where the process's stderr (its log stream) goes; unset: discarded.
+    stderr_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -48,7 +51,17 @@ class ServerProcess:
             "PUBLIC_BASE_URL": self.url,
             **self.env,
         }
-        self.proc = await asyncio.create_subprocess_exec(
+        log_file = self.stderr_path.open("ab") if self.stderr_path else None
+        try:
+            self.proc = await self._spawn(env, log_file)
+        finally:
+            if log_file is not None:
+                log_file.close()  # the child holds its own descriptor
+        deadline = time.monotonic() + timeout_s
+        return await self._wait_ready(deadline)
+
+    async def _spawn(self, env: dict[str, str], log_file: Any) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "app.cli",
@@ -56,10 +69,12 @@ class ServerProcess:
             cwd=ROOT,
             env=env,
             stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=log_file if log_file is not None else asyncio.subprocess.DEVNULL,
             start_new_session=True,  # its own process group: killpg takes all of it
         )
-        deadline = time.monotonic() + timeout_s
+
+    async def _wait_ready(self, deadline: float) -> ServerProcess:
+        assert self.proc is not None
         async with httpx.AsyncClient(timeout=2.0) as http:
             while True:
                 if self.proc.returncode is not None:

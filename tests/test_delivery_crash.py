@@ -33,7 +33,7 @@ from tests.test_e2e_booking import (
     wait_for_operation,
 )
 from tools import deliveries
-from tools.callback import SIGNATURE_HEADER, CallbackReport, sign
+from tools.callback import CallbackReport, signed_headers
 from tools.restaurant.sor import Faults
 
 WAIT_S = 45.0  # process starts and stalled-job detection take a moment on a loaded machine
@@ -209,7 +209,7 @@ async def test_hang_up_before_the_commit_two_servers_duplicate_callbacks_and_a_r
                     content=body,
                     headers={
                         "content-type": "application/json",
-                        SIGNATURE_HEADER: sign(CALLBACK_SECRET, body),
+                        **signed_headers(CALLBACK_SECRET, body, report.message_id()),
                     },
                 )
             assert answer.status_code == 200 and answer.json()["applied"] is False

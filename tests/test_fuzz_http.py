@@ -50,7 +50,11 @@ async def test_garbage_operation_callbacks_are_rejected_with_a_4xx(engine: Async
     bodies = [*_GARBAGE_JSON, *(rng.randbytes(rng.randrange(1, 3000)) for _ in range(10))]
     results: list[tuple[str, bytes, int]] = []
     async with (
-        running_service(engine, sor_callback_secret=CALLBACK_SECRET) as service,
+        running_service(
+            engine,
+            sor_callback_secret=CALLBACK_SECRET,
+            sor_callback_accept_legacy_signature=True,  # these cover the old header
+        ) as service,
         httpx.AsyncClient(timeout=10) as client,
     ):
         url = f"{service.url}/operations/{uuid.uuid4()}/callback"
@@ -86,7 +90,11 @@ async def test_huge_operation_callbacks_declared_or_chunked_are_refused_with_413
     engine: AsyncEngine,
 ) -> None:
     async with (
-        running_service(engine, sor_callback_secret=CALLBACK_SECRET) as service,
+        running_service(
+            engine,
+            sor_callback_secret=CALLBACK_SECRET,
+            sor_callback_accept_legacy_signature=True,  # these cover the old header
+        ) as service,
         httpx.AsyncClient(timeout=30) as client,
     ):
         url = f"{service.url}/operations/{uuid.uuid4()}/callback"
@@ -176,7 +184,8 @@ async def test_the_system_of_record_answers_garbage_with_a_4xx_and_keeps_no_stuc
             good = {"date": "2026-12-05", "time": "21:00", "party_size": 2, "name": "Ada"}
             response = await client.post("/bookings", json=good, headers=headers)
             results.append((f"POST /bookings key={str(headers)[:30]}", response.status_code))
-        stats = (await client.get("/_stats")).json()
+        control = {"Authorization": f"Bearer {sor.control_token}"}
+        stats = (await client.get("/_stats", headers=control)).json()
     assert [r for r in results if r[1] >= 500] == []
     # Only the one well-formed booking with a long (but present) key was applied.
     assert stats["bookings_inserted"] <= 1
@@ -222,7 +231,11 @@ async def test_signed_reports_with_unstorable_content_are_not_a_500(
     }
     body = json.dumps(payload).encode()
     async with (
-        running_service(engine, sor_callback_secret=CALLBACK_SECRET) as service,
+        running_service(
+            engine,
+            sor_callback_secret=CALLBACK_SECRET,
+            sor_callback_accept_legacy_signature=True,  # these cover the old header
+        ) as service,
         httpx.AsyncClient(timeout=10) as client,
     ):
         status = await _post(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -28,7 +29,7 @@ from tests.sor_support import (
     wait_status,
 )
 from tools import ledger
-from tools.callback import SIGNATURE_HEADER, CallbackReport, sign
+from tools.callback import SIGNATURE_HEADER, CallbackReport, sign, signed_headers
 from tools.reconcile import Compensation
 from tools.restaurant.catalog import restaurant_catalog
 from tools.restaurant.client import SorClient
@@ -98,7 +99,10 @@ async def _post(
     return await http.post(
         f"/operations/{op_id}/callback",
         content=body,
-        headers={SIGNATURE_HEADER: sign(secret, body), "content-type": "application/json"},
+        headers={
+            **signed_headers(secret, body, "msg_" + hashlib.sha256(body).hexdigest()[:32]),
+            "content-type": "application/json",
+        },
     )
 
 

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.sor_support import CALLBACK_SECRET, AppServer, start_sor, wait_for
-from tools.callback import SIGNATURE_HEADER, CallbackReport, verify
+from tools.callback import SIGNATURE_HEADER, CallbackReport, verify_standard
 from tools.provider import Outcome
 from tools.restaurant.client import SorClient
 from tools.restaurant.protocol import BookingRequest
@@ -114,7 +114,17 @@ async def test_hang_keeps_the_key_in_progress_until_released(
 
 async def test_faults_are_settable_over_http(sor: SystemOfRecord, client: SorClient) -> None:
     async with httpx.AsyncClient(base_url=sor.url, timeout=2.0) as http:
-        resp = await http.post("/_faults", json={"fail_before_commit": 1})
+        # Without the SOR's own control token nothing is changed.
+        for auth in ({}, {"Authorization": "Bearer wrong"}):
+            refused = await http.post("/_faults", json={"fail_before_commit": 1}, headers=auth)
+            assert refused.status_code == 401
+            assert (await http.get("/_faults", headers=auth)).status_code == 401
+        assert sor.faults.fail_before_commit == 0
+        resp = await http.post(
+            "/_faults",
+            json={"fail_before_commit": 1},
+            headers={"Authorization": f"Bearer {sor.control_token}"},
+        )
         assert resp.status_code == 200
     assert (await client.book_table("k1", REQ)).outcome is Outcome.failed_retryable
     assert (await client.book_table("k1", REQ)).outcome is Outcome.committed
@@ -153,12 +163,12 @@ async def test_availability_counts_confirmed_seats(sor: SystemOfRecord, client: 
 async def test_async_mode_accepts_then_reports_through_a_signed_callback(
     sor: SystemOfRecord, client: SorClient
 ) -> None:
-    received: list[tuple[bytes, str | None]] = []
+    received: list[tuple[bytes, dict[str, str]]] = []
     hook = FastAPI()
 
     @hook.post("/cb")
     async def cb(request: Request) -> JSONResponse:
-        received.append((await request.body(), request.headers.get(SIGNATURE_HEADER)))
+        received.append((await request.body(), dict(request.headers)))
         return JSONResponse({"ok": True})
 
     async with AppServer(hook) as receiver:
@@ -166,8 +176,9 @@ async def test_async_mode_accepts_then_reports_through_a_signed_callback(
         accepted = await client.book_table("k1", REQ, callback_url=f"{receiver.url}/cb")
         assert accepted.outcome is Outcome.pending
         await wait_for(lambda: asyncio.sleep(0, len(received)), bool, what="callback")
-    body, signature = received[0]
-    assert verify(CALLBACK_SECRET, body, signature)
+    body, headers = received[0]
+    assert verify_standard(CALLBACK_SECRET, headers, body) == headers["webhook-id"]
+    assert SIGNATURE_HEADER.lower() not in headers  # the deprecated header is not sent
     report = CallbackReport.model_validate(json.loads(body))
     assert report.status == "committed" and report.result is not None
     assert (await sor.side_effects()).bookings_inserted == 1

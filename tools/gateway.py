@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
+from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.tool_gateway import CallContext, FunctionCallRequest, KeypadEntry, ToolReply
 from tools import ledger
 from tools.compensation import admit_compensation
 from tools.conflicts import (
@@ -29,7 +30,13 @@ from tools.conflicts import (
 )
 from tools.control import ConfirmOperationArgs, ResolveConflictArgs, VerifyPinArgs
 from tools.errors import IdempotencyConflict, InvalidArguments, ToolError, UnknownTool
-from tools.identity import CallerIdentity, CallIdentities, IdentityStore, PinOutcome
+from tools.identity import (
+    CallerIdentity,
+    CallerVerification,
+    CallIdentities,
+    IdentityStore,
+    PinOutcome,
+)
 from tools.ledger import Enqueue, OperationRecord, ToolCallRecord
 from tools.policy import Decision, LedgerFacts, Outcome, PolicyConfig, PolicyInput, evaluate
 from tools.registry import Registry, ToolKind, ToolSpec
@@ -45,6 +52,7 @@ from tools.results import (
     verification_output,
 )
 from tools.states import IN_FLIGHT, OperationStatus, is_terminal
+from tools.verification import LockoutPolicy, active_lock, record_check, subjects_of
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,7 @@ class ToolPipeline:
         pending_results: PendingResultsSink | None = None,
         max_pin_attempts: int = 3,
         handle_timeout_s: float = 15.0,
+        lockout: LockoutPolicy | None = None,
     ) -> None:
         self._engine = engine
         self._registry = registry
@@ -107,6 +116,10 @@ class ToolPipeline:
         # Bounds the database work and an inline read together (reads have their own,
         # shorter deadline); on expiry the transaction rolls back and the model is told.
         self.handle_timeout_s = handle_timeout_s
+        # PIN failures across calls (tools.verification); the app sets `events` so a lockout
+        # shows on the call's timeline.
+        self.lockout = lockout or LockoutPolicy()
+        self.events: CallEventSink | None = None
 
     def definitions(self) -> list[dict[str, Any]]:
         return self._registry.definitions()
@@ -166,11 +179,77 @@ class ToolPipeline:
             item_id=_storable(request.item_id, 128),
         )
 
-    async def on_dtmf(self, ctx: CallContext, digit: str) -> None:
+    def redacts_arguments(self, name: str) -> bool:
+        spec = self._spec(name)
+        return spec is not None and spec.redact_arguments
+
+    async def on_dtmf(self, ctx: CallContext, digit: str) -> KeypadEntry | None:
         state = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
-        outcome = state.feed_dtmf(digit)
-        if outcome is not PinOutcome.INCOMPLETE:
-            log.info("call %s: keypad PIN entry %s", ctx.call_id, outcome.value)
+        if not state.collecting():
+            return None  # no PIN to enter: an ordinary key press
+        entered = state.feed_keypad(digit)
+        if entered is None:
+            return KeypadEntry(pin=True)
+        outcome = await self.check_pin(ctx, state, entered)
+        log.info("call %s: keypad PIN entry %s", ctx.call_id, outcome.value)
+        return KeypadEntry(pin=True, submitted_digits=len(entered), outcome=outcome.value)
+
+    async def check_pin(
+        self, ctx: CallContext, state: CallerVerification, entered: str
+    ) -> PinOutcome:
+        """One complete PIN, checked against the durable lockouts as well as this call's."""
+        acc = state.account
+        subjects = subjects_of(acc.account_id if acc else None, ctx.from_number)
+        if acc is None or not acc.pin or state.verified or state.locked:
+            return state.submit(entered)
+        now = self._clock()
+        async with self._engine.begin() as conn:
+            lock = await active_lock(conn, ctx.tenant_id, subjects, now)
+            if lock is not None:
+                state.lock()
+                return PinOutcome.LOCKED
+            outcome = state.submit(entered)
+            tripped = await record_check(
+                conn,
+                ctx.tenant_id,
+                subjects,
+                ctx.call_id,
+                succeeded=outcome is PinOutcome.VERIFIED,
+                policy=self.lockout,
+                now=now,
+            )
+        if tripped is not None:
+            state.lock()
+            outcome = PinOutcome.LOCKED
+            log.warning(
+                "call %s: caller verification locked (%s, %d failures) until %s",
+                ctx.call_id,
+                tripped.subject.kind,
+                tripped.failures,
+                tripped.locked_until.isoformat(timespec="seconds"),
+            )
+            if self.events is not None:
+                self.events.emit(
+                    CallEvent(
+                        ctx.call_id,
+                        CallEventKind.VERIFICATION_LOCKED,
+                        {
+                            "subject": tripped.subject.kind,
+                            "failures": tripped.failures,
+                            "locked_until": tripped.locked_until.isoformat(),
+                        },
+                    )
+                )
+        return outcome
+
+    async def _durably_locked(self, ctx: CallContext, state: CallerVerification) -> None:
+        """Mark the call locked if its account or number is locked by earlier calls."""
+        if state.verified or state.locked or state.account is None or not state.account.pin:
+            return
+        subjects = subjects_of(state.account.account_id, ctx.from_number)
+        async with self._engine.connect() as conn:
+            if await active_lock(conn, ctx.tenant_id, subjects, self._clock()) is not None:
+                state.lock()
 
     async def on_call_end(self, ctx: CallContext) -> None:
         async with self._engine.begin() as conn:
@@ -196,6 +275,8 @@ class ToolPipeline:
         spec = self._spec(request.name)
         # Known before the transaction: the identity store may do its own I/O.
         verification = await self._ids.for_call(ctx.call_id, ctx.tenant_id, ctx.from_number)
+        if spec is not None and spec.needs_verification:
+            await self._durably_locked(ctx, verification)
         async with self._engine.begin() as conn:
             tc, created = await self._record_call(conn, ctx, request)
             if not created:
@@ -230,7 +311,7 @@ class ToolPipeline:
                 if isinstance(args, ResolveConflictArgs):
                     return await self._resolve(conn, ctx, tc, args, identity)
                 if isinstance(args, VerifyPinArgs):
-                    outcome = verification.submit(args.digits)
+                    outcome = await self.check_pin(ctx, verification, args.digits)
                     out = _pin_output(outcome, verification.attempts_left)
                     await ledger.complete_tool_call(conn, tc.id, decision=outcome.value, output=out)
                     return _reply(out)
@@ -784,7 +865,7 @@ def _pin_output(outcome: PinOutcome, attempts_left: int) -> dict[str, Any]:
     messages = {
         PinOutcome.VERIFIED: "PIN accepted. Call the tool the caller wanted again.",
         PinOutcome.WRONG: f"That PIN didn't match. {attempts_left} tries left.",
-        PinOutcome.LOCKED: "Too many wrong PINs on this call; verification is locked.",
+        PinOutcome.LOCKED: ("Too many wrong PINs; verification is locked for now. Staff can help."),
         PinOutcome.NO_ACCOUNT: "There is no PIN registered for this number.",
         PinOutcome.INCOMPLETE: "I didn't get the full PIN.",
     }

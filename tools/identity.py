@@ -1,7 +1,8 @@
 """Who is calling: caller ID known to an account, and a PIN by keypad or spoken digits.
 
 Verification state lives per call (in the process that holds the call) and is dropped
-when the call ends; the policy engine sees a frozen `CallerIdentity` snapshot.
+when the call ends; failures and lockouts across calls are durable (`tools.verification`).
+The policy engine sees a frozen `CallerIdentity` snapshot.
 """
 
 from __future__ import annotations
@@ -131,6 +132,31 @@ class CallerVerification:
     @property
     def attempts_left(self) -> int:
         return max(0, self.max_attempts - self.failed_attempts)
+
+    def collecting(self) -> bool:
+        """Whether keypad digits are PIN entry now (an account with a PIN, not yet verified)."""
+        return self.account is not None and bool(self.account.pin) and not self.verified
+
+    def feed_keypad(self, digit: str) -> str | None:
+        """Take one keypad digit; the complete entry once there is one (not yet checked)."""
+        if digit == "*":
+            self._buffer = ""
+            return None
+        if digit == "#":
+            entered, self._buffer = self._buffer, ""
+            return entered
+        if not digit.isdigit():
+            return None
+        self._buffer += digit
+        pin = self.account.pin if self.account else None
+        if pin is not None and len(self._buffer) >= len(pin):
+            entered, self._buffer = self._buffer, ""
+            return entered
+        return None
+
+    def lock(self) -> None:
+        """Locked from outside this call (durable lockout of the account or number)."""
+        self.failed_attempts = max(self.failed_attempts, self.max_attempts)
 
     def feed_dtmf(self, digit: str) -> PinOutcome:
         if digit == "*":

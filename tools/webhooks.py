@@ -17,7 +17,6 @@ so our side sends each change once per attempt and never two attempts at once.
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import json
 import logging
@@ -36,6 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import jobs
+from tools.callback import sign_standard
 from tools.webhook_models import webhook_attempts_table as att_t
 from tools.webhook_models import webhook_deliveries_table as whd_t
 from tools.webhook_models import webhook_subscriptions_table as sub_t
@@ -73,9 +73,8 @@ def _key(secret: str) -> bytes:
 
 def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
     """The `webhook-signature` header value: `v1,<base64 HMAC-SHA256 of id.timestamp.body>`."""
-    content = f"{msg_id}.{timestamp}.".encode() + body
-    digest = hmac.new(_key(secret), content, hashlib.sha256).digest()
-    return "v1," + base64.b64encode(digest).decode()
+    # The same scheme signs provider callbacks (tools.callback), whose secrets may be plain.
+    return sign_standard(_key(secret), msg_id, timestamp, body)
 
 
 def verify(secret: str, headers: Mapping[str, str], body: bytes, *, tolerance_s: int = 300) -> bool:

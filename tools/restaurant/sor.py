@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from psycopg import AsyncConnection, DataError
 from psycopg.rows import dict_row
@@ -34,7 +35,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field, ValidationError
 
-from tools.callback import SIGNATURE_HEADER, CallbackReport, sign
+from tools.callback import CallbackReport, signed_headers
 from tools.restaurant.protocol import (
     CALLBACK_URL_HEADER,
     IDEMPOTENCY_HEADER,
@@ -160,12 +161,16 @@ class SystemOfRecord:
         faults: Faults | None = None,
         callback_secret: str | None = None,
         seats_per_slot: int = SEATS_PER_SLOT,
+        control_token: str | None = None,
     ) -> None:
         self.database_url = database_url
         self.host = host
         self.port = port
         self.faults = faults or Faults()
         self.callback_secret = callback_secret
+        # The control endpoints (fault modes, stats) answer only to this bearer token: with
+        # them anyone could make the SOR POST a validly signed "committed" report.
+        self.control_token = control_token or secrets.token_urlsafe(24)
         self.seats_per_slot = seats_per_slot
         self._pool: AsyncConnectionPool | None = None
         self._server: uvicorn.Server | None = None
@@ -413,9 +418,10 @@ class SystemOfRecord:
         assert self._http is not None
         body = report.model_dump_json().encode()
         headers = {"content-type": "application/json"}
-        if self.callback_secret:
-            headers[SIGNATURE_HEADER] = sign(self.callback_secret, body)
         for attempt in range(3):
+            if self.callback_secret:
+                # Standard Webhooks: one id for every retry of this report, a fresh timestamp.
+                headers |= signed_headers(self.callback_secret, body, report.message_id())
             try:
                 resp = await self._http.post(url, content=body, headers=headers)
             except httpx.HTTPError as exc:
@@ -587,21 +593,29 @@ class SystemOfRecord:
                 )
             return JSONResponse(status.model_dump(mode="json"))
 
-        @app.get("/_faults")
+        def control(authorization: str | None = Header(default=None)) -> None:
+            expected = f"Bearer {sor.control_token}".encode()
+            given = (authorization or "").encode("utf-8", "surrogatepass")
+            if not hmac.compare_digest(expected, given):
+                raise HTTPException(401, "control endpoints need the SOR control token")
+
+        guarded = [Depends(control)]
+
+        @app.get("/_faults", dependencies=guarded)
         async def get_faults() -> Faults:
             return sor.faults
 
-        @app.post("/_faults")
+        @app.post("/_faults", dependencies=guarded)
         async def set_faults(faults: Faults) -> Faults:
             sor.set_faults(faults)
             return sor.faults
 
-        @app.post("/_faults/release")
+        @app.post("/_faults/release", dependencies=guarded)
         async def release() -> dict[str, bool]:
             sor.release()
             return {"released": True}
 
-        @app.get("/_stats")
+        @app.get("/_stats", dependencies=guarded)
         async def stats() -> SideEffects:
             return await sor.side_effects()
 
@@ -621,15 +635,19 @@ def run_sor(
         log.error("the system of record needs a database: pass --database-url")
         return 2
     secret = callback_secret or os.environ.get("SOR_CALLBACK_SECRET")
+    token = os.environ.get("SOR_CONTROL_TOKEN") or secrets.token_urlsafe(24)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        sor = SystemOfRecord(url, host=host, port=port, callback_secret=secret)
+        sor = SystemOfRecord(url, host=host, port=port, callback_secret=secret, control_token=token)
         async with sor:
             print(f"system of record listening on {sor.url}", flush=True)
+            if not os.environ.get("SOR_CONTROL_TOKEN"):
+                # To the terminal only, never into the log stream.
+                print(f"control token (Authorization: Bearer ...): {token}", flush=True)
             await stop.wait()
 
     try:

@@ -1,0 +1,185 @@
+"""Read deadlines and a per-source connection bound for uvicorn's HTTP protocol.
+
+uvicorn only times out a keep-alive connection after a response: a connection that sends
+nothing, half its headers or half its body stays open for ever (finding 4 of issue 13).
+`guarded_protocol` subclasses the HTTP protocol uvicorn would use and adds, per connection:
+
+- a header deadline: a request's headers must be in within `header_timeout_s` of the
+  connection opening or of the previous response;
+- a body deadline: its body within `body_timeout_s` after that;
+- a bound on the bytes sent before a request's headers are complete;
+- a bound on open connections per source address (more are closed at once).
+
+The application's own work is not timed: once a request is fully read the clock stops until
+its response is complete. A WebSocket upgrade leaves the guard (media streams have their
+own idle watchdog), so Twilio's many streams from few addresses are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one connection may take before it is closed."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections_per_source: int = 256
+    # Bytes a connection may send while its request's headers are not complete.
+    max_header_bytes: int = 256 * 1024
+
+
+class _Counters:
+    """Open guarded connections per source and refusals, per server (not per process)."""
+
+    def __init__(self) -> None:
+        self.open: defaultdict[str, int] = defaultdict(int)
+        self.timed_out = 0
+        self.refused = 0
+        self._last_log = 0.0
+
+    def note(self, message: str, *args: Any) -> None:
+        # Rate-limited: a flood of slow connections must not become a flood of log lines.
+        now = time.monotonic()
+        if now - self._last_log >= 10.0:
+            self._last_log = now
+            log.warning(
+                message + " (so far: %d timed out, %d refused)",
+                *args,
+                self.timed_out,
+                self.refused,
+            )
+
+
+def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[asyncio.Protocol]:
+    """`base` (uvicorn's h11 or httptools protocol) with read deadlines and the source bound."""
+    counters = _Counters()
+
+    class GuardedHttpProtocol(base):  # type: ignore[valid-type,misc]
+        guard_counters = counters
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._guard_timer: asyncio.TimerHandle | None = None
+            self._guard_body_phase = False
+            self._guard_header_bytes = 0
+            client = self.client
+            self._guard_source: str | None = client[0] if client else None
+            if self._guard_source is not None:
+                counters.open[self._guard_source] += 1
+                if counters.open[self._guard_source] > limits.max_connections_per_source:
+                    counters.refused += 1
+                    counters.note(
+                        "too many connections from one source (limit %d)",
+                        limits.max_connections_per_source,
+                    )
+                    transport.abort()
+                    return
+            self._guard_arm(limits.header_timeout_s)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._guard_release()
+            super().connection_lost(exc)
+
+        def _guard_release(self) -> None:
+            timer = getattr(self, "_guard_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._guard_timer = None
+            source = getattr(self, "_guard_source", None)
+            if source is not None:
+                self._guard_source = None
+                left = counters.open[source] - 1
+                if left > 0:
+                    counters.open[source] = left
+                else:
+                    counters.open.pop(source, None)
+
+        def _guard_arm(self, delay: float) -> None:
+            if self._guard_timer is not None:
+                self._guard_timer.cancel()
+            self._guard_timer = self.loop.call_later(delay, self._guard_check)
+
+        def _guard_check(self) -> None:
+            self._guard_timer = None
+            transport = self.transport
+            if transport.is_closing() or transport.get_protocol() is not self:
+                return
+            cycle = self.cycle
+            waiting_for_headers = cycle is None or cycle.response_complete
+            if waiting_for_headers and not self._guard_body_phase:
+                # Includes a request whose headers never completed: no cycle exists yet.
+                self._guard_expire("headers")
+                return
+            if cycle is not None and not cycle.response_complete and cycle.more_body:
+                if not self._guard_body_phase:
+                    self._guard_body_phase = True
+                    self._guard_arm(limits.body_timeout_s)
+                    return
+                self._guard_expire("body")
+                return
+            # Fully read: the application is working; the clock restarts at the response.
+            self._guard_body_phase = False
+
+        def _guard_expire(self, what: str) -> None:
+            counters.timed_out += 1
+            counters.note("closed a connection whose request %s did not arrive in time", what)
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            before = self.cycle
+            super().data_received(data)
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # closed, or upgraded to a WebSocket
+            cycle = self.cycle
+            # Still waiting for a request's headers after this read (not the rest of a body
+            # answered early, as a 413 is): a header block has a size, not only a time.
+            waiting = cycle is None or (
+                cycle is before and cycle.response_complete and not cycle.more_body
+            )
+            if not waiting:
+                self._guard_header_bytes = 0
+                return
+            self._guard_header_bytes += len(data)
+            if self._guard_header_bytes > limits.max_header_bytes:
+                counters.timed_out += 1
+                counters.note("closed a connection whose request headers were too large")
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._guard_body_phase = False
+                self._guard_header_bytes = 0
+                self._guard_arm(limits.header_timeout_s)
+
+        def handle_websocket_upgrade(self, *args: Any) -> None:
+            super().handle_websocket_upgrade(*args)
+            if self.transport.get_protocol() is not self:
+                self._guard_release()
+
+    return GuardedHttpProtocol
+
+
+def base_protocol(choice: str) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn's `http` setting names ("auto" as uvicorn resolves it)."""
+    if choice in ("auto", "httptools"):
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+            return HttpToolsProtocol
+        except ImportError:
+            if choice == "httptools":
+                raise
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol

@@ -1,0 +1,49 @@
+"""The per-stream budget (telephony.budget) with a fake clock: Twilio's pace never trips it, a
+flood does, once, with one event."""
+
+from __future__ import annotations
+
+from telephony.budget import BudgetLimits, StreamBudget
+from telephony.call_events import CallEventKind, MemorySink
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_twilio_pace_never_trips_the_frame_budget() -> None:
+    sink, clock = MemorySink(), Clock()
+    budget = StreamBudget(sink, "c1", BudgetLimits(frames_per_s=200, frame_burst=2000), clock)
+    for _ in range(50 * 3600):  # an hour of 20 ms frames
+        clock.now += 0.02
+        budget.frame()
+    assert budget.tripped is None and sink.events == []
+
+
+def test_a_frame_flood_trips_once_with_one_event() -> None:
+    sink, clock = MemorySink(), Clock()
+    budget = StreamBudget(sink, "c1", BudgetLimits(frames_per_s=200, frame_burst=2000), clock)
+    for _ in range(1984):
+        budget.frame()
+    assert budget.tripped is None
+    for _ in range(10_000):
+        budget.frame()
+    assert budget.tripped is not None and "frames a second" in budget.tripped
+    assert [e.kind for e in sink.events] == [CallEventKind.STREAM_ABUSIVE]
+    assert sink.events[0].data["budget"] == "frames"
+
+
+def test_malformed_frames_are_recorded_up_to_the_budget_then_trip() -> None:
+    sink = MemorySink()
+    budget = StreamBudget(sink, "c1", BudgetLimits(max_malformed=3))
+    recorded = 0
+    for _ in range(10):
+        if budget.may_record():
+            recorded += 1
+        budget.malformed()
+    assert recorded == 3
+    assert [e.data["budget"] for e in sink.events] == ["malformed_frames"]
