@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-MASK = "•"
-REDACTED = "[redacted]"
+from telephony.redaction import MASK
+from telephony.redaction import PHONE_IN_TEXT as _PHONE_IN_TEXT
+from telephony.redaction import PIN_IN_TEXT as _PIN_IN_TEXT
 
-# E.164 numbers (+ and 7-15 digits, maybe spaced or dashed) and bare runs of 10-15 digits.
-_PHONE_IN_TEXT = re.compile(r"\+\d[\d\-\s().]{5,17}\d|(?<![\w-])\d{10,15}(?![\w-])")
-# Four or more digits, maybe spaced ("4321", "4 3 2 1"), not part of a date, time, id or number.
-_PIN_IN_TEXT = re.compile(r"(?<![\w\-:/.+])\d(?:[ ,]?\d){3,}(?![\w\-:/.])")
+REDACTED = "[redacted]"
 _PHONE_KEYS = frozenset(
     {"from", "to", "caller", "from_number", "to_number", "phone", "phones", "number", "callee"}
 )

@@ -95,6 +95,20 @@ def render_metrics(runtime: Runtime) -> Response:
         ("voice_agent_events_dropped_total", "counter", "Call events that could not be written.",
          events.dropped),
     ]  # fmt: skip
+    interconnect = runtime.openai_sip
+    if interconnect is not None:
+        samples += [
+            ("voice_agent_openai_webhooks_bad_signature_total", "counter",
+             "OpenAI webhooks refused for their signature.", interconnect.bad_signatures),
+            ("voice_agent_openai_webhooks_duplicate_total", "counter",
+             "OpenAI webhook deliveries seen before (answered 200, nothing done).",
+             interconnect.duplicates),
+            ("voice_agent_openai_sip_accepted_total", "counter",
+             "OpenAI SIP interconnect calls accepted.", interconnect.accepted),
+            ("voice_agent_openai_sip_rejected_total", "counter",
+             "OpenAI SIP interconnect calls rejected (busy, not ours, draining).",
+             sum(interconnect.rejected.values())),
+        ]  # fmt: skip
     lines: list[str] = []
     for name, kind, help_text, value in samples:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -50,6 +50,7 @@ from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
 from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
+from telephony.redaction import mask_spoken_pins
 from telephony.session_config import BridgeConfig, instructions_text, session_update
 from telephony.sideband_leg import OPEN_PLAYOUT_MS, SidebandLeg
 from telephony.tool_gateway import (
@@ -756,13 +757,15 @@ class Bridge:
                 self._on_agent_transcript(event.item_id, event.transcript)
             case "conversation.item.input_audio_transcription.completed":
                 assert isinstance(event, ConversationItemInputAudioTranscriptionCompletedEvent)
+                # A PIN spoken aloud is in the transcript too: never stored or re-sent.
+                said = mask_spoken_pins(event.transcript)
                 self._emit(
                     CallEventKind.CALLER_TRANSCRIPT,
                     item_id=event.item_id,
-                    text=event.transcript,
+                    text=said,
                     turn_id=self.turn_id,
                 )
-                self._history.append(f"Caller: {event.transcript}")
+                self._history.append(f"Caller: {said}")
             case "error":
                 assert isinstance(event, RealtimeErrorEvent)
                 return await self._on_error(session, event)

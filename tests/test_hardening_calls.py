@@ -37,7 +37,7 @@ SCENARIO = Scenario.model_validate(
         "greeting": {"text": "Hello.", "audio_ms": 400},
         "steps": [
             {
-                "caller_transcript": "Here it is.",
+                "caller_transcript": f"Here it is: {' '.join(PIN)}.",  # spoken aloud
                 "function_call": {"name": "verify_pin", "arguments": {"digits": PIN}},
             },
             {"reply": {"text": "Thanks.", "audio_ms": 400}},
@@ -177,6 +177,8 @@ async def test_a_spoken_pin_is_never_stored_in_call_events_or_tool_calls(
     assert calls[0]["arguments"] == {"redacted": True}
     assert [t["decision"] for t in tool_calls] == ["verified"]
     assert PIN not in _all_text(events) and PIN not in json.dumps(tool_calls, default=str)
+    said = [e["data"]["text"] for e in events if e["kind"] == "caller_transcript"]
+    assert said == ["Here it is: • • • •."]  # the transcript of the spoken PIN, masked
 
 
 async def test_bad_token_streams_naming_a_real_call_write_nothing_to_its_timeline(

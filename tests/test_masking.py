@@ -38,3 +38,18 @@ def test_viewers_get_numbers_masked_everyone_loses_pins_keypad_digits_and_secret
             "pin": "[redacted]", "api_token": "[redacted]", "ok": True
         }  # fmt: skip
     assert value["events"][0]["data"]["digit"] == "7"  # the input is left as it was
+
+
+def test_a_spoken_pin_is_masked_in_a_stored_transcript_and_phone_numbers_are_kept() -> None:
+    from telephony.redaction import mask_spoken_pins
+
+    assert mask_spoken_pins("my PIN is 4 3 2 1") == "my PIN is • • • •"
+    assert mask_spoken_pins("it's 4321, thanks") == "it's ••••, thanks"
+    assert mask_spoken_pins("It is 2 4 6 8.") == "It is • • • •."
+    assert mask_spoken_pins("version 1234.5") == "version 1234.5"
+    # A phone number stays (operators may see it; viewers get it masked on display).
+    assert mask_spoken_pins("call me on +1 555 123 0000") == "call me on +1 555 123 0000"
+    assert mask_spoken_pins("5551230000 and 9876") == "5551230000 and ••••"
+    # Times, dates, party sizes and references are not PINs.
+    for text in ("at 20:30 on 2026-12-01", "a table for 4", "booking BK4U99LHJP", "no digits"):
+        assert mask_spoken_pins(text) == text

@@ -144,12 +144,15 @@ async def test_bad_or_stale_signature_gets_400_and_nothing_is_accepted_or_record
             call, body=tampered_body, timestamp=stamp, signature=signed_other
         )
         counter = ic.service.runtime.openai_sip.bad_signatures
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(ic.service.url + "/metrics")).text
         row = await ic.row(call.call_id)
         deliveries = await openai_webhooks.delivery_count(engine)
 
     assert [bad, stale, unsigned, tampered] == [400, 400, 400, 400]
     assert anonymous.status_code == 401  # no signature at all: not even an attempt
     assert counter == 5
+    assert "\nvoice_agent_openai_webhooks_bad_signature_total 5\n" in metrics
     assert ic.sim.requests_for(call.call_id) == []
     assert row is None and deliveries == 0
 
