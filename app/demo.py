@@ -99,6 +99,22 @@ async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> Non
     say("  caller hung up")
 
 
+async def start_demo_sor(settings: Settings, url: str) -> tuple[SystemOfRecord | None, str]:
+    """The demo's system of record: SOR_BASE_URL's, or one started here (then returned, for
+    the caller to stop), answering after SOR_LATENCY_S so the late announcement shows."""
+    if settings.sor_base_url is not None:
+        return None, settings.sor_base_url
+    sor = SystemOfRecord(
+        url,
+        host="127.0.0.1",
+        faults=Faults(latency_s=SOR_LATENCY_S),
+        seats_per_slot=SOR_SEATS_PER_SLOT,
+    )
+    await sor.start()
+    print(f"- system of record at {sor.url} (answers after {SOR_LATENCY_S:.1f} s)")
+    return sor, sor.url
+
+
 def _free_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,17 +153,7 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     effects: Any = None
     async with RealtimeSimulator(scenario) as sim, FakeTwilioApi() as twilio_api:
         print(f"- Realtime simulator at {sim.base_url} (scenario {scenario.name!r})")
-        sor_url = settings.sor_base_url
-        if sor_url is None:
-            sor = SystemOfRecord(
-                url,
-                host="127.0.0.1",
-                faults=Faults(latency_s=SOR_LATENCY_S),
-                seats_per_slot=SOR_SEATS_PER_SLOT,
-            )
-            await sor.start()
-            sor_url = sor.url
-            print(f"- system of record at {sor_url} (answers after {SOR_LATENCY_S:.1f} s)")
+        sor, sor_url = await start_demo_sor(settings, url)
         settings = settings.model_copy(
             update={
                 "database_url": url,

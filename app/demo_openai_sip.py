@@ -19,14 +19,14 @@ from typing import Any
 from pydantic import SecretStr
 
 from app.call_store import find_by_sid
-from app.demo import SOR_LATENCY_S, SOR_SEATS_PER_SLOT, WAIT_S, Say, _free_socket
+from app.demo import WAIT_S, Say, _free_socket, start_demo_sor
 from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
 from app.settings import Settings
 from app.timeline import format_table, load_timeline, terminal_width
 from telephony.sim.interconnect import SidebandSession, SimCall, SipInterconnect
 from telephony.sim.scenario import Scenario, load_scenario
-from tools.restaurant.sor import Faults, SystemOfRecord
+from tools.restaurant.sor import SystemOfRecord
 
 STOPPED = "output_audio_buffer.stopped"
 
@@ -84,17 +84,7 @@ async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
     failure: str | None = None
     async with SipInterconnect(scenario, auto_caller=False, webhook_secret=secret) as sim:
         print(f"- OpenAI SIP interconnect stand-in at {sim.base_url} (scenario {scenario.name!r})")
-        sor_url = settings.sor_base_url
-        if sor_url is None:
-            sor = SystemOfRecord(
-                url,
-                host="127.0.0.1",
-                faults=Faults(latency_s=SOR_LATENCY_S),
-                seats_per_slot=SOR_SEATS_PER_SLOT,
-            )
-            await sor.start()
-            sor_url = sor.url
-            print(f"- system of record at {sor_url} (answers after {SOR_LATENCY_S:.1f} s)")
+        sor, sor_url = await start_demo_sor(settings, url)
         settings = settings.model_copy(
             update={
                 "database_url": url,
