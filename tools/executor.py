@@ -230,27 +230,18 @@ class Executor:
                 )
                 return current
             if result.outcome is Outcome.failed_final:
-                if current.cancel_requested:
-                    # Staff or the caller asked to cancel, and the provider did not do it (it
-                    # may have withdrawn it for that very cancel, racing this answer): what
-                    # was asked for is what happened.
-                    return await ledger.transition(
-                        conn,
-                        op_id,
-                        (S.RUNNING, S.UNKNOWN),
-                        S.CANCELLED,
-                        actor=self.actor,
-                        reason="cancel requested, and the provider did not do it",
-                        data=data,
-                        error=result.error,
-                    )
+                # With a cancel requested, the provider not doing it (it may have withdrawn it
+                # for that very cancel, racing this answer) is what was asked for.
+                cancelled = current.cancel_requested
                 return await ledger.transition(
                     conn,
                     op_id,
                     (S.RUNNING, S.UNKNOWN),
-                    S.FAILED_FINAL,
+                    S.CANCELLED if cancelled else S.FAILED_FINAL,
                     actor=self.actor,
-                    reason="the provider refused it",
+                    reason="cancel requested, and the provider did not do it"
+                    if cancelled
+                    else "the provider refused it",
                     data=data,
                     error=result.error,
                 )
