@@ -181,6 +181,29 @@ class RecordingLeg:
         self.recorder = recorder
         self.audio_format: AudioFormat = inner.audio_format
         self.playback: PlaybackTracker = inner.playback
+        # The synchronous lanes (TwilioLeg's), tapped the same way, where the leg has them.
+        self.set_audio_lane: Callable[[Callable[[AudioIn], bool] | None], None] | None = None
+        self.play_nowait: Callable[[str, str], None] | None = None
+        if callable(getattr(inner, "set_audio_lane", None)) and callable(
+            getattr(inner, "play_nowait", None)
+        ):
+            self.set_audio_lane = self._set_audio_lane
+            self.play_nowait = self._play_nowait
+
+    def _set_audio_lane(self, lane: Callable[[AudioIn], bool] | None) -> None:
+        record = self.recorder.caller_audio
+
+        def tapped(event: AudioIn) -> bool:
+            if lane is None or not lane(event):
+                return False
+            record(event.payload, event.timestamp_ms)
+            return True
+
+        self.inner.set_audio_lane(tapped if lane is not None else None)  # type: ignore[attr-defined]
+
+    def _play_nowait(self, item_id: str, payload: str) -> None:
+        self.recorder.agent_audio(payload)
+        self.inner.play_nowait(item_id, payload)  # type: ignore[attr-defined]
 
     async def events(self) -> AsyncIterator[LegEvent]:
         record = self.recorder.caller_audio

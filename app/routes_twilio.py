@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -12,7 +13,7 @@ from urllib.parse import parse_qsl
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 from sqlalchemy.exc import DataError, DBAPIError
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 from twilio.request_validator import RequestValidator
 
 from app import call_store, twiml
@@ -31,6 +32,7 @@ from app.errors import (
 )
 from app.logging import RateLimitedLog
 from app.media_session import run_media_session
+from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.runtime import Runtime
 from app.settings import Settings
 from telephony.budget import StreamBudget
@@ -292,6 +294,14 @@ class FrameGuard:
 
     def __init__(self, ws: WebSocket, runtime: Runtime) -> None:
         self._ws = ws
+        # Per frame the guard talks ASGI to the server directly: Starlette's WebSocket adds
+        # only state checks that hold for an accepted stream (and is used for the close).
+        self._asgi_receive = ws._receive
+        self._asgi_send = ws._send
+        # The server's media lane (app/media_ws.py), when the server is ours.
+        self._lane_protocol: MediaWebSocketProtocol | None = ws.scope.get("extensions", {}).get(
+            LANE_EXTENSION
+        )
         self._events = runtime.events
         self._max = runtime.settings.max_ws_frame_bytes
         self.call_id: str | None = None
@@ -302,10 +312,16 @@ class FrameGuard:
         self.clears_sent_at: list[float] = []
 
     async def receive_text(self) -> str:
+        if self._ws.client_state is not WebSocketState.CONNECTED:
+            await self._ws.receive()  # Starlette says why this stream cannot be read
         while True:
-            message = await self._ws.receive()
-            if message["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+            message = await self._asgi_receive()
+            kind = message["type"]
+            if kind != "websocket.receive":
+                self._ws.client_state = WebSocketState.DISCONNECTED
+                if kind == "websocket.disconnect":
+                    raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+                raise WebSocketDisconnect(1011, f"unexpected ASGI message {kind!r}")
             text = message.get("text")
             if text is None:
                 self._drop("binary frame", len(message.get("bytes") or b""))
@@ -341,8 +357,41 @@ class FrameGuard:
                 )
             )
 
+    def set_lane(self, lane: Callable[[str], bool] | None) -> None:
+        """Offer frames to `lane` as they arrive (TwilioLeg); the ones this guard drops
+        (oversized) are never offered."""
+        protocol = self._lane_protocol
+        if protocol is None:
+            return
+        if lane is None:
+            protocol.set_lane(None)
+            return
+        limit = self._max
+
+        def guarded(text: str) -> bool:
+            if len(text) * 4 > limit and len(text.encode()) > limit:
+                return False  # receive_text drops and records it
+            return lane(text)
+
+        protocol.set_lane(guarded)
+
+    def send_nowait(self, *frames: str) -> bool:
+        """Write `frames` now, in one write, if the socket takes them without waiting (never
+        a `clear`: those are timed); False (nothing written) to use `send_text`."""
+        protocol = self._lane_protocol
+        if protocol is None or self._ws.application_state is not WebSocketState.CONNECTED:
+            return False
+        return protocol.send_text_nowait(*frames)
+
     async def send_text(self, data: str) -> None:
-        await self._ws.send_text(data)
+        if self._ws.application_state is WebSocketState.CONNECTED:
+            try:
+                await self._asgi_send({"type": "websocket.send", "text": data})
+            except OSError as exc:
+                self._ws.application_state = WebSocketState.DISCONNECTED
+                raise WebSocketDisconnect(code=1006) from exc
+        else:
+            await self._ws.send_text(data)  # Starlette refuses it with the reason
         if data.startswith(_CLEAR_PREFIX):
             self.clears_sent_at.append(time.monotonic())
 

@@ -28,6 +28,7 @@ from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
 from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
+from app.media_ws import MediaWebSocketProtocol
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
 from tools.catalog import Catalog
@@ -169,6 +170,8 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "h11_max_incomplete_event_size": 16 * 1024,
         "host": settings.host,
         "port": settings.port,
+        # uvicorn's sans-I/O WebSocket protocol plus the media lane (app/media_ws.py).
+        "ws": MediaWebSocketProtocol,
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
         "ws_per_message_deflate": settings.ws_deflate,
         "log_config": None,  # keep our redacting handlers

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -49,7 +50,15 @@ from telephony.audio import base64_size
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
-from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
+from telephony.realtime_wire import (
+    AudioDelta,
+    LaneConnection,
+    append_frame,
+    audio_delta,
+    lane_of,
+    nowait_sender,
+    raw_sender,
+)
 from telephony.redaction import mask_spoken_pins
 from telephony.session_config import BridgeConfig, instructions_text, session_update
 from telephony.sideband_leg import OPEN_PLAYOUT_MS, SidebandLeg
@@ -102,6 +111,11 @@ class _SessionRejected(TelephonyError):
 class _SidebandRefused(TelephonyError):
     """OpenAI refused to (re-)attach the sideband: the call is over on its side."""
 
+
+# The Realtime socket: base64 audio both ways, 50 frames a second, so compression costs CPU
+# per frame and saves little (stated, so an SDK default cannot change it); and the lane for
+# audio deltas (realtime_wire.LaneConnection), which the SDK passes on to websockets.
+REALTIME_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": LaneConnection}
 
 # Speech runs at ~15 characters a second: the length of an item cut before its transcript's
 # audio was known (sideband mode has no audio to measure).
@@ -182,6 +196,14 @@ class _Session:
     active_response_id: str | None = None
     requested: _CreateRequest | None = None
     requested_event_id: str | None = None
+    # How a preformatted audio frame goes out on `conn` (realtime_wire.raw_sender).
+    send_frame: Callable[[str], Awaitable[None]] = field(init=False)
+    # The same, synchronous, for the lanes: False when the socket cannot take it now.
+    send_now: Callable[[str], bool] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.send_frame = raw_sender(self.conn)
+        self.send_now = nowait_sender(self.conn)
 
     def move(self, new: ResponseState) -> None:
         """Apply a response-slot transition; asking while a response is active is refused."""
@@ -255,6 +277,14 @@ class Bridge:
             ctx.call_id,
         )
         self._history: deque[str] = deque(maxlen=HISTORY_LINES)
+        # The lanes: where the leg can (TwilioLeg on our server), caller audio is appended in
+        # the Twilio socket's callback and agent audio played in the Realtime socket's, with
+        # no task woken per frame; anything unusual takes the task path, in order.
+        self._play_now: Callable[[str, str], None] | None = getattr(leg, "play_nowait", None)
+        self._set_audio_lane: Callable[[Callable[[AudioIn], bool] | None], None] | None = (
+            getattr(leg, "set_audio_lane", None) if self._play_now is not None else None
+        )
+        self._reader_waiting: _Session | None = None  # _read awaits this session's next message
         self._recheck: asyncio.TimerHandle | None = None
         self._backlog: deque[str] = deque(maxlen=BACKLOG_FRAMES)  # base64 payloads
         self._upstream = asyncio.Lock()  # keeps caller audio in order across a backlog flush
@@ -263,6 +293,8 @@ class Bridge:
         self._event_seq = 0
         # Counters for benchmarks and tests.
         self.frames_up = 0
+        self.frames_up_by_lane = 0  # of frames_up, appended in the leg socket's callback
+        self.deltas_by_lane = 0  # audio deltas played in the Realtime socket's callback
         self.frames_dropped_up = 0
         self.deltas_muted = 0
 
@@ -281,6 +313,8 @@ class Bridge:
     async def run(self) -> None:
         """Bridge the call until it ends from any side; everything is closed on return."""
         self._running = True
+        if self._set_audio_lane is not None:
+            self._set_audio_lane(self._audio_lane)
         try:
             self._spawn(self._leg_loop(), "leg")
             self._spawn(self._realtime_loop(), "realtime")
@@ -307,6 +341,8 @@ class Bridge:
         if not self._end_reason:
             self._end_reason = "bridge stopped"
         self._ended.set()
+        if self._set_audio_lane is not None:
+            self._set_audio_lane(None)
         if self._recheck is not None:
             self._recheck.cancel()
         self._append_watch.close()
@@ -381,6 +417,23 @@ class Bridge:
                     return
         self._finish("leg closed")
 
+    def _audio_lane(self, event: AudioIn) -> bool:
+        """Caller audio as the leg's socket receives it (the leg's reader is idle): appended
+        at once when nothing is in the way, else False and it comes through `_leg_loop`."""
+        session = self._session
+        if (
+            session is None
+            or self._state is not BridgeState.LIVE
+            or self._backlog
+            or self._upstream.locked()
+            or session.send_now is None
+            or not session.send_now(append_frame(event.payload))
+        ):
+            return False
+        self.frames_up += 1
+        self.frames_up_by_lane += 1
+        return True
+
     async def _send_audio(self, payload: str) -> None:
         session = self._session
         if session is None or self._state is not BridgeState.LIVE:
@@ -402,7 +455,7 @@ class Bridge:
     async def _append(self, session: _Session, payload: str) -> bool:
         # The hot path: the leg's base64 spliced into a preformatted frame, sent raw.
         sent = await self._guarded(
-            session, session.conn.send_raw(append_frame(payload)), self._append_watch
+            session, session.send_frame(append_frame(payload)), self._append_watch
         )
         if sent:
             self.frames_up += 1
@@ -474,6 +527,9 @@ class Bridge:
                 return
             self._session = session
             self._transition(BridgeState.LIVE)
+            lane = lane_of(session.conn)
+            if lane is not None and self._play_now is not None:
+                lane.lane = functools.partial(self._delta_lane, session)
             if first:
                 self._emit(CallEventKind.REALTIME_CONNECTED, attempts=attempts)
                 if self.config.greeting:
@@ -524,9 +580,7 @@ class Bridge:
                         return _Session(conn, self._generation), attempts, None
                     conn = await self._client.realtime.connect(
                         model=self.config.model,
-                        # Base64 audio both ways, 50 frames a second: compression costs CPU
-                        # per frame and saves little. Stated, so an SDK default cannot change it.
-                        websocket_connection_options={"compression": None},
+                        websocket_connection_options=REALTIME_SOCKET_OPTIONS,
                     ).enter()
                     history = list(self._history) if resumed else []
                     await conn.session.update(
@@ -606,7 +660,11 @@ class Bridge:
         conn = session.conn
         while True:
             try:
-                raw = await conn.recv_bytes()
+                self._reader_waiting = session
+                try:
+                    raw = await conn.recv_bytes()
+                finally:
+                    self._reader_waiting = None
             except ConnectionClosed as exc:
                 code = exc.rcvd.code if exc.rcvd is not None else 1006
                 return f"socket closed ({code})"
@@ -655,6 +713,9 @@ class Bridge:
     async def _close_session(self) -> None:
         session, self._session = self._session, None
         if session is not None:
+            lane = lane_of(session.conn)
+            if lane is not None:
+                lane.lane = None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(TIMEOUT_S):
                     await session.conn.close()
@@ -771,17 +832,45 @@ class Bridge:
                 return await self._on_error(session, event)
         return None
 
+    def _delta_lane(self, session: _Session, raw: bytes) -> bool:
+        """A server message as the Realtime socket receives it, while `_read` waits on this
+        session: an audio delta is played here and then; anything else goes to `_read`."""
+        if self._reader_waiting is not session:
+            return False
+        delta = audio_delta(raw)
+        if delta is None:
+            return False
+        play_now = self._play_now
+        assert play_now is not None  # the lane is installed only for such legs
+        self.deltas_by_lane += 1
+        try:
+            if self._take_audio_delta(session, delta):
+                play_now(delta.item_id, delta.delta)
+        except Exception as exc:  # as in _read: one odd delta must not end the call
+            log.exception("call %s: could not play an audio delta", self.ctx.call_id)
+            self._emit(
+                CallEventKind.ERROR,
+                where="realtime:response.output_audio.delta",
+                error=repr(exc)[:200],
+            )
+        return True
+
     async def _on_audio_delta(self, session: _Session, delta: AudioDelta) -> None:
+        if self._take_audio_delta(session, delta):
+            await self.leg.play(delta.item_id, delta.delta)
+
+    def _take_audio_delta(self, session: _Session, delta: AudioDelta) -> bool:
+        """Account for one audio delta; False if it must not be played."""
         if delta.response_id in self._muted_responses:
             # Audio of a response the caller interrupted: it must never reach them.
             self.deltas_muted += 1
-            return
+            return False
         item = self._items.get(delta.item_id)
         if item is None:
             item = self._items[delta.item_id] = _AgentItem(delta.response_id)
             session.items.add(delta.item_id)
         item.received_ms += base64_size(delta.delta) / BYTES_PER_MS
-        await self.leg.play(delta.item_id, delta.delta)
+        return True
 
     async def _on_speech_started(
         self, session: _Session, event: InputAudioBufferSpeechStartedEvent

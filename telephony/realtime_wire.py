@@ -11,9 +11,19 @@ the server's CPU at 40 calls). Every other server event still goes through the S
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
+from websockets.asyncio.client import ClientConnection
+from websockets.frames import Frame, Opcode
+from websockets.protocol import Event, State
+
+from telephony.ws_frames import MaskSource, client_text_frame
+
+log = logging.getLogger(__name__)
 
 AUDIO_DELTA = "response.output_audio.delta"
 _APPEND_HEAD = '{"type":"input_audio_buffer.append","audio":"'
@@ -49,3 +59,103 @@ def audio_delta(raw: bytes | str) -> AudioDelta | None:
     if type(response_id) is not str or type(item_id) is not str or type(delta) is not str:
         return None  # odd shape: let the typed path deal with it
     return AudioDelta(response_id, item_id, delta)
+
+
+def raw_sender(conn: Any) -> Callable[[str], Awaitable[None]]:
+    """How to put a preformatted frame on `conn`, an SDK Realtime connection.
+
+    `send_raw` first checks the SDK's reconnect send queue (a receipt, the current task's id,
+    the queue's state: about a tenth of the server's CPU at 50 calls, once per 20 ms frame).
+    That queue is used only while the SDK reconnects by itself, and the bridge never asks it
+    to (it reconnects on its own, with a new connection). So while the connection has no
+    reconnect handler and nothing queued, the frame goes straight to the same websockets
+    connection `send_raw` ends in; any other shape of connection gets `send_raw`.
+    """
+    inner = getattr(conn, "_connection", None)
+    queue = getattr(conn, "_send_queue", None)
+    if (
+        inner is not None
+        and getattr(conn, "_on_reconnecting", True) is None
+        and queue is not None
+        and not queue
+        and callable(getattr(inner, "send", None))
+    ):
+        send: Callable[[str], Awaitable[None]] = inner.send
+        return send
+    raw: Callable[[str], Awaitable[None]] = conn.send_raw
+    return raw
+
+
+class LaneConnection(ClientConnection):
+    """websockets' client connection (the one the SDK's Realtime connection wraps), with a
+    lane for server messages: a text message is first offered to `lane(data)` where it is
+    received, if no earlier message waits for `recv`; when the lane takes it (True) `recv`
+    never sees it. So the bridge plays an audio delta in the socket's callback, without
+    waking its reader, while order holds: once a message waits, the ones after it wait too.
+
+    Passed to the SDK as `websocket_connection_options={"create_connection": ...}`, which the
+    SDK hands to `websockets.asyncio.client.connect`.
+    """
+
+    lane: Callable[[bytes], bool] | None = None
+
+    def process_event(self, event: Event) -> None:
+        lane = self.lane
+        if (
+            lane is not None
+            and type(event) is Frame
+            and event.opcode is Opcode.TEXT
+            and event.fin
+            and not len(self.recv_messages.frames)
+        ):
+            try:
+                taken = lane(bytes(event.data))
+            except Exception:  # the lane must never break the socket
+                log.exception("Realtime lane failed; messages go to recv() from now on")
+                self.lane = None
+                taken = False
+            if taken:
+                return
+        super().process_event(event)
+
+
+def lane_of(conn: Any) -> LaneConnection | None:
+    """The LaneConnection under an SDK Realtime connection, if it has one."""
+    inner = getattr(conn, "_connection", None)
+    return inner if isinstance(inner, LaneConnection) else None
+
+
+def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
+    """A synchronous send of one text frame on `conn` (an SDK Realtime connection), for
+    where `raw_sender` would pick the websockets connection itself: writes now and returns
+    True when the socket is open and nothing is waiting to be written, else returns False
+    (nothing written: use the awaited send)."""
+    inner = lane_of(conn)
+    if inner is None or raw_sender(conn) != inner.send:
+        return None
+    protocol = inner.protocol
+    # With no extension negotiated (compression is off) a text frame is built here
+    # (telephony/ws_frames.py); else websockets builds it.
+    masks = MaskSource() if not protocol.extensions else None
+
+    def send(text: str) -> bool:
+        transport = inner.transport
+        if (
+            protocol.state is not State.OPEN
+            or inner.fragmented_send_waiter is not None
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return False
+        try:
+            if masks is not None:
+                transport.write(client_text_frame(text.encode(), masks.next()))
+            else:
+                protocol.send_text(text.encode())
+                inner.send_data()
+        except Exception as exc:  # as websockets' own send does: the reader sees the end
+            log.info("Realtime send failed: %r", exc)
+            transport.abort()
+        return True
+
+    return send

@@ -231,6 +231,23 @@ def parse_frame(raw: str | bytes) -> MediaFrame | MarkFrame | InboundMessage:
     return _validate(data)
 
 
+def parse_hot_frame(raw: str | bytes) -> MediaFrame | MarkFrame | None:
+    """A media or mark frame the hand check accepts; None for anything else (never raises):
+    the caller then hands `raw` to `parse_frame`, which names the fault or the message."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if type(data) is not dict:
+        return None
+    event = data.get("event")
+    if event == "media":
+        return _media_frame(data)
+    if event == "mark":
+        return _mark_frame(data)
+    return None
+
+
 # Outbound messages.
 
 

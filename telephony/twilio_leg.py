@@ -7,7 +7,7 @@ import base64
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from telephony.audio import base64_size
@@ -28,6 +28,7 @@ from telephony.twilio_events import (
     StartInfo,
     Stop,
     parse_frame,
+    parse_hot_frame,
 )
 from telephony.watchdog import Watchdog
 
@@ -41,6 +42,7 @@ CHUNK_MS = 20
 # A Twilio frame is ~300 bytes; anything near this is not a media stream talking.
 MAX_FRAME_CHARS = 64 * 1024
 EXCERPT_CHARS = 120
+INBOUND_TRACKS = ("inbound", "inbound_track")
 
 
 class TextWebSocket(Protocol):
@@ -131,15 +133,64 @@ class TwilioLeg:
         self._close_reason: str | None = None
         self.malformed_frames = 0
         self.budget = budget
+        # The lane (app/media_ws.py): where the socket offers it, a frame that arrives while
+        # `events()` waits is handled where it is received, and agent audio is written at
+        # once while nothing is queued; either falls back to the task-driven path.
+        self._waiting = False  # events() is awaiting the next frame
+        self._audio_lane: Callable[[AudioIn], bool] | None = None
+        self._send_now: Callable[..., bool] | None = getattr(ws, "send_nowait", None)
 
     # Receive side.
 
+    def set_audio_lane(self, lane: Callable[[AudioIn], bool] | None) -> None:
+        """Offer caller audio to `lane` as it arrives; where it returns False (it cannot take
+        the frame now) the frame comes from `events()` as usual."""
+        self._audio_lane = lane
+
+    def _lane(self, raw: str) -> bool:
+        """One frame as the socket receives it; True if it was handled here."""
+        if not self._waiting or self._closed:
+            return False  # the reader is busy with an earlier frame: order first
+        message = parse_hot_frame(raw)
+        if message is None:
+            return False  # not media or a mark, or a doubtful one: the reader names it
+        budget = self.budget
+        if budget is not None and budget.tripped is not None:
+            return False
+        if type(message) is MediaFrame:
+            if message.track in INBOUND_TRACKS:
+                lane = self._audio_lane
+                if lane is None or not lane(AudioIn(message.payload, message.timestamp_ms)):
+                    return False
+        else:
+            assert type(message) is MarkFrame
+            self._on_mark(message.name)
+        if budget is not None:
+            budget.frame()  # a trip sends the next frame the reader's way, which ends the stream
+        self._idle.touch()
+        return True
+
     async def events(self) -> AsyncIterator[LegEvent]:
         """Caller audio, digits and finally LegClosed; malformed frames are recorded, skipped."""
+        set_lane = getattr(self._ws, "set_lane", None)
+        if set_lane is not None:
+            set_lane(self._lane)
+        try:
+            async for event in self._read_events():
+                yield event
+        finally:
+            if set_lane is not None:
+                set_lane(None)
+
+    async def _read_events(self) -> AsyncIterator[LegEvent]:
         while not self._closed:
             try:
-                with self._idle:
-                    raw = await self._ws.receive_text()
+                self._waiting = True
+                try:
+                    with self._idle:
+                        raw = await self._ws.receive_text()
+                finally:
+                    self._waiting = False
             except TimeoutError:
                 yield LegClosed(f"no frames for {self._idle_timeout_s:g} s")
                 return
@@ -180,7 +231,7 @@ class TwilioLeg:
             message = parse_frame(raw)
             match message:
                 case MediaFrame():
-                    if message.track not in ("inbound", "inbound_track"):
+                    if message.track not in INBOUND_TRACKS:
                         return None
                     # Checked as base64, passed on as such: the bridge never decodes it.
                     return AudioIn(message.payload, message.timestamp_ms)
@@ -189,7 +240,7 @@ class TwilioLeg:
                     return None
                 case Media():
                     # A media frame the hot path doubted: the model's checks name the fault.
-                    if message.media.track not in ("inbound", "inbound_track"):
+                    if message.media.track not in INBOUND_TRACKS:
                         return None
                     message.media.audio()
                     return AudioIn(message.media.payload, message.media.timestamp_ms())
@@ -242,6 +293,10 @@ class TwilioLeg:
     async def play(self, item_id: str, payload: str) -> None:
         """Queue agent audio in frames of at most a chunk, a mark closing every chunk of it;
         never waits on the socket."""
+        self.play_nowait(item_id, payload)
+
+    def play_nowait(self, item_id: str, payload: str) -> None:
+        """`play`, from synchronous code (the Realtime lane)."""
         if self._closed or not payload:
             return
         if self._pending_item != item_id:
@@ -252,7 +307,7 @@ class TwilioLeg:
         if not self._pending and size <= self._chunk_bytes and not self._outbox:
             # One chunk or less with nothing queued: forward Twilio the delta's own base64.
             self._enqueue(item_id, payload, size)
-            self._ensure_sender()
+            self._flush_outbox()
             return
         data = self._pending + base64.b64decode(payload)
         chunk = self._chunk_bytes
@@ -264,7 +319,7 @@ class TwilioLeg:
             # Nothing is waiting to be sent (or played): a short tail must not wait for audio
             # that may never come (the last delta of a response).
             self._flush_pending()
-        self._ensure_sender()
+        self._flush_outbox()
 
     def _flush_pending(self) -> None:
         if self._pending and self._pending_item is not None:
@@ -289,13 +344,12 @@ class TwilioLeg:
             self._tail_at = loop.time()
             if self._tail_timer is None:
                 self._tail_timer = loop.call_at(self._tail_at + self._tail_grace_s, self._tail_due)
-        self._outbox_ready.set()
 
     def _close_tail(self) -> None:
         """Send the mark that closes audio sent since the last one."""
         if self._tail_mark is not None:
             self._outbox.append(self._frames.mark(self._tail_mark))
-            self._outbox_ready.set()
+            self._flush_outbox()
         self._tail_mark = None
         self._unmarked = 0
 
@@ -308,9 +362,26 @@ class TwilioLeg:
         if loop.time() >= due:
             # No more audio came: the item's last audio must not go unconfirmed.
             self._close_tail()
-            self._ensure_sender()
         else:
             self._tail_timer = loop.call_at(due, self._tail_due)
+
+    def _flush_outbox(self) -> None:
+        """Send what is queued: at once where the socket takes it now, else by the sender."""
+        send_now = self._send_now
+        outbox = self._outbox
+        if send_now is not None and not self._closed and not self._send_lock.locked():
+            try:
+                if outbox and self._pending:
+                    # As in the sender: a short tail waits only while frames are queued.
+                    self._flush_pending()
+                if outbox and send_now(*outbox):  # one write for a media and its mark
+                    outbox.clear()
+                    return
+            except Exception as exc:  # a dead socket; the sender's send reports it too
+                log.info("Twilio send failed on call %s: %r", self.call_id, exc)
+        if outbox:
+            self._outbox_ready.set()
+            self._ensure_sender()
 
     def _ensure_sender(self) -> None:
         if self._sender is None and not self._closed:

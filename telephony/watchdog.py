@@ -73,6 +73,11 @@ class Watchdog:
         else:
             self._timer = loop.call_at(since + self.limit_s, self._check)
 
+    def touch(self) -> None:
+        """What the guarded await waits for came by another way: its clock starts again."""
+        if self._since is not None and self._loop is not None:
+            self._since = self._loop.time()
+
     def close(self) -> None:
         """Drop the timer (the owner is done with this watchdog)."""
         if self._timer is not None:

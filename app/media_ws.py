@@ -1,0 +1,141 @@
+"""uvicorn's WebSocket protocol with a lane for media streams that skips the ASGI queue.
+
+Per 20 ms of a Twilio call one `media` frame comes in, and an agent's `media` plus now and then
+a `mark` go out. Through ASGI each incoming frame is queued, the reading task is woken, the
+socket's reading is paused until the app takes the frame and resumed after (two epoll calls),
+and it passes Starlette and the leg's async generators; each outgoing one is an awaited
+`send` through the same layers. `MediaWebSocketProtocol` is uvicorn's own sans-I/O protocol
+with two additions, used by `/twilio/media` once a stream is admitted:
+
+- `set_lane(callback)`: a text message is first offered to `callback(text)` where it is
+  received, if no earlier message is still waiting for the app; when the callback takes it
+  (returns True) it is done, otherwise it goes the ASGI way as before. So order is kept: the
+  app sees nothing out of order, and once one message goes the slow way, the ones after it
+  follow until the app has caught up.
+- `send_text_nowait(*texts)`: writes text messages at once, in one write (an agent's `media`
+  and the `mark` after it cost one system call), when the socket is open and not under
+  back-pressure; False (nothing written) tells the caller to use the ASGI send.
+
+And on a protocol error (a frame over the size limit, say) the close frame is sent and the
+peer's remaining data read and dropped for a moment before the socket closes, so the peer
+learns the close code. Everything else (handshake, close, ping, limits, compression
+settings) is uvicorn's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
+
+from telephony.ws_frames import server_text_frame
+
+log = logging.getLogger(__name__)
+
+# The key of the protocol in the ASGI scope's extensions.
+LANE_EXTENSION = "voice-agent.media-lane"
+
+Lane = Callable[[str], bool]
+# After a protocol error, how long the peer has to read the close frame before the socket
+# is closed (it usually closes its side first).
+CLOSE_LINGER_S = 1.0
+
+
+class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's `websockets-sansio` protocol plus the media lane (see the module docstring)."""
+
+    lane: Lane | None = None
+    _discarding = False
+    _linger: asyncio.TimerHandle | None = None
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None and not self.handshake_complete:
+            scope["extensions"][LANE_EXTENSION] = self
+
+    def set_lane(self, lane: Lane | None) -> None:
+        self.lane = lane
+
+    def send_receive_event_to_app(self) -> None:
+        lane = self.lane
+        if (
+            lane is not None
+            and self.curr_msg_data_type == "text"
+            and len(self.frames) == 1
+            and not self.close_sent
+            and self.queue.empty()
+        ):
+            data = self.frames[0]
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                pass  # uvicorn's path closes with 1007
+            else:
+                try:
+                    taken = lane(text)
+                except Exception:  # the lane must never break the connection
+                    log.exception("media lane failed; the frame goes the ASGI way")
+                    self.lane = None
+                    taken = False
+                if taken:
+                    self.frames = []
+                    return
+        super().send_receive_event_to_app()
+
+    def send_text_nowait(self, *texts: str) -> bool:
+        """Write each of `texts` as a message, now and in one write; False when they must
+        wait (nothing written)."""
+        if (
+            not self.handshake_complete
+            or self.close_sent
+            or self.disconnected
+            or self.initial_response is not None
+            or not self.writable.is_set()
+            or self.transport.is_closing()
+        ):
+            return False
+        conn = self.conn
+        if conn.state is not State.OPEN:
+            return False  # closing: the ASGI send says so properly
+        if conn.extensions:  # compression negotiated (WS_DEFLATE): websockets frames it
+            for text in texts:
+                conn.send_text(text.encode())
+            self.transport.write(b"".join(conn.data_to_send()))
+        else:
+            self.transport.write(b"".join([server_text_frame(text.encode()) for text in texts]))
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return  # after a protocol error: the close is sent, the rest is not read
+        super().data_received(data)
+
+    def handle_parser_exception(self) -> None:
+        """A protocol error (an oversized or malformed frame): send the close frame, then let
+        the peer read it before the connection goes. uvicorn closes the socket at once,
+        which, with the peer's frame still arriving, resets the connection and can destroy
+        the close frame in the peer's buffer (it then sees 1006, not why)."""
+        assert self.conn.close_sent is not None
+        code = self.conn.close_sent.code
+        reason = self.conn.close_sent.reason
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        self.lane = None
+        self._discarding = True
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._linger = self.loop.call_later(CLOSE_LINGER_S, self.transport.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lane = None
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        super().connection_lost(exc)

@@ -1,0 +1,255 @@
+"""The lanes of the audio hot path (app/media_ws.py, telephony/realtime_wire.py): frames
+handled in the socket's callback, never out of order with what goes the task way, and the
+task way taken whenever the lane cannot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
+from telephony.realtime_wire import LaneConnection
+from telephony.sim.scenario import Scenario
+from tests.e2e_support import call_stack, wait_until
+
+WAIT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LaneApp:
+    """A raw ASGI app on MediaWebSocketProtocol: its lane takes texts starting with "L" while
+    the app waits for its next message (as TwilioLeg's does); the app reads only when told."""
+
+    def __init__(self) -> None:
+        self.by_lane: list[str] = []
+        self.by_asgi: list[str] = []
+        self.read = asyncio.Semaphore(0)  # one release: read one message
+        self.waiting = False
+        self.protocol: MediaWebSocketProtocol | None = None
+        self.sent_nowait: list[bool] = []
+        self.send_now = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    def lane(self, text: str) -> bool:
+        if not self.waiting or not text.startswith("L"):
+            return False
+        self.by_lane.append(text)
+        if text == "L-reply":
+            assert self.protocol is not None
+            self.sent_nowait.append(self.protocol.send_text_nowait("r1", "r2", "r3"))
+        return True
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "websocket"
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        self.protocol = scope["extensions"][LANE_EXTENSION]
+        self.protocol.set_lane(self.lane)
+        while True:
+            await self.read.acquire()
+            self.waiting = True
+            message = await receive()
+            self.waiting = False
+            if message["type"] == "websocket.disconnect":
+                break
+            self.by_asgi.append(message["text"])
+            if message["text"] == "close":
+                await send({"type": "websocket.close", "code": 1000})
+                self.sent_nowait.append(self.protocol.send_text_nowait("after close"))
+                break
+            await asyncio.sleep(0.05)  # the app is busy with it: the lane must not jump ahead
+        self.closed.set()
+
+
+@contextlib.asynccontextmanager
+async def lane_server(app: LaneApp) -> AsyncIterator[str]:
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, ws=MediaWebSocketProtocol, log_config=None
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started, WAIT_S, "server started")
+        yield f"ws://127.0.0.1:{port}/"
+    finally:
+        for _ in range(10):
+            app.read.release()  # let the app read its disconnect
+        server.should_exit = True
+        await asyncio.wait_for(task, WAIT_S)
+
+
+async def test_the_server_lane_takes_a_frame_only_when_nothing_waits_before_it() -> None:
+    app = LaneApp()
+    async with lane_server(app) as url, connect(url, compression=None) as ws:
+        # The app is not reading: "A1" waits for it, so "L2" must wait behind it.
+        await ws.send("A1")
+        await ws.send("L2")
+        await asyncio.sleep(0.1)
+        assert app.by_lane == [] and app.by_asgi == []
+        app.read.release()  # takes A1, busy with it while L2 comes in
+        await wait_until(lambda: app.by_asgi == ["A1"], WAIT_S, "A1 read")
+        app.read.release()
+        await wait_until(lambda: app.by_asgi == ["A1", "L2"], WAIT_S, "L2 read in order")
+        # Now the app waits for its next message: a lane frame is taken where it arrives.
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        await ws.send("L3")
+        await wait_until(lambda: app.by_lane == ["L3"], WAIT_S, "L3 by the lane")
+        await ws.send("A4")  # refused by the lane: the app gets it
+        await wait_until(lambda: app.by_asgi == ["A1", "L2", "A4"], WAIT_S, "A4 read")
+        # Two frames in one write while the app waits: A5 is queued for it (the app has not
+        # run yet), so L6, right behind it, must not be taken ahead of it.
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        ws.protocol.send_text(b"A5")
+        ws.protocol.send_text(b"L6")
+        ws.transport.write(b"".join(ws.protocol.data_to_send()))
+        app.read.release()
+        await wait_until(lambda: len(app.by_asgi) == 5, WAIT_S, "A5 and L6 read")
+    assert app.by_asgi == ["A1", "L2", "A4", "A5", "L6"]
+    assert app.by_lane == ["L3"]
+
+
+async def test_the_server_lane_writes_several_messages_at_once_and_nothing_after_a_close() -> None:
+    app = LaneApp()
+    async with lane_server(app) as url, connect(url, compression=None) as ws:
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        await ws.send("L-reply")
+        got = [await asyncio.wait_for(ws.recv(), WAIT_S) for _ in range(3)]
+        assert got == ["r1", "r2", "r3"]
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting again")
+        await ws.send("close")
+        await asyncio.wait_for(app.closed.wait(), WAIT_S)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), WAIT_S)
+    assert app.sent_nowait == [True, False]  # the write after the close was refused
+    assert ws.close_code == 1000
+
+
+async def test_a_protocol_error_on_the_lane_server_still_tells_the_peer_why() -> None:
+    app = LaneApp()
+    async with lane_server(app) as url, connect(url, compression=None, max_size=None) as ws:
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        # Over uvicorn's ws_max_size (16 MiB by default), sent while the server reads it.
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send("x" * (17 * 1024 * 1024))
+        with contextlib.suppress(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), WAIT_S)
+    assert ws.close_code == 1009
+
+
+async def test_the_realtime_lane_keeps_server_messages_in_order() -> None:
+    """LaneConnection: an "audio" message is taken by the lane only while nothing waits for
+    recv() and the reader is idle; everything else reaches recv() in the order sent."""
+    go = asyncio.Queue[list[str]]()
+
+    async def handler(peer: ServerConnection) -> None:
+        while True:
+            batch = await go.get()
+            if not batch:
+                return
+            for text in batch:
+                await peer.send(text)
+
+    taken: list[str] = []
+    reader_waiting = False
+
+    def lane(data: bytes) -> bool:
+        text = data.decode()
+        if not reader_waiting or not text.startswith("audio"):
+            return False
+        taken.append(text)
+        return True
+
+    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with connect(
+            f"ws://127.0.0.1:{port}/", compression=None, create_connection=LaneConnection
+        ) as conn:
+            assert isinstance(conn, LaneConnection)
+            conn.lane = lane
+            read: list[str] = []
+
+            async def recv() -> None:
+                nonlocal reader_waiting
+                reader_waiting = True
+                try:
+                    read.append(str(await asyncio.wait_for(conn.recv(), WAIT_S)))
+                finally:
+                    reader_waiting = False
+
+            # All in one go: the event waits for recv(), so the audio after it waits too.
+            await go.put(["audio-1", "event-2", "audio-3"])
+            await recv()
+            await asyncio.sleep(0.1)  # the reader is busy with event-2
+            await recv()
+            assert read == ["event-2", "audio-3"]
+            assert taken == ["audio-1"]
+            # The reader idle and nothing queued: audio goes by the lane, events do not.
+            waiting = asyncio.create_task(recv())
+            await wait_until(lambda: reader_waiting, WAIT_S, "reader waiting")
+            await go.put(["audio-4", "audio-5", "event-6"])
+            await waiting
+            assert read == ["event-2", "audio-3", "event-6"]
+            assert taken == ["audio-1", "audio-4", "audio-5"]
+            await go.put([])
+
+
+def steady_scenario() -> Scenario:
+    return Scenario.model_validate(
+        {
+            "name": "lanes",
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": 1000},
+            "steps": [
+                {
+                    "caller_transcript": "Is the terrace open?",
+                    "reply": {"text": "It is, until ten.", "audio_ms": 1500},
+                }
+            ],
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+
+
+async def test_a_steady_call_runs_on_the_lanes_and_outlives_the_idle_timeout(
+    engine: AsyncEngine,
+) -> None:
+    """Through the service: with audio flowing both ways, caller frames are appended and the
+    agent's audio played in the sockets' callbacks; the stream's idle watchdog (1 s here)
+    still sees those frames, so a call that streams for 3 s is not ended as idle."""
+    async with call_stack(engine, steady_scenario(), media_idle_timeout_s=1.0) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await caller.wait_for(lambda c: c.media_received_ms >= 1000 and c.buffered_ms == 0, 10)
+        await caller.play_speech(800)
+        await caller.wait_for(lambda c: c.media_received_ms >= 2500, 10)
+        await caller.play_silence(1500)
+        entry = stack.service.runtime.registry.get(caller.call_sid)
+        assert entry is not None and entry.end_reason is None, "ended while audio flowed"
+        bridge: Any = entry.live
+        frames_up, by_lane = bridge.frames_up, bridge.frames_up_by_lane
+        deltas_by_lane = bridge.deltas_by_lane
+        await caller.hangup()
+    # Three seconds at 50 frames a second; a few go the task way (the first, before live).
+    assert frames_up >= 150 and by_lane >= 0.8 * frames_up, (frames_up, by_lane)
+    assert deltas_by_lane > 0
+    assert caller.media_received_ms >= 2500
