@@ -125,7 +125,9 @@ class TwilioLeg:
         self._pending_item: str | None = None
         # Audio sent since the last mark: its size, and the mark that would close it.
         self._unmarked = 0
-        self._tail_mark: str | None = None
+        # (epoch, item id, end ms) of the mark that would close it; named when it is sent.
+        self._tail_mark: tuple[int, str, float] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tail_at = 0.0  # loop.time() when the last unmarked audio was queued
         self._tail_grace_s = chunk_ms / 1000
         self._tail_timer: asyncio.TimerHandle | None = None
@@ -333,14 +335,15 @@ class TwilioLeg:
         epoch, end_ms = self.playback.queued(item_id, size / BYTES_PER_MS)
         self._outbox.append(self._frames.media(payload))
         self._unmarked += size
-        name = mark_name(epoch, item_id, end_ms)
         if self._unmarked >= self._chunk_bytes:
-            self._outbox.append(self._frames.mark(name))
+            self._outbox.append(self._frames.mark(mark_name(epoch, item_id, end_ms)))
             self._unmarked = 0
             self._tail_mark = None
         else:
-            self._tail_mark = name
-            loop = asyncio.get_running_loop()
+            self._tail_mark = (epoch, item_id, end_ms)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
             self._tail_at = loop.time()
             if self._tail_timer is None:
                 self._tail_timer = loop.call_at(self._tail_at + self._tail_grace_s, self._tail_due)
@@ -348,7 +351,7 @@ class TwilioLeg:
     def _close_tail(self) -> None:
         """Send the mark that closes audio sent since the last one."""
         if self._tail_mark is not None:
-            self._outbox.append(self._frames.mark(self._tail_mark))
+            self._outbox.append(self._frames.mark(mark_name(*self._tail_mark)))
             self._flush_outbox()
         self._tail_mark = None
         self._unmarked = 0
