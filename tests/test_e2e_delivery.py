@@ -342,7 +342,10 @@ async def test_an_announcement_cut_by_a_barge_in_is_offered_again_then_texted(
         "cut 2 times in the call: by SMS"
     )
     k = kinds(events)
-    assert k.count("result_cut") == 2 and "result_heard" not in k
+    # When this fails, say how each offer ended (the flaky case above is still unexplained).
+    endings = [(e["kind"], e.get("data", {})) for e in events if e["kind"].startswith("result_")]
+    reasons = [(e["kind"], e.get("reason")) for e in trail]
+    assert k.count("result_cut") == 2 and "result_heard" not in k, (endings, reasons)
     assert k.count("barge_in") >= 2
     # The caller heard the start of each update, never the whole of either.
     assert len(said) == 2 and "interrupted the last update" in said[1]
