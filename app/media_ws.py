@@ -30,7 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import Frame, Opcode
 from websockets.protocol import State
+
+try:
+    from websockets.speedups import apply_mask
+except ImportError:  # pragma: no cover - the C extension is in every wheel we install
+    from websockets.utils import apply_mask
 
 from telephony.ws_frames import server_text_frame
 
@@ -43,6 +49,8 @@ Lane = Callable[[str], bool]
 # After a protocol error, how long the peer has to read the close frame before the socket
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
+_TEXT = 0x81  # FIN + text
+_PONG = 0x8A  # FIN + pong
 
 
 class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -51,6 +59,24 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
     lane: Lane | None = None
     _discarding = False
     _linger: asyncio.TimerHandle | None = None
+    # Reading frames here (see `_read_own`): from the accept, while every frame is plain.
+    _own = False
+    _early = False  # bytes came between the request and the accept
+    _rest = b""  # the start of a frame not complete yet
+
+    async def send(self, message: Any) -> None:
+        accepting = not self.handshake_complete and message.get("type") == "websocket.accept"
+        await super().send(message)
+        if accepting and self.handshake_complete and not self.close_sent:
+            # The client waits for the 101 before sending (RFC 6455 4.1), so websockets'
+            # parser is between frames with nothing buffered: frames can be read here.
+            conn = self.conn
+            self._own = (
+                not self._early
+                and not conn.extensions
+                and not conn.reader.buffer
+                and conn.state is State.OPEN
+            )
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -62,30 +88,87 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         self.lane = lane
 
     def send_receive_event_to_app(self) -> None:
-        lane = self.lane
-        if (
-            lane is not None
-            and self.curr_msg_data_type == "text"
-            and len(self.frames) == 1
-            and not self.close_sent
-            and self.queue.empty()
-        ):
-            data = self.frames[0]
+        if self.lane is not None and self.curr_msg_data_type == "text" and len(self.frames) == 1:
             try:
-                text = data.decode()
+                text = self.frames[0].decode()
             except UnicodeDecodeError:
                 pass  # uvicorn's path closes with 1007
             else:
-                try:
-                    taken = lane(text)
-                except Exception:  # the lane must never break the connection
-                    log.exception("media lane failed; the frame goes the ASGI way")
-                    self.lane = None
-                    taken = False
-                if taken:
-                    self.frames = []
-                    return
+                self.frames = []
+                self._deliver_text(text)
+                return
         super().send_receive_event_to_app()
+
+    def _deliver_text(self, text: str) -> None:
+        """One text message for the app: to the lane if it takes it now, else queued."""
+        if self.close_sent:
+            return  # the app is past `websocket.close` (as uvicorn does)
+        lane = self.lane
+        if lane is not None and self.queue.empty():
+            try:
+                taken = lane(text)
+            except Exception:  # the lane must never break the connection
+                log.exception("media lane failed; the frame goes the ASGI way")
+                self.lane = None
+                taken = False
+            if taken:
+                return
+        self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def _read_own(self, data: bytes) -> None:
+        """Frames read here while each is a plain one: a final, masked text frame of at most
+        64 KiB within the size limit and valid UTF-8, or a pong. The first frame that is not
+        (a ping, a close, a binary or fragmented message, a longer or malformed frame) and
+        everything after it go to websockets' parser, for good: it is between frames, having
+        seen none since the handshake, so it reads on as if it had read them all."""
+        buf = self._rest + data if self._rest else data
+        size = len(buf)
+        limit = self.conn.max_size
+        pos = 0
+        plain = True
+        while size - pos >= 6:
+            head1, head2 = buf[pos], buf[pos + 1]
+            length = head2 & 0x7F
+            if (head1 != _TEXT and head1 != _PONG) or not head2 & 0x80 or length == 127:
+                plain = False
+                break
+            mask_at = pos + 2
+            if length == 126:
+                if head1 == _PONG:
+                    plain = False  # a control frame's payload is at most 125 bytes
+                    break
+                if size - pos < 8:
+                    break
+                length = (buf[pos + 2] << 8) | buf[pos + 3]
+                mask_at = pos + 4
+            if limit is not None and length > limit:
+                plain = False
+                break
+            start = mask_at + 4
+            stop = start + length
+            if stop > size:
+                break  # the rest of this frame is still on its way
+            payload = apply_mask(buf[start:stop], buf[mask_at:start])
+            if head1 == _PONG:
+                pos = stop
+                self.handle_pong(Frame(Opcode.PONG, payload))
+                continue
+            try:
+                text = payload.decode()
+            except UnicodeDecodeError:
+                plain = False
+                break
+            pos = stop
+            self._deliver_text(text)
+        if plain:
+            self._rest = buf[pos:]
+            return
+        self._own = False
+        self._rest = b""
+        super().data_received(buf[pos:])
 
     def send_text_nowait(self, *texts: str) -> bool:
         """Write each of `texts` as a message, now and in one write; False when they must
@@ -111,8 +194,13 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         return True
 
     def data_received(self, data: bytes) -> None:
+        if self._own:
+            self._read_own(data)
+            return
         if self._discarding:
             return  # after a protocol error: the close is sent, the rest is not read
+        if self.handshake_initiated and not self.handshake_complete:
+            self._early = True
         super().data_received(data)
 
     def handle_parser_exception(self) -> None:

@@ -253,3 +253,73 @@ async def test_a_steady_call_runs_on_the_lanes_and_outlives_the_idle_timeout(
     assert frames_up >= 150 and by_lane >= 0.8 * frames_up, (frames_up, by_lane)
     assert deltas_by_lane > 0
     assert caller.media_received_ms >= 2500
+
+
+class EchoApp:
+    """Records every message the app receives (no lane), to compare the server's own frame
+    reading with websockets' on the same bytes."""
+
+    def __init__(self) -> None:
+        self.got: list[str | bytes] = []
+        self.protocol: MediaWebSocketProtocol | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        self.protocol = scope["extensions"][LANE_EXTENSION]
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            self.got.append(
+                message.get("text") if message.get("text") is not None else message["bytes"]
+            )
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_frames_split_anywhere_read_the_same_as_websockets_reads_them(seed: int) -> None:
+    """The server reads plain text frames itself; split at random points, mixed with a ping
+    (answered), a 126+ byte frame and a fragmented message (which hand reading over to
+    websockets for good), every message still reaches the app whole and in order."""
+    import random
+
+    rng = random.Random(seed)
+    app = EchoApp()
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, ws=MediaWebSocketProtocol, log_config=None
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started, WAIT_S, "server started")
+        async with connect(f"ws://127.0.0.1:{port}/", compression=None) as ws:
+            texts = [
+                f"media-{i}-" + "x" * rng.choice([0, 10, 124, 125, 200, 300, 1000])
+                for i in range(40)
+            ]
+            for text in texts:
+                ws.protocol.send_text(text.encode())
+            raw = b"".join(ws.protocol.data_to_send())
+            # Written in random pieces, with pauses, so frames straddle reads.
+            at = 0
+            while at < len(raw):
+                step = rng.randint(1, 700)
+                ws.transport.write(raw[at : at + step])
+                at += step
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0.002)
+            await wait_until(lambda: len(app.got) == len(texts), WAIT_S, "texts read")
+            assert app.got == texts
+            assert app.protocol is not None and app.protocol._own  # still reading them itself
+            # A ping is answered; websockets reads from here on.
+            pong = await ws.ping(b"hello")
+            await asyncio.wait_for(pong, WAIT_S)
+            assert not app.protocol._own
+            await ws.send(["frag", "mented"])
+            await ws.send("after")
+            await wait_until(lambda: len(app.got) == len(texts) + 2, WAIT_S, "the rest read")
+            assert app.got[len(texts) :] == ["fragmented", "after"]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, WAIT_S)
