@@ -21,7 +21,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event, State
 
-from telephony.ws_frames import MaskSource, client_text_frame
+from telephony.ws_frames import MaskSource, client_pong_frame, client_text_frame
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,88 @@ class LaneConnection(ClientConnection):
     """
 
     lane: Callable[[bytes], bool] | None = None
+    # Reading frames here (see `_read_own`), once websockets' parser is between frames.
+    _own = False
+    _rest = b""
+    _masks: MaskSource | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._own:
+            self._read_own(data)
+            return
+        super().data_received(data)
+        if self.lane is not None and _between_frames(self.protocol):
+            self._own = True
+
+    def _read_own(self, data: bytes) -> None:
+        """Frames read here while each is a plain one: a final text frame (valid UTF-8, within
+        the size limit), a ping (answered) or a pong. The first that is not (a close, binary,
+        fragmented or malformed frame) and everything after it go to websockets' parser for
+        good; it is between frames, so it reads on as if it had read them all."""
+        buf = self._rest + data if self._rest else data
+        size = len(buf)
+        limit = self.protocol.max_size
+        pos = 0
+        plain = True
+        while size - pos >= 2:
+            head1, head2 = buf[pos], buf[pos + 1]
+            length = head2 & 0x7F
+            if head2 & 0x80 or (head1 != _TEXT and head1 != _PING and head1 != _PONG):
+                plain = False  # a server never masks; anything but these goes to websockets
+                break
+            at = pos + 2
+            if length >= 126:
+                if head1 != _TEXT:
+                    plain = False  # a control frame's payload is at most 125 bytes
+                    break
+                wide = 2 if length == 126 else 8
+                if size - at < wide:
+                    break
+                length = int.from_bytes(buf[at : at + wide], "big")
+                at += wide
+            if limit is not None and length > limit:
+                plain = False
+                break
+            stop = at + length
+            if stop > size:
+                break  # the rest of this frame is still on its way
+            payload = buf[at:stop]
+            if head1 == _TEXT:
+                try:
+                    payload.decode()
+                except UnicodeDecodeError:
+                    plain = False
+                    break
+                pos = stop
+                self._deliver(payload)
+            elif head1 == _PING:
+                pos = stop
+                masks = self._masks
+                if masks is None:
+                    masks = self._masks = MaskSource()
+                self.transport.write(client_pong_frame(payload, masks.next()))
+            else:
+                pos = stop
+                self.acknowledge_pings(payload)
+        if plain:
+            self._rest = buf[pos:]
+            return
+        self._own = False
+        self._rest = b""
+        super().data_received(buf[pos:])
+
+    def _deliver(self, payload: bytes) -> None:
+        lane = self.lane
+        if lane is not None and not len(self.recv_messages.frames):
+            try:
+                taken = lane(payload)
+            except Exception:  # the lane must never break the socket
+                log.exception("Realtime lane failed; messages go to recv() from now on")
+                self.lane = None
+                taken = False
+            if taken:
+                return
+        self.recv_messages.put(Frame(Opcode.TEXT, payload))
 
     def process_event(self, event: Event) -> None:
         lane = self.lane
@@ -117,6 +199,35 @@ class LaneConnection(ClientConnection):
             if taken:
                 return
         super().process_event(event)
+
+
+_TEXT = 0x81  # FIN + text
+_PING = 0x89  # FIN + ping
+_PONG = 0x8A  # FIN + pong
+
+
+def _between_frames(protocol: Any) -> bool:
+    """websockets' parser waits for the first byte of a frame, with nothing buffered, no
+    fragmented message open and no extension: frames can be read elsewhere from here on.
+
+    Told from its parser's innermost generator being `StreamReader.at_eof`, where
+    `Protocol.parse` waits between frames; any other shape (another websockets version) is
+    simply "no", and websockets keeps reading."""
+    if (
+        protocol.reader.buffer
+        or protocol.cur_size is not None
+        or protocol.extensions
+        or protocol.state is not State.OPEN
+    ):
+        return False
+    gen = getattr(protocol, "parser", None)
+    for _ in range(8):
+        inner = getattr(gen, "gi_yieldfrom", None)
+        if inner is None:
+            break
+        gen = inner
+    code = getattr(gen, "gi_code", None)
+    return code is not None and code.co_name == "at_eof" and code.co_filename.endswith("streams.py")
 
 
 def lane_of(conn: Any) -> LaneConnection | None:

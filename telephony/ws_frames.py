@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - the C extension is in every wheel we i
     from websockets.utils import apply_mask
 
 _FIN_TEXT = 0x81
+_FIN_PONG = 0x8A
 _MASK_BIT = 0x80
 _POOL_MASKS = 1024
 
@@ -42,12 +43,12 @@ class MaskSource:
         return self._pool[at : at + 4]
 
 
-def _header(length: int, mask_bit: int) -> bytes:
+def _header(length: int, mask_bit: int, first: int = _FIN_TEXT) -> bytes:
     if length < 126:
-        return bytes((_FIN_TEXT, mask_bit | length))
+        return bytes((first, mask_bit | length))
     if length < 65536:
-        return struct.pack("!BBH", _FIN_TEXT, mask_bit | 126, length)
-    return struct.pack("!BBQ", _FIN_TEXT, mask_bit | 127, length)
+        return struct.pack("!BBH", first, mask_bit | 126, length)
+    return struct.pack("!BBQ", first, mask_bit | 127, length)
 
 
 def server_text_frame(payload: bytes) -> bytes:
@@ -58,3 +59,8 @@ def server_text_frame(payload: bytes) -> bytes:
 def client_text_frame(payload: bytes, mask: bytes) -> bytes:
     """One masked, final text frame (client to server) with the 4-byte `mask`."""
     return _header(len(payload), _MASK_BIT) + mask + apply_mask(payload, mask)
+
+
+def client_pong_frame(payload: bytes, mask: bytes) -> bytes:
+    """The masked pong (client to server) answering a ping that carried `payload` (<= 125)."""
+    return _header(len(payload), _MASK_BIT, _FIN_PONG) + mask + apply_mask(payload, mask)

@@ -323,3 +323,67 @@ async def test_frames_split_anywhere_read_the_same_as_websockets_reads_them(seed
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, WAIT_S)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_realtime_frames_split_anywhere_read_the_same_once_the_client_reads_them(
+    seed: int,
+) -> None:
+    """LaneConnection reads plain server frames itself once websockets' parser is between
+    frames (after a whole message): then frames split at random points (a 70 KB one too), a
+    ping from the server (answered), and a fragmented message that hands reading back to
+    websockets; recv() sees every message whole and in order."""
+    import random
+
+    rng = random.Random(seed)
+    texts = [f"event-{i}-" + "y" * rng.choice([0, 100, 125, 126, 500, 70_000]) for i in range(30)]
+    ready = asyncio.Event()
+    burst = asyncio.Event()
+    checked = asyncio.Event()
+    pinged = asyncio.Event()
+
+    async def handler(peer: ServerConnection) -> None:
+        await peer.send("hello")  # read by websockets: the lane is not set yet
+        await ready.wait()
+        await peer.send("warm")  # a whole message: after it websockets is between frames
+        await burst.wait()
+        for text in texts:
+            peer.protocol.send_text(text.encode())
+        raw = b"".join(peer.protocol.data_to_send())
+        at = 0
+        while at < len(raw):
+            step = rng.randint(1, 3000)
+            peer.transport.write(raw[at : at + step])
+            at += step
+            if rng.random() < 0.3:
+                await asyncio.sleep(0.002)
+        await checked.wait()
+        await asyncio.wait_for(await peer.ping(b"are you there"), WAIT_S)
+        pinged.set()
+        await peer.send(["frag", "mented"])
+        await peer.send("last")
+        await peer.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with connect(
+            f"ws://127.0.0.1:{port}/",
+            compression=None,
+            create_connection=LaneConnection,
+            max_size=None,
+        ) as conn:
+            assert isinstance(conn, LaneConnection)
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "hello"
+            conn.lane = lambda data: False  # takes nothing: every message goes to recv()
+            ready.set()
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "warm"
+            assert conn._own  # from here the connection reads frames itself
+            burst.set()
+            got = [await asyncio.wait_for(conn.recv(), WAIT_S) for _ in texts]
+            assert got == texts
+            assert conn._own  # read by the connection itself
+            checked.set()
+            await asyncio.wait_for(pinged.wait(), WAIT_S)  # the ping was answered
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "fragmented"
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "last"
+            assert not conn._own  # websockets reads again
