@@ -12,7 +12,7 @@ with two additions, used by `/twilio/media` once a stream is admitted:
   (returns True) it is done, otherwise it goes the ASGI way as before. So order is kept: the
   app sees nothing out of order, and once one message goes the slow way, the ones after it
   follow until the app has caught up.
-- `send_text_nowait(*texts)`: writes text messages at once, in one write (an agent's `media`
+- `send_text_nowait(texts)`: writes text messages at once, in one write (an agent's `media`
   and the `mark` after it cost one system call), when the socket is open and not under
   back-pressure; False (nothing written) tells the caller to use the ASGI send.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -170,7 +170,7 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         self._rest = b""
         super().data_received(buf[pos:])
 
-    def send_text_nowait(self, *texts: str) -> bool:
+    def send_text_nowait(self, texts: Iterable[str]) -> bool:
         """Write each of `texts` as a message, now and in one write; False when they must
         wait (nothing written)."""
         if (

@@ -78,8 +78,10 @@ class CallRecorder:
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
         now = self._clock()
-        if not self._full(now):
+        if now - self.started <= self._max_s:
             self._caller.append((now, timestamp_ms, payload))
+        else:
+            self.truncated = True
 
     def agent_audio(self, audio: bytes | str) -> None:
         """Agent audio handed to the leg to play (G.711 bytes, or the delta's base64 text)."""

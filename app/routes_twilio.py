@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -375,13 +375,20 @@ class FrameGuard:
 
         protocol.set_lane(guarded)
 
-    def send_nowait(self, *frames: str) -> bool:
+    def send_nowait(self, frames: Iterable[str]) -> bool:
         """Write `frames` now, in one write, if the socket takes them without waiting (never
-        a `clear`: those are timed); False (nothing written) to use `send_text`."""
+        a `clear`: those are timed); False (nothing written) to use `send_text`. TwilioLeg
+        takes `nowait_sender()` instead, which skips this layer."""
         protocol = self._lane_protocol
         if protocol is None or self._ws.application_state is not WebSocketState.CONNECTED:
             return False
-        return protocol.send_text_nowait(*frames)
+        return protocol.send_text_nowait(frames)
+
+    def nowait_sender(self) -> Callable[[Iterable[str]], bool] | None:
+        """`send_nowait` without this layer per frame: the server protocol's own, which
+        refuses once a close is sent (the only way this guard's state changes mid-stream)."""
+        protocol = self._lane_protocol
+        return protocol.send_text_nowait if protocol is not None else None
 
     async def send_text(self, data: str) -> None:
         if self._ws.application_state is WebSocketState.CONNECTED:

@@ -12,6 +12,7 @@ frame, and any media or mark frame the hand check is not sure of, goes through t
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -200,7 +201,8 @@ def _media_frame(data: dict[str, Any]) -> MediaFrame | None:
     if type(payload) is not str or not _optional_strs(media, _MEDIA_STRS):
         return None
     try:
-        base64.b64decode(payload, validate=True)  # the model's check; the bytes are not kept
+        # The model's check (strict base64); the bytes are not kept.
+        binascii.a2b_base64(payload, strict_mode=True)
         timestamp_ms = int(media.get("timestamp", "0"))
     except ValueError:
         return None  # the model path names the fault

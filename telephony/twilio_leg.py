@@ -7,7 +7,7 @@ import base64
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
 from telephony.audio import base64_size
@@ -140,7 +140,10 @@ class TwilioLeg:
         # once while nothing is queued; either falls back to the task-driven path.
         self._waiting = False  # events() is awaiting the next frame
         self._audio_lane: Callable[[AudioIn], bool] | None = None
-        self._send_now: Callable[..., bool] | None = getattr(ws, "send_nowait", None)
+        sender = getattr(ws, "nowait_sender", None)
+        self._send_now: Callable[[Iterable[str]], bool] | None = (
+            sender() if callable(sender) else None
+        )
 
     # Receive side.
 
@@ -377,7 +380,7 @@ class TwilioLeg:
                 if outbox and self._pending:
                     # As in the sender: a short tail waits only while frames are queued.
                     self._flush_pending()
-                if outbox and send_now(*outbox):  # one write for a media and its mark
+                if outbox and send_now(outbox):  # one write for a media and its mark
                     outbox.clear()
                     return
             except Exception as exc:  # a dead socket; the sender's send reports it too

@@ -52,7 +52,7 @@ class LaneApp:
         self.by_lane.append(text)
         if text == "L-reply":
             assert self.protocol is not None
-            self.sent_nowait.append(self.protocol.send_text_nowait("r1", "r2", "r3"))
+            self.sent_nowait.append(self.protocol.send_text_nowait(["r1", "r2", "r3"]))
         return True
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -71,7 +71,7 @@ class LaneApp:
             self.by_asgi.append(message["text"])
             if message["text"] == "close":
                 await send({"type": "websocket.close", "code": 1000})
-                self.sent_nowait.append(self.protocol.send_text_nowait("after close"))
+                self.sent_nowait.append(self.protocol.send_text_nowait(["after close"]))
                 break
             await asyncio.sleep(0.05)  # the app is busy with it: the lane must not jump ahead
         self.closed.set()
