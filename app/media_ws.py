@@ -16,6 +16,10 @@ with two additions, used by `/twilio/media` once a stream is admitted:
   and the `mark` after it cost one system call), when the socket is open and not under
   back-pressure; False (nothing written) tells the caller to use the ASGI send.
 
+From the accept, the protocol reads plain frames itself (`_read_own`: final masked text
+frames and pongs, about a fifth of websockets' cost per frame); the first frame of any other
+kind hands the byte stream, from that frame on, to websockets' parser for good.
+
 And on a protocol error (a frame over the size limit, say) the close frame is sent and the
 peer's remaining data read and dropped for a moment before the socket closes, so the peer
 learns the close code. Everything else (handshake, close, ping, limits, compression

@@ -7,6 +7,13 @@ encoder, no SDK transform, no decode and re-encode), and an audio delta is recog
 the raw frame before the SDK's pydantic parse (about 57 us per delta on our machines, 21% of
 the server's CPU at 40 calls). Every other server event still goes through the SDK's models
 (`AsyncRealtimeConnection.parse_event`).
+
+Under the SDK's connection sits `LaneConnection`, websockets' client connection with a lane:
+while the bridge's reader waits and nothing is queued before it, an audio delta is played in
+the socket's callback instead of waking the reader; and once websockets' parser is between
+frames, plain frames are read by the connection itself. `nowait_sender` writes an append
+synchronously (the caller's frame arrives in the Twilio socket's callback and leaves in the
+same step). Each falls back to the SDK's awaited path whenever it cannot act at once.
 """
 
 from __future__ import annotations
