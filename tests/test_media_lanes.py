@@ -387,3 +387,54 @@ async def test_realtime_frames_split_anywhere_read_the_same_once_the_client_read
             assert await asyncio.wait_for(conn.recv(), WAIT_S) == "fragmented"
             assert await asyncio.wait_for(conn.recv(), WAIT_S) == "last"
             assert not conn._own  # websockets reads again
+
+
+async def test_keepalive_pings_are_answered_on_both_sockets_while_frames_are_read_here() -> None:
+    """Both sockets read plain frames themselves; the keepalive pings of each side (uvicorn's
+    on the media socket, websockets' on the Realtime one) still get their pongs read, so a
+    call is not dropped as dead after ping_timeout."""
+    app = EchoApp()
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        ws=MediaWebSocketProtocol,
+        log_config=None,
+        ws_ping_interval=0.1,
+        ws_ping_timeout=0.3,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+
+    async def quiet(peer: ServerConnection) -> None:
+        await peer.send("hello")
+        await peer.wait_closed()
+
+    try:
+        await wait_until(lambda: server.started, WAIT_S, "server started")
+        async with (
+            connect(f"ws://127.0.0.1:{port}/", compression=None) as media,
+            serve(quiet, "127.0.0.1", 0, compression=None) as realtime_server,
+        ):
+            rt_port = next(iter(realtime_server.sockets)).getsockname()[1]
+            async with connect(
+                f"ws://127.0.0.1:{rt_port}/",
+                compression=None,
+                create_connection=LaneConnection,
+                ping_interval=0.1,
+                ping_timeout=0.3,
+            ) as realtime:
+                assert isinstance(realtime, LaneConnection)
+                realtime.lane = lambda data: False
+                assert await asyncio.wait_for(realtime.recv(), WAIT_S) == "hello"
+                await media.send("one")
+                await wait_until(lambda: app.got == ["one"], WAIT_S, "media read")
+                await asyncio.sleep(1.5)  # 15 pings each way, 5x the pong deadline
+                assert app.protocol is not None and app.protocol._own and realtime._own
+                await media.send("two")  # both still open
+                await wait_until(lambda: app.got == ["one", "two"], WAIT_S, "still open")
+                assert realtime.state.name == "OPEN" and realtime.latency > 0
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, WAIT_S)
