@@ -29,7 +29,6 @@ settings) is uvicorn's.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,14 +36,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
-try:
-    from websockets.speedups import apply_mask
-except ImportError:  # pragma: no cover - the C extension is in every wheel we install
-    from websockets.utils import apply_mask
-
-from telephony.ws_frames import server_text_frame
-
-log = logging.getLogger(__name__)
+from telephony.ws_frames import PONG, TEXT, offer_to_lane, read_plain_frames, server_text_frame
 
 # The key of the protocol in the ASGI scope's extensions.
 LANE_EXTENSION = "voice-agent.media-lane"
@@ -53,8 +45,7 @@ Lane = Callable[[str], bool]
 # After a protocol error, how long the peer has to read the close frame before the socket
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
-_TEXT = 0x81  # FIN + text
-_PONG = 0x8A  # FIN + pong
+_PLAIN = frozenset({TEXT, PONG})  # what `_read_own` reads itself
 
 
 class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -107,66 +98,28 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         """One text message for the app: to the lane if it takes it now, else queued."""
         if self.close_sent:
             return  # the app is past `websocket.close` (as uvicorn does)
-        lane = self.lane
-        if lane is not None and self.queue.empty():
-            try:
-                taken = lane(text)
-            except Exception:  # the lane must never break the connection
-                log.exception("media lane failed; the frame goes the ASGI way")
-                self.lane = None
-                taken = False
-            if taken:
-                return
+        if self.queue.empty() and offer_to_lane(self, text):
+            return
         self.queue.put_nowait({"type": "websocket.receive", "text": text})
         if not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
 
     def _read_own(self, data: bytes) -> None:
-        """Frames read here while each is a plain one: a final, masked text frame of at most
-        64 KiB within the size limit and valid UTF-8, or a pong. The first frame that is not
-        (a ping, a close, a binary or fragmented message, a longer or malformed frame) and
-        everything after it go to websockets' parser, for good: it is between frames, having
-        seen none since the handshake, so it reads on as if it had read them all."""
+        """Frames read here while each is a plain one: a final, masked text frame within the
+        size limit and valid UTF-8, or a pong. The first frame that is not (a ping, a close,
+        a binary or fragmented message, a malformed frame) and everything after it go to
+        websockets' parser, for good: it is between frames, having seen none since the
+        handshake, so it reads on as if it had read them all."""
         buf = self._rest + data if self._rest else data
-        size = len(buf)
-        limit = self.conn.max_size
-        pos = 0
-        plain = True
-        while size - pos >= 6:
-            head1, head2 = buf[pos], buf[pos + 1]
-            length = head2 & 0x7F
-            if (head1 != _TEXT and head1 != _PONG) or not head2 & 0x80 or length == 127:
-                plain = False
-                break
-            mask_at = pos + 2
-            if length == 126:
-                if head1 == _PONG:
-                    plain = False  # a control frame's payload is at most 125 bytes
-                    break
-                if size - pos < 8:
-                    break
-                length = (buf[pos + 2] << 8) | buf[pos + 3]
-                mask_at = pos + 4
-            if limit is not None and length > limit:
-                plain = False
-                break
-            start = mask_at + 4
-            stop = start + length
-            if stop > size:
-                break  # the rest of this frame is still on its way
-            payload = apply_mask(buf[start:stop], buf[mask_at:start])
-            if head1 == _PONG:
-                pos = stop
+        frames, pos, plain = read_plain_frames(
+            buf, masked=True, accept=_PLAIN, max_size=self.conn.max_size, text_as_str=True
+        )
+        for first, payload in frames:
+            if first == TEXT:
+                self._deliver_text(payload)
+            else:
                 self.handle_pong(Frame(Opcode.PONG, payload))
-                continue
-            try:
-                text = payload.decode()
-            except UnicodeDecodeError:
-                plain = False
-                break
-            pos = stop
-            self._deliver_text(text)
         if plain:
             self._rest = buf[pos:]
             return

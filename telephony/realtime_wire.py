@@ -28,7 +28,16 @@ from websockets.asyncio.client import ClientConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event, State
 
-from telephony.ws_frames import MaskSource, client_pong_frame, client_text_frame
+from telephony.ws_frames import (
+    PING,
+    PONG,
+    TEXT,
+    MaskSource,
+    client_pong_frame,
+    client_text_frame,
+    offer_to_lane,
+    read_plain_frames,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,49 +133,18 @@ class LaneConnection(ClientConnection):
         fragmented or malformed frame) and everything after it go to websockets' parser for
         good; it is between frames, so it reads on as if it had read them all."""
         buf = self._rest + data if self._rest else data
-        size = len(buf)
-        limit = self.protocol.max_size
-        pos = 0
-        plain = True
-        while size - pos >= 2:
-            head1, head2 = buf[pos], buf[pos + 1]
-            length = head2 & 0x7F
-            if head2 & 0x80 or (head1 != _TEXT and head1 != _PING and head1 != _PONG):
-                plain = False  # a server never masks; anything but these goes to websockets
-                break
-            at = pos + 2
-            if length >= 126:
-                if head1 != _TEXT:
-                    plain = False  # a control frame's payload is at most 125 bytes
-                    break
-                wide = 2 if length == 126 else 8
-                if size - at < wide:
-                    break
-                length = int.from_bytes(buf[at : at + wide], "big")
-                at += wide
-            if limit is not None and length > limit:
-                plain = False
-                break
-            stop = at + length
-            if stop > size:
-                break  # the rest of this frame is still on its way
-            payload = buf[at:stop]
-            if head1 == _TEXT:
-                try:
-                    payload.decode()
-                except UnicodeDecodeError:
-                    plain = False
-                    break
-                pos = stop
+        frames, pos, plain = read_plain_frames(
+            buf, masked=False, accept=_PLAIN, max_size=self.protocol.max_size, text_as_str=False
+        )
+        for first, payload in frames:
+            if first == TEXT:
                 self._deliver(payload)
-            elif head1 == _PING:
-                pos = stop
+            elif first == PING:
                 masks = self._masks
                 if masks is None:
                     masks = self._masks = MaskSource()
                 self.transport.write(client_pong_frame(payload, masks.next()))
             else:
-                pos = stop
                 self.acknowledge_pings(payload)
         if plain:
             self._rest = buf[pos:]
@@ -176,41 +154,27 @@ class LaneConnection(ClientConnection):
         super().data_received(buf[pos:])
 
     def _deliver(self, payload: bytes) -> None:
-        lane = self.lane
-        if lane is not None and not len(self.recv_messages.frames):
-            try:
-                taken = lane(payload)
-            except Exception:  # the lane must never break the socket
-                log.exception("Realtime lane failed; messages go to recv() from now on")
-                self.lane = None
-                taken = False
-            if taken:
-                return
+        """One text message: to the lane if nothing waits before it and it takes it, else
+        to recv()."""
+        if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
+            return
         self.recv_messages.put(Frame(Opcode.TEXT, payload))
 
     def process_event(self, event: Event) -> None:
-        lane = self.lane
+        # websockets reads (before `_own`, or after a hand-back): a text message still goes
+        # to the lane first.
         if (
-            lane is not None
+            self.lane is not None
             and type(event) is Frame
             and event.opcode is Opcode.TEXT
             and event.fin
-            and not len(self.recv_messages.frames)
         ):
-            try:
-                taken = lane(bytes(event.data))
-            except Exception:  # the lane must never break the socket
-                log.exception("Realtime lane failed; messages go to recv() from now on")
-                self.lane = None
-                taken = False
-            if taken:
-                return
+            self._deliver(bytes(event.data))
+            return
         super().process_event(event)
 
 
-_TEXT = 0x81  # FIN + text
-_PING = 0x89  # FIN + ping
-_PONG = 0x8A  # FIN + pong
+_PLAIN = frozenset({TEXT, PING, PONG})  # what `_read_own` reads itself
 
 
 def _between_frames(protocol: Any) -> bool:

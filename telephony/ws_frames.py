@@ -11,16 +11,21 @@ Everything else (control frames, compression, fragmentation) stays with websocke
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+from typing import Any
 
 try:
     from websockets.speedups import apply_mask
 except ImportError:  # pragma: no cover - the C extension is in every wheel we install
     from websockets.utils import apply_mask
 
-_FIN_TEXT = 0x81
-_FIN_PONG = 0x8A
+log = logging.getLogger(__name__)
+
+TEXT = 0x81  # the first byte of a final text frame
+PING = 0x89
+PONG = 0x8A
 _MASK_BIT = 0x80
 _POOL_MASKS = 1024
 
@@ -43,7 +48,7 @@ class MaskSource:
         return self._pool[at : at + 4]
 
 
-def _header(length: int, mask_bit: int, first: int = _FIN_TEXT) -> bytes:
+def _header(length: int, mask_bit: int, first: int = TEXT) -> bytes:
     if length < 126:
         return bytes((first, mask_bit | length))
     if length < 65536:
@@ -63,4 +68,69 @@ def client_text_frame(payload: bytes, mask: bytes) -> bytes:
 
 def client_pong_frame(payload: bytes, mask: bytes) -> bytes:
     """The masked pong (client to server) answering a ping that carried `payload` (<= 125)."""
-    return _header(len(payload), _MASK_BIT, _FIN_PONG) + mask + apply_mask(payload, mask)
+    return _header(len(payload), _MASK_BIT, PONG) + mask + apply_mask(payload, mask)
+
+
+def read_plain_frames(
+    buf: bytes,
+    *,
+    masked: bool,
+    accept: frozenset[int],
+    max_size: int | None,
+    text_as_str: bool,
+) -> tuple[list[tuple[int, Any]], int, bool]:
+    """The complete plain frames at the start of `buf`: each final, masked as `masked` says,
+    its first byte in `accept` (TEXT, PING, PONG), within `max_size`, a text one valid UTF-8
+    (given as str when `text_as_str`, else as its bytes). Returns them as (first byte,
+    payload), the offset after the last, and False if reading stopped at a frame that is not
+    plain (True: at the end, or at a frame still incomplete)."""
+    frames: list[tuple[int, Any]] = []
+    size = len(buf)
+    mask_len = 4 if masked else 0
+    pos = 0
+    while size - pos >= 2:
+        head1, head2 = buf[pos], buf[pos + 1]
+        if head1 not in accept or (head2 & _MASK_BIT != 0) is not masked:
+            return frames, pos, False
+        length = head2 & 0x7F
+        at = pos + 2
+        if length >= 126:
+            if head1 != TEXT:
+                return frames, pos, False  # a control frame carries at most 125 bytes
+            wide = 2 if length == 126 else 8
+            if size - at < wide:
+                break
+            length = int.from_bytes(buf[at : at + wide], "big")
+            at += wide
+        if max_size is not None and length > max_size:
+            return frames, pos, False
+        stop = at + mask_len + length
+        if stop > size:
+            break  # the rest of this frame is still on its way
+        payload: Any = buf[at + mask_len : stop]
+        if masked:
+            payload = apply_mask(payload, buf[at : at + mask_len])
+        if head1 == TEXT:
+            try:
+                text = payload.decode()
+            except UnicodeDecodeError:
+                return frames, pos, False
+            if text_as_str:
+                payload = text
+        frames.append((head1, payload))
+        pos = stop
+    return frames, pos, True
+
+
+def offer_to_lane(holder: Any, data: Any) -> bool:
+    """Offer `data` to `holder.lane`: True if it took it. A lane that raises is logged and
+    removed (it must never break its socket); everything then takes the normal path."""
+    lane = holder.lane
+    if lane is None:
+        return False
+    try:
+        return bool(lane(data))
+    except Exception:
+        log.exception("a hot-path lane failed; frames take the normal path from now on")
+        holder.lane = None
+        return False

@@ -78,19 +78,22 @@ class LaneApp:
 
 
 @contextlib.asynccontextmanager
-async def lane_server(app: LaneApp) -> AsyncIterator[str]:
+async def lane_server(app: Any, **config: Any) -> AsyncIterator[str]:
+    """uvicorn on MediaWebSocketProtocol serving `app`; yields its ws:// URL."""
     port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, ws=MediaWebSocketProtocol, log_config=None
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, ws=MediaWebSocketProtocol, log_config=None, **config
+        )
     )
-    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         await wait_until(lambda: server.started, WAIT_S, "server started")
         yield f"ws://127.0.0.1:{port}/"
     finally:
-        for _ in range(10):
-            app.read.release()  # let the app read its disconnect
+        if isinstance(app, LaneApp):
+            for _ in range(10):
+                app.read.release()  # let the app read its disconnect
         server.should_exit = True
         await asyncio.wait_for(task, WAIT_S)
 
@@ -285,15 +288,8 @@ async def test_frames_split_anywhere_read_the_same_as_websockets_reads_them(seed
 
     rng = random.Random(seed)
     app = EchoApp()
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, ws=MediaWebSocketProtocol, log_config=None
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started, WAIT_S, "server started")
-        async with connect(f"ws://127.0.0.1:{port}/", compression=None) as ws:
+    async with lane_server(app) as url:
+        async with connect(url, compression=None) as ws:
             texts = [
                 f"media-{i}-" + "x" * rng.choice([0, 10, 124, 125, 200, 300, 1000])
                 for i in range(40)
@@ -320,9 +316,6 @@ async def test_frames_split_anywhere_read_the_same_as_websockets_reads_them(seed
             await ws.send("after")
             await wait_until(lambda: len(app.got) == len(texts) + 2, WAIT_S, "the rest read")
             assert app.got[len(texts) :] == ["fragmented", "after"]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, WAIT_S)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -394,27 +387,14 @@ async def test_keepalive_pings_are_answered_on_both_sockets_while_frames_are_rea
     on the media socket, websockets' on the Realtime one) still get their pongs read, so a
     call is not dropped as dead after ping_timeout."""
     app = EchoApp()
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        ws=MediaWebSocketProtocol,
-        log_config=None,
-        ws_ping_interval=0.1,
-        ws_ping_timeout=0.3,
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
 
     async def quiet(peer: ServerConnection) -> None:
         await peer.send("hello")
         await peer.wait_closed()
 
-    try:
-        await wait_until(lambda: server.started, WAIT_S, "server started")
+    async with lane_server(app, ws_ping_interval=0.1, ws_ping_timeout=0.3) as url:
         async with (
-            connect(f"ws://127.0.0.1:{port}/", compression=None) as media,
+            connect(url, compression=None) as media,
             serve(quiet, "127.0.0.1", 0, compression=None) as realtime_server,
         ):
             rt_port = next(iter(realtime_server.sockets)).getsockname()[1]
@@ -435,6 +415,3 @@ async def test_keepalive_pings_are_answered_on_both_sockets_while_frames_are_rea
                 await media.send("two")  # both still open
                 await wait_until(lambda: app.got == ["one", "two"], WAIT_S, "still open")
                 assert realtime.state.name == "OPEN" and realtime.latency > 0
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, WAIT_S)
