@@ -7,11 +7,14 @@ and it passes Starlette and the leg's async generators; each outgoing one is an 
 `send` through the same layers. `MediaWebSocketProtocol` is uvicorn's own sans-I/O protocol
 with two additions, used by `/twilio/media` once a stream is admitted:
 
-- `set_lane(callback)`: a text message is first offered to `callback(text)` where it is
-  received, if no earlier message is still waiting for the app; when the callback takes it
-  (returns True) it is done, otherwise it goes the ASGI way as before. So order is kept: the
-  app sees nothing out of order, and once one message goes the slow way, the ones after it
-  follow until the app has caught up.
+- `set_lane(callback, max_bytes)`: a text message (of at most `max_bytes`) is first offered
+  to `callback(data)`, its UTF-8 bytes, where it is received, if no earlier message is still
+  waiting for the app; when the callback takes it (returns True) it is done, otherwise it
+  goes the ASGI way as before. So order is kept: the app sees nothing out of order, and once
+  one message goes the slow way, the ones after it follow until the app has caught up. The
+  bytes are offered before they are checked as UTF-8 (the lane parses them with orjson,
+  which rejects invalid UTF-8): a lane must take only what it has parsed; a message it
+  leaves is checked, and closes the socket with 1007 when it is not UTF-8.
 - `send_text_nowait(texts)`: writes text messages at once, in one write (an agent's `media`
   and the `mark` after it cost one system call), when the socket is open and not under
   back-pressure; False (nothing written) tells the caller to use the ASGI send.
@@ -36,22 +39,33 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
-from telephony.ws_frames import PONG, TEXT, offer_to_lane, read_plain_frames, server_text_frame
+from telephony.ws_frames import (
+    PONG,
+    TEXT,
+    apply_mask,
+    offer_to_lane,
+    read_plain_frames,
+    server_text_frame,
+)
 
 # The key of the protocol in the ASGI scope's extensions.
 LANE_EXTENSION = "voice-agent.media-lane"
 
-Lane = Callable[[str], bool]
+Lane = Callable[[bytes], bool]
 # After a protocol error, how long the peer has to read the close frame before the socket
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
 _PLAIN = frozenset({TEXT, PONG})  # what `_read_own` reads itself
+_TEXT_126 = bytes((TEXT, 126))  # a final, unmasked text frame with a 16-bit length
 
 
 class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's `websockets-sansio` protocol plus the media lane (see the module docstring)."""
 
     lane: Lane | None = None
+    _lane_max: int | None = None  # larger messages are not offered to the lane
+    _max_size: int | None = None  # websockets' limit on a message, read once at the accept
+    _write_paused = False  # the transport asked us to stop writing (pause_writing)
     _discarding = False
     _linger: asyncio.TimerHandle | None = None
     # Reading frames here (see `_read_own`): from the accept, while every frame is plain.
@@ -72,6 +86,7 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
                 and not conn.reader.buffer
                 and conn.state is State.OPEN
             )
+            self._max_size = conn.max_size
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -79,27 +94,50 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None and not self.handshake_complete:
             scope["extensions"][LANE_EXTENSION] = self
 
-    def set_lane(self, lane: Lane | None) -> None:
+    def set_lane(self, lane: Lane | None, max_bytes: int | None = None) -> None:
         self.lane = lane
+        self._lane_max = max_bytes
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        super().resume_writing()
 
     def send_receive_event_to_app(self) -> None:
         if self.lane is not None and self.curr_msg_data_type == "text" and len(self.frames) == 1:
+            data = self.frames[0]
             try:
-                text = self.frames[0].decode()
+                text = data.decode()
             except UnicodeDecodeError:
                 pass  # uvicorn's path closes with 1007
             else:
                 self.frames = []
-                self._deliver_text(text)
+                self._deliver_text(text, data)
                 return
         super().send_receive_event_to_app()
 
-    def _deliver_text(self, text: str) -> None:
+    def _offer(self, data: bytes) -> bool:
+        """True if the lane took the message `data` (nothing queued before it)."""
+        limit = self._lane_max
+        return (
+            self.lane is not None
+            and (limit is None or len(data) <= limit)
+            and self.queue.empty()
+            and offer_to_lane(self, data)
+        )
+
+    def _deliver_text(self, text: str, data: bytes | None = None) -> None:
         """One text message for the app: to the lane if it takes it now, else queued."""
         if self.close_sent:
             return  # the app is past `websocket.close` (as uvicorn does)
-        if self.queue.empty() and offer_to_lane(self, text):
+        if self._offer(text.encode() if data is None else data):
             return
+        self._queue_text(text)
+
+    def _queue_text(self, text: str) -> None:
         self.queue.put_nowait({"type": "websocket.receive", "text": text})
         if not self.read_paused:
             self.read_paused = True
@@ -111,9 +149,33 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         a binary or fragmented message, a malformed frame) and everything after it go to
         websockets' parser, for good: it is between frames, having seen none since the
         handshake, so it reads on as if it had read them all."""
+        if not self._rest:
+            # The usual read: one whole final masked text frame (a 20 ms media frame).
+            size = len(data)
+            if size > 6 and data[0] == TEXT:
+                length = data[1] ^ 0x80  # the mask bit must be set
+                if length == 126:
+                    at = 8
+                    length = (data[2] << 8) | data[3]
+                elif length < 126:
+                    at = 6
+                else:
+                    at = 0
+                limit = self._max_size
+                if at and at + length == size and (limit is None or length <= limit):
+                    payload = apply_mask(data[at:], data[at - 4 : at])
+                    if self.close_sent or self._offer(payload):
+                        return
+                    try:
+                        text = payload.decode()
+                    except UnicodeDecodeError:
+                        pass  # websockets' parser closes with 1007, from this frame on
+                    else:
+                        self._queue_text(text)
+                        return
         buf = self._rest + data if self._rest else data
         frames, pos, plain = read_plain_frames(
-            buf, masked=True, accept=_PLAIN, max_size=self.conn.max_size, text_as_str=True
+            buf, masked=True, accept=_PLAIN, max_size=self._max_size, text_as_str=True
         )
         for first, payload in frames:
             if first == TEXT:
@@ -135,7 +197,7 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
             or self.close_sent
             or self.disconnected
             or self.initial_response is not None
-            or not self.writable.is_set()
+            or self._write_paused
             or self.transport.is_closing()
         ):
             return False
@@ -146,8 +208,18 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
             for text in texts:
                 conn.send_text(text.encode())
             self.transport.write(b"".join(conn.data_to_send()))
-        else:
-            self.transport.write(b"".join([server_text_frame(text.encode()) for text in texts]))
+            return True
+        parts: list[bytes] = []
+        for text in texts:
+            payload = text.encode()
+            length = len(payload)
+            # A final text frame, unmasked (RFC 6455 5.2); a 20 ms media frame is 126+ bytes.
+            if 125 < length < 65536:
+                parts.append(_TEXT_126 + length.to_bytes(2, "big"))
+                parts.append(payload)
+            else:
+                parts.append(server_text_frame(payload))
+        self.transport.write(b"".join(parts))
         return True
 
     def data_received(self, data: bytes) -> None:

@@ -183,29 +183,21 @@ class RecordingLeg:
         self.recorder = recorder
         self.audio_format: AudioFormat = inner.audio_format
         self.playback: PlaybackTracker = inner.playback
-        # The synchronous lanes (TwilioLeg's), tapped the same way, where the leg has them.
-        self.set_audio_lane: Callable[[Callable[[AudioIn], bool] | None], None] | None = None
+        # The synchronous lanes (TwilioLeg's): the leg calls the recorder itself on them (its
+        # taps), so a frame costs no layer here; play() is then recorded by the same tap.
+        self.set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = None
         self.play_nowait: Callable[[str, str], None] | None = None
-        if callable(getattr(inner, "set_audio_lane", None)) and callable(
-            getattr(inner, "play_nowait", None)
+        self._tapped = False
+        set_taps = getattr(inner, "set_taps", None)
+        if (
+            callable(set_taps)
+            and callable(getattr(inner, "set_audio_lane", None))
+            and callable(getattr(inner, "play_nowait", None))
         ):
-            self.set_audio_lane = self._set_audio_lane
-            self.play_nowait = self._play_nowait
-
-    def _set_audio_lane(self, lane: Callable[[AudioIn], bool] | None) -> None:
-        record = self.recorder.caller_audio
-
-        def tapped(event: AudioIn) -> bool:
-            if lane is None or not lane(event):
-                return False
-            record(event.payload, event.timestamp_ms)
-            return True
-
-        self.inner.set_audio_lane(tapped if lane is not None else None)  # type: ignore[attr-defined]
-
-    def _play_nowait(self, item_id: str, payload: str) -> None:
-        self.recorder.agent_audio(payload)
-        self.inner.play_nowait(item_id, payload)  # type: ignore[attr-defined]
+            set_taps(audio=recorder.caller_audio, play=recorder.agent_audio)
+            self._tapped = True
+            self.set_audio_lane = inner.set_audio_lane  # type: ignore[attr-defined]
+            self.play_nowait = inner.play_nowait  # type: ignore[attr-defined]
 
     async def events(self) -> AsyncIterator[LegEvent]:
         record = self.recorder.caller_audio
@@ -215,7 +207,8 @@ class RecordingLeg:
             yield event
 
     async def play(self, item_id: str, payload: str) -> None:
-        self.recorder.agent_audio(payload)
+        if not self._tapped:
+            self.recorder.agent_audio(payload)
         await self.inner.play(item_id, payload)
 
     async def clear(self) -> None:

@@ -357,23 +357,14 @@ class FrameGuard:
                 )
             )
 
-    def set_lane(self, lane: Callable[[str], bool] | None) -> None:
+    def set_lane(self, lane: Callable[[bytes], bool] | None) -> None:
         """Offer frames to `lane` as they arrive (TwilioLeg); the ones this guard drops
-        (oversized) are never offered."""
+        (oversized) are never offered: they take `receive_text`, which drops and records
+        them."""
         protocol = self._lane_protocol
         if protocol is None:
             return
-        if lane is None:
-            protocol.set_lane(None)
-            return
-        limit = self._max
-
-        def guarded(text: str) -> bool:
-            if len(text) * 4 > limit and len(text.encode()) > limit:
-                return False  # receive_text drops and records it
-            return lane(text)
-
-        protocol.set_lane(guarded)
+        protocol.set_lane(lane, self._max)
 
     def send_nowait(self, frames: Iterable[str]) -> bool:
         """Write `frames` now, in one write, if the socket takes them without waiting (never

@@ -51,10 +51,13 @@ from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
 from telephony.realtime_wire import (
+    APPEND_HEAD,
+    APPEND_TAIL,
     AudioDelta,
     LaneConnection,
     append_frame,
     audio_delta,
+    audio_delta_fields,
     lane_of,
     nowait_sender,
     raw_sender,
@@ -281,7 +284,7 @@ class Bridge:
         # the Twilio socket's callback and agent audio played in the Realtime socket's, with
         # no task woken per frame; anything unusual takes the task path, in order.
         self._play_now: Callable[[str, str], None] | None = getattr(leg, "play_nowait", None)
-        self._set_audio_lane: Callable[[Callable[[AudioIn], bool] | None], None] | None = (
+        self._set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = (
             getattr(leg, "set_audio_lane", None) if self._play_now is not None else None
         )
         self._reader_waiting: _Session | None = None  # _read awaits this session's next message
@@ -417,7 +420,7 @@ class Bridge:
                     return
         self._finish("leg closed")
 
-    def _audio_lane(self, event: AudioIn) -> bool:
+    def _audio_lane(self, payload: str, timestamp_ms: int) -> bool:
         """Caller audio as the leg's socket receives it (the leg's reader is idle): appended
         at once when nothing is in the way, else False and it comes through `_leg_loop`."""
         session = self._session
@@ -426,9 +429,10 @@ class Bridge:
             or self._state is not BridgeState.LIVE
             or self._backlog
             or self._upstream.locked()
-            or session.send_now is None
-            or not session.send_now(append_frame(event.payload))
         ):
+            return False
+        send_now = session.send_now
+        if send_now is None or not send_now(APPEND_HEAD + payload + APPEND_TAIL):
             return False
         self.frames_up += 1
         self.frames_up_by_lane += 1
@@ -837,15 +841,16 @@ class Bridge:
         session: an audio delta is played here and then; anything else goes to `_read`."""
         if self._reader_waiting is not session:
             return False
-        delta = audio_delta(raw)
-        if delta is None:
+        fields = audio_delta_fields(raw)
+        if fields is None:
             return False
         play_now = self._play_now
         assert play_now is not None  # the lane is installed only for such legs
         self.deltas_by_lane += 1
+        response_id, item_id, delta = fields
         try:
-            if self._take_audio_delta(session, delta):
-                play_now(delta.item_id, delta.delta)
+            if self._take_audio_delta(session, response_id, item_id, delta):
+                play_now(item_id, delta)
         except Exception as exc:  # as in _read: one odd delta must not end the call
             log.exception("call %s: could not play an audio delta", self.ctx.call_id)
             self._emit(
@@ -856,20 +861,22 @@ class Bridge:
         return True
 
     async def _on_audio_delta(self, session: _Session, delta: AudioDelta) -> None:
-        if self._take_audio_delta(session, delta):
+        if self._take_audio_delta(session, delta.response_id, delta.item_id, delta.delta):
             await self.leg.play(delta.item_id, delta.delta)
 
-    def _take_audio_delta(self, session: _Session, delta: AudioDelta) -> bool:
+    def _take_audio_delta(
+        self, session: _Session, response_id: str, item_id: str, delta: str
+    ) -> bool:
         """Account for one audio delta; False if it must not be played."""
-        if delta.response_id in self._muted_responses:
+        if response_id in self._muted_responses:
             # Audio of a response the caller interrupted: it must never reach them.
             self.deltas_muted += 1
             return False
-        item = self._items.get(delta.item_id)
+        item = self._items.get(item_id)
         if item is None:
-            item = self._items[delta.item_id] = _AgentItem(delta.response_id)
-            session.items.add(delta.item_id)
-        item.received_ms += base64_size(delta.delta) / BYTES_PER_MS
+            item = self._items[item_id] = _AgentItem(response_id)
+            session.items.add(item_id)
+        item.received_ms += base64_size(delta) / BYTES_PER_MS
         return True
 
     async def _on_speech_started(

@@ -19,6 +19,7 @@ same step). Each falls back to the SDK's awaited path whenever it cannot act at 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,23 +34,24 @@ from telephony.ws_frames import (
     PONG,
     TEXT,
     MaskSource,
+    apply_mask,
     client_pong_frame,
-    client_text_frame,
     offer_to_lane,
     read_plain_frames,
+    text_frame_header,
 )
 
 log = logging.getLogger(__name__)
 
 AUDIO_DELTA = "response.output_audio.delta"
-_APPEND_HEAD = '{"type":"input_audio_buffer.append","audio":"'
-_APPEND_TAIL = '"}'
+APPEND_HEAD = '{"type":"input_audio_buffer.append","audio":"'
+APPEND_TAIL = '"}'
 
 
 def append_frame(payload: str) -> str:
     """The `input_audio_buffer.append` frame for canonical base64 `payload` (no escaping
     needed: the base64 alphabet has nothing JSON must escape)."""
-    return _APPEND_HEAD + payload + _APPEND_TAIL
+    return APPEND_HEAD + payload + APPEND_TAIL
 
 
 @dataclass(slots=True)  # not frozen: built per delta, and frozen costs 3x
@@ -63,6 +65,13 @@ class AudioDelta:
 
 def audio_delta(raw: bytes | str) -> AudioDelta | None:
     """The audio delta `raw` carries; None for any other frame (the SDK parses those)."""
+    fields = audio_delta_fields(raw)
+    return AudioDelta(*fields) if fields is not None else None
+
+
+def audio_delta_fields(raw: bytes | str) -> tuple[str, str, str] | None:
+    """`audio_delta` as (response_id, item_id, delta), without an object (the lane). Bytes
+    that are not UTF-8 are not JSON: None."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -74,7 +83,7 @@ def audio_delta(raw: bytes | str) -> AudioDelta | None:
     delta = data.get("delta")
     if type(response_id) is not str or type(item_id) is not str or type(delta) is not str:
         return None  # odd shape: let the typed path deal with it
-    return AudioDelta(response_id, item_id, delta)
+    return response_id, item_id, delta
 
 
 def raw_sender(conn: Any) -> Callable[[str], Awaitable[None]]:
@@ -116,6 +125,7 @@ class LaneConnection(ClientConnection):
     lane: Callable[[bytes], bool] | None = None
     # Reading frames here (see `_read_own`), once websockets' parser is between frames.
     _own = False
+    _max_size: int | None = None
     _rest = b""
     _masks: MaskSource | None = None
 
@@ -126,15 +136,40 @@ class LaneConnection(ClientConnection):
         super().data_received(data)
         if self.lane is not None and _between_frames(self.protocol):
             self._own = True
+            self._max_size = self.protocol.max_size
 
     def _read_own(self, data: bytes) -> None:
         """Frames read here while each is a plain one: a final text frame (valid UTF-8, within
         the size limit), a ping (answered) or a pong. The first that is not (a close, binary,
         fragmented or malformed frame) and everything after it go to websockets' parser for
         good; it is between frames, so it reads on as if it had read them all."""
+        if not self._rest:
+            # The usual read: one whole final text frame (an audio delta, say).
+            size = len(data)
+            if size > 2 and data[0] == TEXT:
+                length = data[1]  # a set mask bit makes it > 127: not ours
+                if length == 126:
+                    at = 4
+                    length = (data[2] << 8) | data[3]
+                elif length < 126:
+                    at = 2
+                else:
+                    at = 0
+                limit = self._max_size
+                if at and at + length == size and (limit is None or length <= limit):
+                    payload = data[at:]
+                    if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
+                        return  # the lane parsed it (orjson: valid UTF-8 JSON)
+                    try:
+                        payload.decode()
+                    except UnicodeDecodeError:
+                        pass  # websockets' parser closes with 1007, from this frame on
+                    else:
+                        self.recv_messages.put(Frame(Opcode.TEXT, payload))
+                        return
         buf = self._rest + data if self._rest else data
         frames, pos, plain = read_plain_frames(
-            buf, masked=False, accept=_PLAIN, max_size=self.protocol.max_size, text_as_str=False
+            buf, masked=False, accept=_PLAIN, max_size=self._max_size, text_as_str=False
         )
         for first, payload in frames:
             if first == TEXT:
@@ -216,9 +251,44 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
     if inner is None or raw_sender(conn) != inner.send:
         return None
     protocol = inner.protocol
-    # With no extension negotiated (compression is off) a text frame is built here
-    # (telephony/ws_frames.py); else websockets builds it.
-    masks = MaskSource() if not protocol.extensions else None
+    if protocol.extensions:  # compression negotiated: websockets builds the frames
+        return _framed_sender(inner)
+    state_of = _state_reader(protocol)
+    masks = MaskSource()
+
+    def send(text: str) -> bool:
+        transport = inner.transport
+        if (
+            state_of(protocol) is not State.OPEN
+            or inner.fragmented_send_waiter is not None
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return False
+        payload = text.encode()
+        mask = masks.next()
+        length = len(payload)
+        # A final text frame, masked (RFC 6455 5.2); a 20 ms append is 126 to 65,535 bytes.
+        if 125 < length < 65536:
+            head = _MASKED_TEXT_126 + length.to_bytes(2, "big")
+        else:
+            head = text_frame_header(length, masked=True)
+        try:
+            transport.write(head + mask + apply_mask(payload, mask))
+        except Exception as exc:  # as websockets' own send does: the reader sees the end
+            log.info("Realtime send failed: %r", exc)
+            transport.abort()
+        return True
+
+    return send
+
+
+_MASKED_TEXT_126 = bytes((TEXT, 0x80 | 126))
+
+
+def _framed_sender(inner: ClientConnection) -> Callable[[str], bool]:
+    """`nowait_sender` where websockets must build the frame (an extension negotiated)."""
+    protocol = inner.protocol
 
     def send(text: str) -> bool:
         transport = inner.transport
@@ -230,14 +300,24 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
         ):
             return False
         try:
-            if masks is not None:
-                transport.write(client_text_frame(text.encode(), masks.next()))
-            else:
-                protocol.send_text(text.encode())
-                inner.send_data()
+            protocol.send_text(text.encode())
+            inner.send_data()
         except Exception as exc:  # as websockets' own send does: the reader sees the end
             log.info("Realtime send failed: %r", exc)
             transport.abort()
         return True
 
     return send
+
+
+def _state_reader(protocol: Any) -> Callable[[Any], State]:
+    """How to read `protocol.state` per frame: websockets' `state` is a property over
+    `_state`; where that holds, `_state` is read without the property's call."""
+    prop = getattr(type(protocol), "state", None)
+    if (
+        isinstance(prop, property)
+        and getattr(protocol, "_state", None) is protocol.state
+        and isinstance(protocol.state, State)
+    ):
+        return operator.attrgetter("_state")
+    return operator.attrgetter("state")

@@ -27,8 +27,8 @@ from telephony.twilio_events import (
     Start,
     StartInfo,
     Stop,
+    hot_frame,
     parse_frame,
-    parse_hot_frame,
 )
 from telephony.watchdog import Watchdog
 
@@ -43,6 +43,8 @@ CHUNK_MS = 20
 MAX_FRAME_CHARS = 64 * 1024
 EXCERPT_CHARS = 120
 INBOUND_TRACKS = ("inbound", "inbound_track")
+# The audio lane: (base64 payload, timestamp ms) -> taken.
+AudioLane = Callable[[str, int], bool]
 
 
 class TextWebSocket(Protocol):
@@ -120,6 +122,7 @@ class TwilioLeg:
         self._outbox_ready = asyncio.Event()
         self._generation = 0  # bumped by clear(): a frame popped before it must not go out
         self._send_lock = asyncio.Lock()
+        self._sends = 0  # awaited sends holding or waiting for the lock: the lane waits too
         self._sender: asyncio.Task[None] | None = None
         self._pending: bytes = b""  # tail shorter than a chunk, per item
         self._pending_item: str | None = None
@@ -139,7 +142,9 @@ class TwilioLeg:
         # `events()` waits is handled where it is received, and agent audio is written at
         # once while nothing is queued; either falls back to the task-driven path.
         self._waiting = False  # events() is awaiting the next frame
-        self._audio_lane: Callable[[AudioIn], bool] | None = None
+        self._audio_lane: AudioLane | None = None
+        self._audio_tap: Callable[[str, int], object] | None = None  # a recorder, say
+        self._play_tap: Callable[[str], object] | None = None  # sees audio handed to play
         sender = getattr(ws, "nowait_sender", None)
         self._send_now: Callable[[Iterable[str]], bool] | None = (
             sender() if callable(sender) else None
@@ -147,29 +152,43 @@ class TwilioLeg:
 
     # Receive side.
 
-    def set_audio_lane(self, lane: Callable[[AudioIn], bool] | None) -> None:
-        """Offer caller audio to `lane` as it arrives; where it returns False (it cannot take
-        the frame now) the frame comes from `events()` as usual."""
+    def set_audio_lane(self, lane: AudioLane | None) -> None:
+        """Offer caller audio to `lane(payload, timestamp_ms)` as it arrives; where it returns
+        False (it cannot take the frame now) the frame comes from `events()` as usual."""
         self._audio_lane = lane
 
-    def _lane(self, raw: str) -> bool:
+    def set_taps(
+        self,
+        audio: Callable[[str, int], object] | None = None,
+        play: Callable[[str], object] | None = None,
+    ) -> None:
+        """Observers on the lanes, called in the same step, without a layer per frame:
+        `audio(payload, timestamp_ms)` for each caller frame the audio lane took, `play(payload)`
+        for each piece of agent audio handed to `play` or `play_nowait`."""
+        self._audio_tap = audio
+        self._play_tap = play
+
+    def _lane(self, raw: bytes | str) -> bool:
         """One frame as the socket receives it; True if it was handled here."""
         if not self._waiting or self._closed:
             return False  # the reader is busy with an earlier frame: order first
-        message = parse_hot_frame(raw)
-        if message is None:
+        hot = hot_frame(raw)
+        if hot is None:
             return False  # not media or a mark, or a doubtful one: the reader names it
         budget = self.budget
         if budget is not None and budget.tripped is not None:
             return False
-        if type(message) is MediaFrame:
-            if message.track in INBOUND_TRACKS:
-                lane = self._audio_lane
-                if lane is None or not lane(AudioIn(message.payload, message.timestamp_ms)):
-                    return False
+        if isinstance(hot, str):
+            self._on_mark(hot)
         else:
-            assert type(message) is MarkFrame
-            self._on_mark(message.name)
+            track, payload, timestamp_ms = hot
+            if track in INBOUND_TRACKS:
+                lane = self._audio_lane
+                if lane is None or not lane(payload, timestamp_ms):
+                    return False
+                tap = self._audio_tap
+                if tap is not None:
+                    tap(payload, timestamp_ms)
         if budget is not None:
             budget.frame()  # a trip sends the next frame the reader's way, which ends the stream
         self._idle.touch()
@@ -302,6 +321,9 @@ class TwilioLeg:
 
     def play_nowait(self, item_id: str, payload: str) -> None:
         """`play`, from synchronous code (the Realtime lane)."""
+        tap = self._play_tap
+        if tap is not None:
+            tap(payload)
         if self._closed or not payload:
             return
         if self._pending_item != item_id:
@@ -375,7 +397,7 @@ class TwilioLeg:
         """Send what is queued: at once where the socket takes it now, else by the sender."""
         send_now = self._send_now
         outbox = self._outbox
-        if send_now is not None and not self._closed and not self._send_lock.locked():
+        if send_now is not None and not self._closed and not self._sends:
             try:
                 if outbox and self._pending:
                     # As in the sender: a short tail waits only while frames are queued.
@@ -409,6 +431,7 @@ class TwilioLeg:
                 return
 
     async def _send(self, frame: str, generation: int | None = None) -> bool:
+        self._sends += 1
         try:
             async with self._send_lock:
                 if generation is not None and generation != self._generation:
@@ -419,6 +442,8 @@ class TwilioLeg:
             log.info("Twilio send failed on call %s: %r", self.call_id, exc)
             self._outbox.clear()
             return False
+        finally:
+            self._sends -= 1
         return True
 
     async def clear(self) -> None:

@@ -56,6 +56,11 @@ def _header(length: int, mask_bit: int, first: int = TEXT) -> bytes:
     return struct.pack("!BBQ", first, mask_bit | 127, length)
 
 
+def text_frame_header(length: int, *, masked: bool) -> bytes:
+    """The header of a final text frame of `length` bytes (the mask, if any, follows it)."""
+    return _header(length, _MASK_BIT if masked else 0)
+
+
 def server_text_frame(payload: bytes) -> bytes:
     """One unmasked, final text frame (server to client)."""
     return _header(len(payload), 0) + payload

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from telephony.realtime_wire import LaneConnection
 from telephony.sim.scenario import Scenario
+from telephony.ws_frames import MaskSource, client_text_frame, server_text_frame
 from tests.e2e_support import call_stack, wait_until
 
 WAIT_S = 10.0
@@ -46,8 +47,12 @@ class LaneApp:
         self.send_now = asyncio.Event()
         self.closed = asyncio.Event()
 
-    def lane(self, text: str) -> bool:
-        if not self.waiting or not text.startswith("L"):
+    def lane(self, data: bytes) -> bool:
+        if not self.waiting or not data.startswith(b"L"):
+            return False
+        try:
+            text = data.decode()  # a lane takes only what it has parsed (see media_ws)
+        except UnicodeDecodeError:
             return False
         self.by_lane.append(text)
         if text == "L-reply":
@@ -158,6 +163,63 @@ async def test_a_protocol_error_on_the_lane_server_still_tells_the_peer_why() ->
         with contextlib.suppress(ConnectionClosed):
             await asyncio.wait_for(ws.recv(), WAIT_S)
     assert ws.close_code == 1009
+
+
+async def test_a_text_frame_that_is_not_utf8_closes_the_lane_server_with_1007() -> None:
+    """The lane is offered a frame's bytes before they are checked as UTF-8; one it leaves
+    is checked, and a bad one closes the socket as websockets would (1007), reaching
+    neither the lane nor the app."""
+    app = LaneApp()
+    async with lane_server(app) as url, connect(url, compression=None) as ws:
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        await ws.send("L1")
+        await wait_until(lambda: app.by_lane == ["L1"], WAIT_S, "L1 by the lane")
+        ws.transport.write(client_text_frame(b"L\xff\xfe" + b"x" * 200, MaskSource().next()))
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), WAIT_S)
+    assert ws.close_code == 1007
+    assert app.by_lane == ["L1"] and app.by_asgi == []
+
+
+async def test_a_realtime_text_frame_that_is_not_utf8_ends_the_connection_with_1007() -> None:
+    """LaneConnection reading frames itself: a server text frame that is not UTF-8 goes to
+    websockets' parser, which fails the connection (1007); recv() never sees it."""
+    hello, sent = asyncio.Event(), asyncio.Event()
+
+    async def handler(peer: ServerConnection) -> None:
+        await hello.wait()  # once the client's lane is in place
+        await peer.send("hello")
+        await sent.wait()
+        # A raw text frame (server side: unmasked) of invalid UTF-8.
+        peer.transport.write(server_text_frame(b"audio-\xff\xfe" + b"x" * 200))
+        with contextlib.suppress(ConnectionClosed):
+            await peer.wait_closed()
+
+    offered: list[bytes] = []
+
+    def lane(data: bytes) -> bool:
+        offered.append(data)
+        return False
+
+    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with connect(
+            f"ws://127.0.0.1:{port}/", compression=None, create_connection=LaneConnection
+        ) as conn:
+            assert isinstance(conn, LaneConnection)
+            conn.lane = lane
+            try:
+                hello.set()
+                assert await asyncio.wait_for(conn.recv(), WAIT_S) == "hello"
+                assert conn._own  # between frames: the connection reads them itself now
+            finally:
+                sent.set()
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(conn.recv(), WAIT_S)
+    assert conn.protocol.close_sent is not None and conn.protocol.close_sent.code == 1007
+    # Offered to the lane (which left it, as a lane that parses it does), never delivered.
+    assert offered[0] == b"hello" and all(o.startswith(b"audio-\xff") for o in offered[1:])
 
 
 async def test_the_realtime_lane_keeps_server_messages_in_order() -> None:
