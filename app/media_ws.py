@@ -42,10 +42,11 @@ from websockets.protocol import State
 from telephony.ws_frames import (
     PONG,
     TEXT,
-    apply_mask,
     offer_to_lane,
     read_plain_frames,
     server_text_frame,
+    state_reader,
+    whole_text_frames,
 )
 
 # The key of the protocol in the ASGI scope's extensions.
@@ -66,6 +67,7 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
     _lane_max: int | None = None  # larger messages are not offered to the lane
     _max_size: int | None = None  # websockets' limit on a message, read once at the accept
     _write_paused = False  # the transport asked us to stop writing (pause_writing)
+    _state_of: Callable[[Any], Any] | None = None  # reads websockets' state (state_reader)
     _discarding = False
     _linger: asyncio.TimerHandle | None = None
     # Reading frames here (see `_read_own`): from the accept, while every frame is plain.
@@ -149,45 +151,43 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         a binary or fragmented message, a malformed frame) and everything after it go to
         websockets' parser, for good: it is between frames, having seen none since the
         handshake, so it reads on as if it had read them all."""
-        if not self._rest:
-            # The usual read: one whole final masked text frame (a 20 ms media frame).
-            size = len(data)
-            if size > 6 and data[0] == TEXT:
-                length = data[1] ^ 0x80  # the mask bit must be set
-                if length == 126:
-                    at = 8
-                    length = (data[2] << 8) | data[3]
-                elif length < 126:
-                    at = 6
-                else:
-                    at = 0
-                limit = self._max_size
-                if at and at + length == size and (limit is None or length <= limit):
-                    payload = apply_mask(data[at:], data[at - 4 : at])
-                    if self.close_sent or self._offer(payload):
-                        return
-                    try:
-                        text = payload.decode()
-                    except UnicodeDecodeError:
-                        pass  # websockets' parser closes with 1007, from this frame on
-                    else:
-                        self._queue_text(text)
-                        return
         buf = self._rest + data if self._rest else data
+        # The usual frames (20 ms of media, a mark) in one pass, offered to the lane as bytes.
+        payloads, ends = whole_text_frames(buf, masked=True, max_size=self._max_size)
+        start = 0
+        for payload, end in zip(payloads, ends, strict=True):
+            if not self.close_sent and not self._offer(payload):
+                try:
+                    text = payload.decode()
+                except UnicodeDecodeError:
+                    # websockets' parser closes with 1007, from this frame on.
+                    self._hand_over(buf[start:])
+                    return
+                self._queue_text(text)
+            start = end
+        if start == len(buf):
+            self._rest = b""
+            return
+        if start:
+            buf = buf[start:]
         frames, pos, plain = read_plain_frames(
             buf, masked=True, accept=_PLAIN, max_size=self._max_size, text_as_str=True
         )
-        for first, payload in frames:
+        for first, text_or_pong in frames:
             if first == TEXT:
-                self._deliver_text(payload)
+                self._deliver_text(text_or_pong)
             else:
-                self.handle_pong(Frame(Opcode.PONG, payload))
+                self.handle_pong(Frame(Opcode.PONG, text_or_pong))
         if plain:
             self._rest = buf[pos:]
             return
+        self._hand_over(buf[pos:])
+
+    def _hand_over(self, rest: bytes) -> None:
+        """websockets' parser reads from here on, for good, starting with `rest`."""
         self._own = False
         self._rest = b""
-        super().data_received(buf[pos:])
+        super().data_received(rest)
 
     def send_text_nowait(self, texts: Iterable[str]) -> bool:
         """Write each of `texts` as a message, now and in one write; False when they must
@@ -202,7 +202,10 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
         ):
             return False
         conn = self.conn
-        if conn.state is not State.OPEN:
+        state_of = self._state_of
+        if state_of is None:
+            state_of = self._state_of = state_reader(conn)
+        if state_of(conn) is not State.OPEN:
             return False  # closing: the ASGI send says so properly
         if conn.extensions:  # compression negotiated (WS_DEFLATE): websockets frames it
             for text in texts:

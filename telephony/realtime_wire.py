@@ -19,7 +19,6 @@ same step). Each falls back to the SDK's awaited path whenever it cannot act at 
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,9 @@ from telephony.ws_frames import (
     client_pong_frame,
     offer_to_lane,
     read_plain_frames,
+    state_reader,
     text_frame_header,
+    whole_text_frames,
 )
 
 log = logging.getLogger(__name__)
@@ -143,31 +144,27 @@ class LaneConnection(ClientConnection):
         the size limit), a ping (answered) or a pong. The first that is not (a close, binary,
         fragmented or malformed frame) and everything after it go to websockets' parser for
         good; it is between frames, so it reads on as if it had read them all."""
-        if not self._rest:
-            # The usual read: one whole final text frame (an audio delta, say).
-            size = len(data)
-            if size > 2 and data[0] == TEXT:
-                length = data[1]  # a set mask bit makes it > 127: not ours
-                if length == 126:
-                    at = 4
-                    length = (data[2] << 8) | data[3]
-                elif length < 126:
-                    at = 2
-                else:
-                    at = 0
-                limit = self._max_size
-                if at and at + length == size and (limit is None or length <= limit):
-                    payload = data[at:]
-                    if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
-                        return  # the lane parsed it (orjson: valid UTF-8 JSON)
-                    try:
-                        payload.decode()
-                    except UnicodeDecodeError:
-                        pass  # websockets' parser closes with 1007, from this frame on
-                    else:
-                        self.recv_messages.put(Frame(Opcode.TEXT, payload))
-                        return
         buf = self._rest + data if self._rest else data
+        # The usual frames (audio deltas) in one pass, offered to the lane as bytes.
+        payloads, ends = whole_text_frames(buf, masked=False, max_size=self._max_size)
+        start = 0
+        for payload, end in zip(payloads, ends, strict=True):
+            if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
+                start = end
+                continue  # the lane parsed it (orjson: valid UTF-8 JSON)
+            try:
+                payload.decode()
+            except UnicodeDecodeError:
+                # websockets' parser closes with 1007, from this frame on.
+                self._hand_over(buf[start:])
+                return
+            self.recv_messages.put(Frame(Opcode.TEXT, payload))
+            start = end
+        if start == len(buf):
+            self._rest = b""
+            return
+        if start:
+            buf = buf[start:]
         frames, pos, plain = read_plain_frames(
             buf, masked=False, accept=_PLAIN, max_size=self._max_size, text_as_str=False
         )
@@ -184,9 +181,13 @@ class LaneConnection(ClientConnection):
         if plain:
             self._rest = buf[pos:]
             return
+        self._hand_over(buf[pos:])
+
+    def _hand_over(self, rest: bytes) -> None:
+        """websockets' parser reads from here on, for good, starting with `rest`."""
         self._own = False
         self._rest = b""
-        super().data_received(buf[pos:])
+        super().data_received(rest)
 
     def _deliver(self, payload: bytes) -> None:
         """One text message: to the lane if nothing waits before it and it takes it, else
@@ -253,7 +254,7 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
     protocol = inner.protocol
     if protocol.extensions:  # compression negotiated: websockets builds the frames
         return _framed_sender(inner)
-    state_of = _state_reader(protocol)
+    state_of = state_reader(protocol)
     masks = MaskSource()
 
     def send(text: str) -> bool:
@@ -308,16 +309,3 @@ def _framed_sender(inner: ClientConnection) -> Callable[[str], bool]:
         return True
 
     return send
-
-
-def _state_reader(protocol: Any) -> Callable[[Any], State]:
-    """How to read `protocol.state` per frame: websockets' `state` is a property over
-    `_state`; where that holds, `_state` is read without the property's call."""
-    prop = getattr(type(protocol), "state", None)
-    if (
-        isinstance(prop, property)
-        and getattr(protocol, "_state", None) is protocol.state
-        and isinstance(protocol.state, State)
-    ):
-        return operator.attrgetter("_state")
-    return operator.attrgetter("state")

@@ -43,6 +43,8 @@ CHUNK_MS = 20
 MAX_FRAME_CHARS = 64 * 1024
 EXCERPT_CHARS = 120
 INBOUND_TRACKS = ("inbound", "inbound_track")
+# How late a tail's mark may go out when no caller frame comes to check it (see _tail_check).
+TAIL_BACKSTOP_S = 0.2
 # The audio lane: (base64 payload, timestamp ms) -> taken.
 AudioLane = Callable[[str, int], bool]
 
@@ -133,6 +135,8 @@ class TwilioLeg:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tail_at = 0.0  # loop.time() when the last unmarked audio was queued
         self._tail_grace_s = chunk_ms / 1000
+        # The timer that closes a tail where no caller frame comes to check it (_tail_check).
+        self._tail_backstop_s = max(TAIL_BACKSTOP_S, 2 * self._tail_grace_s)
         self._tail_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._close_reason: str | None = None
@@ -192,6 +196,8 @@ class TwilioLeg:
         if budget is not None:
             budget.frame()  # a trip sends the next frame the reader's way, which ends the stream
         self._idle.touch()
+        if self._tail_mark is not None:
+            self._tail_check()
         return True
 
     async def events(self) -> AsyncIterator[LegEvent]:
@@ -235,6 +241,8 @@ class TwilioLeg:
             if budget is not None:
                 budget.frame()
             event = self._parse(raw)
+            if self._tail_mark is not None:
+                self._tail_check()
             if budget is not None:
                 if isinstance(event, DtmfIn):
                     budget.dtmf()
@@ -371,7 +379,9 @@ class TwilioLeg:
                 loop = self._loop = asyncio.get_running_loop()
             self._tail_at = loop.time()
             if self._tail_timer is None:
-                self._tail_timer = loop.call_at(self._tail_at + self._tail_grace_s, self._tail_due)
+                self._tail_timer = loop.call_at(
+                    self._tail_at + self._tail_backstop_s, self._tail_due
+                )
 
     def _close_tail(self) -> None:
         """Send the mark that closes audio sent since the last one."""
@@ -381,17 +391,24 @@ class TwilioLeg:
         self._tail_mark = None
         self._unmarked = 0
 
-    def _tail_due(self) -> None:
-        self._tail_timer = None
-        if self._tail_mark is None or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        due = self._tail_at + self._tail_grace_s
-        if loop.time() >= due:
+    def _tail_check(self) -> None:
+        """Close the tail once no audio came for a chunk's time: checked at each caller frame
+        (Twilio streams 50 a second for the whole call), so a steady call arms no timer per
+        chunk; `_tail_due` is the backstop for a stream that goes quiet."""
+        loop = self._loop
+        if loop is not None and loop.time() >= self._tail_at + self._tail_grace_s:
             # No more audio came: the item's last audio must not go unconfirmed.
             self._close_tail()
+
+    def _tail_due(self) -> None:
+        self._tail_timer = None
+        loop = self._loop  # set where the timer was armed
+        if self._tail_mark is None or self._closed or loop is None:
+            return
+        if loop.time() >= self._tail_at + self._tail_grace_s:
+            self._close_tail()
         else:
-            self._tail_timer = loop.call_at(due, self._tail_due)
+            self._tail_timer = loop.call_at(self._tail_at + self._tail_backstop_s, self._tail_due)
 
     def _flush_outbox(self) -> None:
         """Send what is queued: at once where the socket takes it now, else by the sender."""

@@ -12,8 +12,10 @@ Everything else (control frames, compression, fragmentation) stays with websocke
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -127,6 +129,40 @@ def read_plain_frames(
     return frames, pos, True
 
 
+def whole_text_frames(
+    buf: bytes, *, masked: bool, max_size: int | None
+) -> tuple[list[bytes], list[int]]:
+    """The usual frames at the start of `buf`, read in one pass: whole, final text frames
+    with a 7- or 16-bit length, masked as `masked` says, within `max_size`. Returns their
+    payloads (unmasked; not yet checked as UTF-8) and the offset after each; reading stops
+    at the first frame of any other kind, or one not complete yet (`read_plain_frames`
+    takes it from there)."""
+    payloads: list[bytes] = []
+    ends: list[int] = []
+    size = len(buf)
+    head = 6 if masked else 2  # header and mask
+    bit = _MASK_BIT if masked else 0
+    pos = 0
+    while size - pos >= head and buf[pos] == TEXT:
+        length = buf[pos + 1] ^ bit  # a mask bit other than `masked` makes it > 127
+        if length < 126:
+            at = pos + head
+        elif length == 126:
+            at = pos + head + 2
+            if at > size:
+                break
+            length = (buf[pos + 2] << 8) | buf[pos + 3]
+        else:
+            break
+        end = at + length
+        if end > size or (max_size is not None and length > max_size):
+            break
+        payloads.append(apply_mask(buf[at:end], buf[at - 4 : at]) if masked else buf[at:end])
+        ends.append(end)
+        pos = end
+    return payloads, ends
+
+
 def offer_to_lane(holder: Any, data: Any) -> bool:
     """Offer `data` to `holder.lane`: True if it took it. A lane that raises is logged and
     removed (it must never break its socket); everything then takes the normal path."""
@@ -139,3 +175,16 @@ def offer_to_lane(holder: Any, data: Any) -> bool:
         log.exception("a hot-path lane failed; frames take the normal path from now on")
         holder.lane = None
         return False
+
+
+def state_reader(protocol: Any) -> Callable[[Any], Any]:
+    """How to read `protocol.state` per frame: websockets' `state` is a property over
+    `_state`; where that holds, `_state` is read without the property's call."""
+    prop = getattr(type(protocol), "state", None)
+    if (
+        isinstance(prop, property)
+        and getattr(protocol, "_state", None) is protocol.state
+        and protocol.state is not None
+    ):
+        return operator.attrgetter("_state")
+    return operator.attrgetter("state")
