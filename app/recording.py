@@ -69,12 +69,6 @@ class CallRecorder:
         self._agent: list[tuple[float, bytes | str]] = []
         self.truncated = False
 
-    def _full(self, now: float) -> bool:
-        if now - self.started > self._max_s:
-            self.truncated = True
-            return True
-        return False
-
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
         now = self._clock()
@@ -86,8 +80,11 @@ class CallRecorder:
     def agent_audio(self, audio: bytes | str) -> None:
         """Agent audio handed to the leg to play (G.711 bytes, or the delta's base64 text)."""
         now = self._clock()
-        if audio and not self._full(now):
-            self._agent.append((now, audio))
+        if audio:
+            if now - self.started <= self._max_s:
+                self._agent.append((now, audio))
+            else:
+                self.truncated = True
 
     def cleared(self) -> None:
         """The leg dropped all agent audio not yet played (barge-in)."""

@@ -257,34 +257,36 @@ def hot_frame(raw: str | bytes) -> tuple[str, str, int] | str | None:
     if type(data) is not dict:
         return None
     event = data.get("event")
-    if event == "media":
-        media = data.get("media")
-        if type(media) is not dict:
-            return None
-        usual = type(data.get("sequenceNumber")) is str and type(data.get("streamSid")) is str
-        if not usual and not _optional_strs(data, _ENVELOPE_STRS):
-            return None
-        payload = media.get("payload")
-        track = media.get("track", "inbound")
-        timestamp = media.get("timestamp", "0")
-        if type(payload) is not str:
-            return None
-        if (
-            type(track) is not str
-            or type(timestamp) is not str
-            or type(media.get("chunk", "")) is not str
-        ) and not _optional_strs(media, _MEDIA_STRS):
-            return None
-        try:
-            binascii.a2b_base64(payload, strict_mode=True)
-            timestamp_ms = int(timestamp)
-        except ValueError:
-            return None  # the model path names the fault
-        return (track, payload, timestamp_ms)
+    if event != "media" and event != "mark":
+        return None
+    # The envelope's optional strings, checked inline where all are there (as Twilio sends).
+    usual = type(data.get("sequenceNumber")) is str and type(data.get("streamSid")) is str
+    if not usual and not _optional_strs(data, _ENVELOPE_STRS):
+        return None
     if event == "mark":
-        mark = _mark_frame(data)
-        return mark.name if mark is not None else None
-    return None
+        mark = data.get("mark")
+        name = mark.get("name") if type(mark) is dict else None
+        return name if type(name) is str else None
+    media = data.get("media")
+    if type(media) is not dict:
+        return None
+    payload = media.get("payload")
+    track = media.get("track", "inbound")
+    timestamp = media.get("timestamp", "0")
+    if type(payload) is not str:
+        return None
+    if (
+        type(track) is not str
+        or type(timestamp) is not str
+        or type(media.get("chunk", "")) is not str
+    ) and not _optional_strs(media, _MEDIA_STRS):
+        return None
+    try:
+        binascii.a2b_base64(payload, strict_mode=True)
+        timestamp_ms = int(timestamp)
+    except ValueError:
+        return None  # the model path names the fault
+    return (track, payload, timestamp_ms)
 
 
 # Outbound messages.
