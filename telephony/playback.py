@@ -43,7 +43,7 @@ class PlaybackTracker:
             self._order.append(item_id)
         elif item.index < self._head:
             self._head = item.index  # more audio for an item that had finished
-        if not self.is_playing():
+        if self.current_item() is None:  # not playing
             # Playout of this chunk starts now; interpolation counts from here.
             item.confirmed_at = self._clock()
             if item.started_at is None:

@@ -19,6 +19,7 @@ same step). Each falls back to the SDK's awaited path whenever it cannot act at 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import Event, State
 
 from telephony.ws_frames import (
+    MASKS_PER_DRAW,
     PING,
     PONG,
     TEXT,
@@ -255,9 +257,12 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
     if protocol.extensions:  # compression negotiated: websockets builds the frames
         return _framed_sender(inner)
     state_of = state_reader(protocol)
-    masks = MaskSource()
+    # Masks as MaskSource draws them (os.urandom, 1,024 at a time), kept here per frame.
+    pool = b""
+    at = 0
 
     def send(text: str) -> bool:
+        nonlocal pool, at
         transport = inner.transport
         if (
             state_of(protocol) is not State.OPEN
@@ -267,7 +272,11 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
         ):
             return False
         payload = text.encode()
-        mask = masks.next()
+        if at >= len(pool):
+            pool = os.urandom(4 * MASKS_PER_DRAW)
+            at = 0
+        mask = pool[at : at + 4]
+        at += 4
         length = len(payload)
         # A final text frame, masked (RFC 6455 5.2); a 20 ms append is 126 to 65,535 bytes.
         if 125 < length < 65536:

@@ -29,7 +29,7 @@ TEXT = 0x81  # the first byte of a final text frame
 PING = 0x89
 PONG = 0x8A
 _MASK_BIT = 0x80
-_POOL_MASKS = 1024
+MASKS_PER_DRAW = 1024
 
 
 class MaskSource:
@@ -44,7 +44,7 @@ class MaskSource:
     def next(self) -> bytes:
         at = self._at
         if at >= len(self._pool):
-            self._pool = os.urandom(4 * _POOL_MASKS)
+            self._pool = os.urandom(4 * MASKS_PER_DRAW)
             at = 0
         self._at = at + 4
         return self._pool[at : at + 4]
