@@ -231,6 +231,31 @@ async def test_a_response_ending_in_a_short_tail_is_sent_whole_with_larger_chunk
     assert pair.leg.playback.queued_ms("item:a") == 160
 
 
+async def test_a_tail_is_closed_by_the_caller_frames_that_stream_in_without_its_timer(
+    make_pair, monkeypatch
+):
+    """While the caller streams (Twilio sends 50 frames a second for the whole call), the
+    mark closing a short tail goes out at a caller frame once a chunk's time has passed; the
+    backstop timer (made far too late here to matter) is only for a stream gone quiet."""
+    monkeypatch.setattr("telephony.twilio_leg.TAIL_BACKSTOP_S", 60.0)
+    pair = await make_pair()
+    await pair.leg.play("item:a", b64(b"\x55" * 8 * 10))  # 10 ms: less than a chunk
+    first = await pair.recv()
+    assert first["event"] == "media"
+
+    async def stream() -> None:
+        while True:
+            await pair.send(media(b"\xff" * 160))
+            await asyncio.sleep(0.02)
+
+    streaming = asyncio.create_task(stream())
+    try:
+        closing = await pair.recv()
+    finally:
+        streaming.cancel()
+    assert parse_mark_name(closing["mark"]["name"]) == (0, 10, "item:a")
+
+
 async def test_echoed_marks_count_as_heard_but_marks_of_cleared_audio_do_not(make_pair):
     pair = await make_pair()
     await pair.leg.play("item_1", b64(b"\x7f" * 8 * 400))  # 400 ms
