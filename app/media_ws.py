@@ -42,11 +42,10 @@ from websockets.protocol import State
 from telephony.ws_frames import (
     PONG,
     TEXT,
+    OwnFrameReader,
     offer_to_lane,
-    read_plain_frames,
     server_text_frame,
     state_reader,
-    whole_text_frames,
 )
 
 # The key of the protocol in the ASGI scope's extensions.
@@ -56,16 +55,14 @@ Lane = Callable[[bytes], bool]
 # After a protocol error, how long the peer has to read the close frame before the socket
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
-_PLAIN = frozenset({TEXT, PONG})  # what `_read_own` reads itself
 _TEXT_126 = bytes((TEXT, 126))  # a final, unmasked text frame with a 16-bit length
 
 
-class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
+class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
     """uvicorn's `websockets-sansio` protocol plus the media lane (see the module docstring)."""
 
     lane: Lane | None = None
     _lane_max: int | None = None  # larger messages are not offered to the lane
-    _max_size: int | None = None  # websockets' limit on a message, read once at the accept
     _write_paused = False  # the transport asked us to stop writing (pause_writing)
     _state_of: Callable[[Any], Any] | None = None  # reads websockets' state (state_reader)
     _discarding = False
@@ -73,7 +70,8 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
     # Reading frames here (see `_read_own`): from the accept, while every frame is plain.
     _own = False
     _early = False  # bytes came between the request and the accept
-    _rest = b""  # the start of a frame not complete yet
+    _masked = True
+    _accept = frozenset({TEXT, PONG})  # read here; anything else goes to websockets
 
     async def send(self, message: Any) -> None:
         accepting = not self.handshake_complete and message.get("type") == "websocket.accept"
@@ -145,43 +143,22 @@ class MediaWebSocketProtocol(WebSocketsSansIOProtocol):
             self.read_paused = True
             self.transport.pause_reading()
 
-    def _read_own(self, data: bytes) -> None:
-        """Frames read here while each is a plain one: a final, masked text frame within the
-        size limit and valid UTF-8, or a pong. The first frame that is not (a ping, a close,
-        a binary or fragmented message, a malformed frame) and everything after it go to
-        websockets' parser, for good: it is between frames, having seen none since the
-        handshake, so it reads on as if it had read them all."""
-        buf = self._rest + data if self._rest else data
-        # The usual frames (20 ms of media, a mark) in one pass, offered to the lane as bytes.
-        payloads, ends = whole_text_frames(buf, masked=True, max_size=self._max_size)
-        start = 0
-        for payload, end in zip(payloads, ends, strict=True):
-            if not self.close_sent and not self._offer(payload):
-                try:
-                    text = payload.decode()
-                except UnicodeDecodeError:
-                    # websockets' parser closes with 1007, from this frame on.
-                    self._hand_over(buf[start:])
-                    return
-                self._queue_text(text)
-            start = end
-        if start == len(buf):
-            self._rest = b""
-            return
-        if start:
-            buf = buf[start:]
-        frames, pos, plain = read_plain_frames(
-            buf, masked=True, accept=_PLAIN, max_size=self._max_size, text_as_str=True
-        )
-        for first, text_or_pong in frames:
-            if first == TEXT:
-                self._deliver_text(text_or_pong)
-            else:
-                self.handle_pong(Frame(Opcode.PONG, text_or_pong))
-        if plain:
-            self._rest = buf[pos:]
-            return
-        self._hand_over(buf[pos:])
+    def _own_text(self, payload: bytes) -> bool:
+        """A text message read here (`OwnFrameReader`): to the lane if it takes it now, else
+        checked as UTF-8 and queued for the app."""
+        if self.close_sent:
+            return True  # the app is past `websocket.close` (as uvicorn does)
+        if self._offer(payload):
+            return True
+        try:
+            text = payload.decode()
+        except UnicodeDecodeError:
+            return False
+        self._queue_text(text)
+        return True
+
+    def _own_control(self, first: int, payload: bytes) -> None:
+        self.handle_pong(Frame(Opcode.PONG, payload))
 
     def _hand_over(self, rest: bytes) -> None:
         """websockets' parser reads from here on, for good, starting with `rest`."""

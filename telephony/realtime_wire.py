@@ -35,13 +35,12 @@ from telephony.ws_frames import (
     PONG,
     TEXT,
     MaskSource,
+    OwnFrameReader,
     apply_mask,
     client_pong_frame,
     offer_to_lane,
-    read_plain_frames,
     state_reader,
     text_frame_header,
-    whole_text_frames,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ def raw_sender(conn: Any) -> Callable[[str], Awaitable[None]]:
     return raw
 
 
-class LaneConnection(ClientConnection):
+class LaneConnection(OwnFrameReader, ClientConnection):
     """websockets' client connection (the one the SDK's Realtime connection wraps), with a
     lane for server messages: a text message is first offered to `lane(data)` where it is
     received, if no earlier message waits for `recv`; when the lane takes it (True) `recv`
@@ -128,8 +127,8 @@ class LaneConnection(ClientConnection):
     lane: Callable[[bytes], bool] | None = None
     # Reading frames here (see `_read_own`), once websockets' parser is between frames.
     _own = False
-    _max_size: int | None = None
-    _rest = b""
+    _masked = False  # server frames
+    _accept = frozenset({TEXT, PING, PONG})  # read here; anything else goes to websockets
     _masks: MaskSource | None = None
 
     def data_received(self, data: bytes) -> None:
@@ -141,49 +140,26 @@ class LaneConnection(ClientConnection):
             self._own = True
             self._max_size = self.protocol.max_size
 
-    def _read_own(self, data: bytes) -> None:
-        """Frames read here while each is a plain one: a final text frame (valid UTF-8, within
-        the size limit), a ping (answered) or a pong. The first that is not (a close, binary,
-        fragmented or malformed frame) and everything after it go to websockets' parser for
-        good; it is between frames, so it reads on as if it had read them all."""
-        buf = self._rest + data if self._rest else data
-        # The usual frames (audio deltas) in one pass, offered to the lane as bytes.
-        payloads, ends = whole_text_frames(buf, masked=False, max_size=self._max_size)
-        start = 0
-        for payload, end in zip(payloads, ends, strict=True):
-            if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
-                start = end
-                continue  # the lane parsed it (orjson: valid UTF-8 JSON)
-            try:
-                payload.decode()
-            except UnicodeDecodeError:
-                # websockets' parser closes with 1007, from this frame on.
-                self._hand_over(buf[start:])
-                return
-            self.recv_messages.put(Frame(Opcode.TEXT, payload))
-            start = end
-        if start == len(buf):
-            self._rest = b""
-            return
-        if start:
-            buf = buf[start:]
-        frames, pos, plain = read_plain_frames(
-            buf, masked=False, accept=_PLAIN, max_size=self._max_size, text_as_str=False
-        )
-        for first, payload in frames:
-            if first == TEXT:
-                self._deliver(payload)
-            elif first == PING:
-                masks = self._masks
-                if masks is None:
-                    masks = self._masks = MaskSource()
-                self.transport.write(client_pong_frame(payload, masks.next()))
-            else:
-                self.acknowledge_pings(payload)
-        if plain:
-            self._rest = buf[pos:]
-            return
-        self._hand_over(buf[pos:])
+    def _own_text(self, payload: bytes) -> bool:
+        """A text message read here (`OwnFrameReader`): to the lane if nothing waits before
+        it and it takes it (it parsed it: valid UTF-8 JSON), else checked as UTF-8 for recv()."""
+        if not len(self.recv_messages.frames) and offer_to_lane(self, payload):
+            return True
+        try:
+            payload.decode()
+        except UnicodeDecodeError:
+            return False
+        self.recv_messages.put(Frame(Opcode.TEXT, payload))
+        return True
+
+    def _own_control(self, first: int, payload: bytes) -> None:
+        if first == PING:
+            masks = self._masks
+            if masks is None:
+                masks = self._masks = MaskSource()
+            self.transport.write(client_pong_frame(payload, masks.next()))
+        else:
+            self.acknowledge_pings(payload)
 
     def _hand_over(self, rest: bytes) -> None:
         """websockets' parser reads from here on, for good, starting with `rest`."""
@@ -210,9 +186,6 @@ class LaneConnection(ClientConnection):
             self._deliver(bytes(event.data))
             return
         super().process_event(event)
-
-
-_PLAIN = frozenset({TEXT, PING, PONG})  # what `_read_own` reads itself
 
 
 def _between_frames(protocol: Any) -> bool:

@@ -234,20 +234,10 @@ def parse_frame(raw: str | bytes) -> MediaFrame | MarkFrame | InboundMessage:
     return _validate(data)
 
 
-def parse_hot_frame(raw: str | bytes) -> MediaFrame | MarkFrame | None:
-    """A media or mark frame the hand check accepts; None for anything else (never raises):
-    the caller then hands `raw` to `parse_frame`, which names the fault or the message."""
-    hot = hot_frame(raw)
-    if type(hot) is tuple:
-        return MediaFrame(*hot)
-    if type(hot) is str:
-        return MarkFrame(hot)
-    return None
-
-
 def hot_frame(raw: str | bytes) -> tuple[str, str, int] | str | None:
-    """`parse_hot_frame` without an object per frame (the Twilio lane): (track, payload,
-    timestamp_ms) for a media frame, the name for a mark, None for anything else. The same
+    """The Twilio lane's check, without an object per frame: (track, payload, timestamp_ms)
+    for a media frame, the name for a mark, None for anything else (never raises: the reader
+    then hands the frame to `parse_frame`, which names the fault or the message). The same
     checks as `_media_frame` and `_mark_frame`, with the usual frame (every field present,
     as Twilio sends it) checked inline. Bytes that are not UTF-8 are not JSON: None."""
     try:

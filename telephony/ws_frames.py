@@ -163,6 +163,65 @@ def whole_text_frames(
     return payloads, ends
 
 
+class OwnFrameReader:
+    """Reading plain frames without websockets' parser, for a connection class that mixes
+    this in (the media socket's server protocol, the Realtime client connection).
+
+    `_read_own(data)` reads the usual frames of each read in one pass (`whole_text_frames`),
+    the rest with `read_plain_frames`; the first frame that is not plain (or a text one that
+    is not UTF-8) and everything after it go to `_hand_over`, for websockets' parser for good.
+    The class says what its peer sends (`_masked`, `_accept`) and supplies `_own_text`,
+    `_own_control` and `_hand_over`."""
+
+    _masked: bool = True  # the peer masks its frames (a client)
+    _accept: frozenset[int] = frozenset({TEXT})  # the frames read here (TEXT, PING, PONG)
+    _rest = b""  # the start of a frame not complete yet
+    _max_size: int | None = None
+
+    def _own_text(self, payload: bytes) -> bool:
+        """One text message; False if it is not UTF-8 (nothing was done with it)."""
+        raise NotImplementedError
+
+    def _own_control(self, first: int, payload: bytes) -> None:
+        """A ping or pong this class accepts."""
+        raise NotImplementedError
+
+    def _hand_over(self, rest: bytes) -> None:
+        """websockets' parser reads from here on, for good, starting with `rest`."""
+        raise NotImplementedError
+
+    def _read_own(self, data: bytes) -> None:
+        buf = self._rest + data if self._rest else data
+        payloads, ends = whole_text_frames(buf, masked=self._masked, max_size=self._max_size)
+        start = 0
+        for payload, end in zip(payloads, ends, strict=True):
+            if not self._own_text(payload):
+                self._hand_over(buf[start:])  # websockets closes with 1007, from this frame on
+                return
+            start = end
+        if start == len(buf):
+            self._rest = b""
+            return
+        if start:
+            buf = buf[start:]
+        frames, pos, plain = read_plain_frames(
+            buf,
+            masked=self._masked,
+            accept=self._accept,
+            max_size=self._max_size,
+            text_as_str=False,
+        )
+        for first, payload in frames:
+            if first == TEXT:
+                self._own_text(payload)  # checked as UTF-8 already
+            else:
+                self._own_control(first, payload)
+        if plain:
+            self._rest = buf[pos:]
+            return
+        self._hand_over(buf[pos:])
+
+
 def offer_to_lane(holder: Any, data: Any) -> bool:
     """Offer `data` to `holder.lane`: True if it took it. A lane that raises is logged and
     removed (it must never break its socket); everything then takes the normal path."""

@@ -103,6 +103,19 @@ async def lane_server(app: Any, **config: Any) -> AsyncIterator[str]:
         await asyncio.wait_for(task, WAIT_S)
 
 
+@contextlib.asynccontextmanager
+async def lane_client(handler: Any, lane: Any) -> AsyncIterator[LaneConnection]:
+    """A websockets server running `handler`, and a LaneConnection to it with `lane` set."""
+    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with connect(
+            f"ws://127.0.0.1:{port}/", compression=None, create_connection=LaneConnection
+        ) as conn:
+            assert isinstance(conn, LaneConnection)
+            conn.lane = lane
+            yield conn
+
+
 async def test_the_server_lane_takes_a_frame_only_when_nothing_waits_before_it() -> None:
     app = LaneApp()
     async with lane_server(app) as url, connect(url, compression=None) as ws:
@@ -202,21 +215,15 @@ async def test_a_realtime_text_frame_that_is_not_utf8_ends_the_connection_with_1
         offered.append(data)
         return False
 
-    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
-        async with connect(
-            f"ws://127.0.0.1:{port}/", compression=None, create_connection=LaneConnection
-        ) as conn:
-            assert isinstance(conn, LaneConnection)
-            conn.lane = lane
-            try:
-                hello.set()
-                assert await asyncio.wait_for(conn.recv(), WAIT_S) == "hello"
-                assert conn._own  # between frames: the connection reads them itself now
-            finally:
-                sent.set()
-            with pytest.raises(ConnectionClosed):
-                await asyncio.wait_for(conn.recv(), WAIT_S)
+    async with lane_client(handler, lane) as conn:
+        try:
+            hello.set()
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "hello"
+            assert conn._own  # between frames: the connection reads them itself now
+        finally:
+            sent.set()
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(conn.recv(), WAIT_S)
     assert conn.protocol.close_sent is not None and conn.protocol.close_sent.code == 1007
     # Offered to the lane (which left it, as a lane that parses it does), never delivered.
     assert offered[0] == b"hello" and all(o.startswith(b"audio-\xff") for o in offered[1:])
@@ -245,38 +252,32 @@ async def test_the_realtime_lane_keeps_server_messages_in_order() -> None:
         taken.append(text)
         return True
 
-    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
-        async with connect(
-            f"ws://127.0.0.1:{port}/", compression=None, create_connection=LaneConnection
-        ) as conn:
-            assert isinstance(conn, LaneConnection)
-            conn.lane = lane
-            read: list[str] = []
+    async with lane_client(handler, lane) as conn:
+        read: list[str] = []
 
-            async def recv() -> None:
-                nonlocal reader_waiting
-                reader_waiting = True
-                try:
-                    read.append(str(await asyncio.wait_for(conn.recv(), WAIT_S)))
-                finally:
-                    reader_waiting = False
+        async def recv() -> None:
+            nonlocal reader_waiting
+            reader_waiting = True
+            try:
+                read.append(str(await asyncio.wait_for(conn.recv(), WAIT_S)))
+            finally:
+                reader_waiting = False
 
-            # All in one go: the event waits for recv(), so the audio after it waits too.
-            await go.put(["audio-1", "event-2", "audio-3"])
-            await recv()
-            await asyncio.sleep(0.1)  # the reader is busy with event-2
-            await recv()
-            assert read == ["event-2", "audio-3"]
-            assert taken == ["audio-1"]
-            # The reader idle and nothing queued: audio goes by the lane, events do not.
-            waiting = asyncio.create_task(recv())
-            await wait_until(lambda: reader_waiting, WAIT_S, "reader waiting")
-            await go.put(["audio-4", "audio-5", "event-6"])
-            await waiting
-            assert read == ["event-2", "audio-3", "event-6"]
-            assert taken == ["audio-1", "audio-4", "audio-5"]
-            await go.put([])
+        # All in one go: the event waits for recv(), so the audio after it waits too.
+        await go.put(["audio-1", "event-2", "audio-3"])
+        await recv()
+        await asyncio.sleep(0.1)  # the reader is busy with event-2
+        await recv()
+        assert read == ["event-2", "audio-3"]
+        assert taken == ["audio-1"]
+        # The reader idle and nothing queued: audio goes by the lane, events do not.
+        waiting = asyncio.create_task(recv())
+        await wait_until(lambda: reader_waiting, WAIT_S, "reader waiting")
+        await go.put(["audio-4", "audio-5", "event-6"])
+        await waiting
+        assert read == ["event-2", "audio-3", "event-6"]
+        assert taken == ["audio-1", "audio-4", "audio-5"]
+        await go.put([])
 
 
 def steady_scenario() -> Scenario:
