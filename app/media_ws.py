@@ -43,9 +43,12 @@ from telephony.ws_frames import (
     PONG,
     TEXT,
     OwnFrameReader,
+    apply_mask,
+    lane_failed,
     offer_to_lane,
     server_text_frame,
     state_reader,
+    waiting_items,
 )
 
 # The key of the protocol in the ASGI scope's extensions.
@@ -56,6 +59,8 @@ Lane = Callable[[bytes], bool]
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
 _TEXT_126 = bytes((TEXT, 126))  # a final, unmasked text frame with a 16-bit length
+_MASK_BIT = 0x80
+_NO_LIMIT = 1 << 62
 
 
 class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
@@ -63,6 +68,9 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
 
     lane: Lane | None = None
     _lane_max: int | None = None  # larger messages are not offered to the lane
+    # The largest frame the one-frame read takes (the lane's and the socket's limits).
+    _fast_max = 0
+    _app_queue: Any = ()  # the deque under uvicorn's ASGI queue (empty: nothing waits)
     _write_paused = False  # the transport asked us to stop writing (pause_writing)
     _state_of: Callable[[Any], Any] | None = None  # reads websockets' state (state_reader)
     _discarding = False
@@ -87,6 +95,7 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
                 and conn.state is State.OPEN
             )
             self._max_size = conn.max_size
+            self._fast_limits()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -97,6 +106,12 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
     def set_lane(self, lane: Lane | None, max_bytes: int | None = None) -> None:
         self.lane = lane
         self._lane_max = max_bytes
+        self._fast_limits()
+
+    def _fast_limits(self) -> None:
+        limits = [x for x in (self._lane_max, self._max_size) if x is not None]
+        self._fast_max = min(limits, default=_NO_LIMIT)
+        self._app_queue = waiting_items(self.queue, "_queue")
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -125,7 +140,7 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
         return (
             self.lane is not None
             and (limit is None or len(data) <= limit)
-            and self.queue.empty()
+            and not self._app_queue
             and offer_to_lane(self, data)
         )
 
@@ -150,6 +165,11 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
             return True  # the app is past `websocket.close` (as uvicorn does)
         if self._offer(payload):
             return True
+        return self._leave_text(payload)
+
+    def _leave_text(self, payload: bytes) -> bool:
+        """A text message the lane did not take: checked as UTF-8 and queued for the app;
+        False if it is not UTF-8 (nothing was done with it)."""
         try:
             text = payload.decode()
         except UnicodeDecodeError:
@@ -204,6 +224,34 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._own:
+            lane = self.lane
+            size = len(data)
+            # The usual read is one whole frame (a media frame or a mark echo), read here
+            # inline; anything else goes to `_read_own`, which reads it the same way.
+            if lane is not None and size > 6 and data[0] == TEXT and not self._rest:
+                length = data[1] ^ _MASK_BIT  # >= 128 when the mask bit is missing
+                if length < 126:
+                    head = 6
+                elif length == 126:
+                    head = 8
+                    length = (data[2] << 8) | data[3]
+                else:
+                    head = size  # not this shape
+                if (
+                    size - head == length
+                    and length <= self._fast_max
+                    and not self._app_queue
+                    and not self.close_sent
+                ):
+                    payload = apply_mask(data[head:], data[head - 4 : head])
+                    try:
+                        if lane(payload):
+                            return
+                    except Exception:
+                        lane_failed(self)
+                    if not self._leave_text(payload):
+                        self._hand_over(data)  # websockets closes with 1007
+                    return
             self._read_own(data)
             return
         if self._discarding:

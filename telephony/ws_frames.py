@@ -11,6 +11,7 @@ Everything else (control frames, compression, fragmentation) stays with websocke
 
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import os
@@ -231,9 +232,34 @@ def offer_to_lane(holder: Any, data: Any) -> bool:
     try:
         return bool(lane(data))
     except Exception:
-        log.exception("a hot-path lane failed; frames take the normal path from now on")
-        holder.lane = None
+        lane_failed(holder)
         return False
+
+
+def lane_failed(holder: Any) -> None:
+    """`holder.lane` raised (called from its `except`): logged and removed."""
+    log.exception("a hot-path lane failed; frames take the normal path from now on")
+    holder.lane = None
+
+
+class _Sized:
+    """True while `len(queue)` is not zero (a queue whose items cannot be read directly)."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    def __bool__(self) -> bool:
+        return bool(self._queue.qsize() if hasattr(self._queue, "qsize") else len(self._queue))
+
+
+def waiting_items(queue: Any, attribute: str) -> Any:
+    """Something true exactly while `queue` holds items, cheap to test per frame: the deque
+    a library's queue keeps them in (asyncio.Queue's `_queue`, websockets' `queue`) where it
+    has one, else a probe that asks the queue."""
+    items = getattr(queue, attribute, None)
+    return items if isinstance(items, collections.deque) else _Sized(queue)
 
 
 def state_reader(protocol: Any) -> Callable[[Any], Any]:
