@@ -183,7 +183,7 @@ class RecordingLeg:
         # The synchronous lanes (TwilioLeg's): the leg calls the recorder itself on them (its
         # taps), so a frame costs no layer here; play() is then recorded by the same tap.
         self.set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = None
-        self.play_nowait: Callable[[str, str], None] | None = None
+        self.play_nowait: Callable[[str, str, int], None] | None = None
         self._tapped = False
         set_taps = getattr(inner, "set_taps", None)
         if (

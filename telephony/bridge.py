@@ -283,7 +283,7 @@ class Bridge:
         # The lanes: where the leg can (TwilioLeg on our server), caller audio is appended in
         # the Twilio socket's callback and agent audio played in the Realtime socket's, with
         # no task woken per frame; anything unusual takes the task path, in order.
-        self._play_now: Callable[[str, str], None] | None = getattr(leg, "play_nowait", None)
+        self._play_now: Callable[[str, str, int], None] | None = getattr(leg, "play_nowait", None)
         self._set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = (
             getattr(leg, "set_audio_lane", None) if self._play_now is not None else None
         )
@@ -844,13 +844,12 @@ class Bridge:
         fields = audio_delta_fields(raw)
         if fields is None:
             return False
-        play_now = self._play_now
-        assert play_now is not None  # the lane is installed only for such legs
         self.deltas_by_lane += 1
         response_id, item_id, delta = fields
         try:
-            if self._take_audio_delta(session, response_id, item_id, delta):
-                play_now(item_id, delta)
+            size = self._take_audio_delta(session, response_id, item_id, delta)
+            if size >= 0:
+                self._play_now(item_id, delta, size)  # type: ignore[misc]  # set with the lane
         except Exception as exc:  # as in _read: one odd delta must not end the call
             log.exception("call %s: could not play an audio delta", self.ctx.call_id)
             self._emit(
@@ -861,23 +860,24 @@ class Bridge:
         return True
 
     async def _on_audio_delta(self, session: _Session, delta: AudioDelta) -> None:
-        if self._take_audio_delta(session, delta.response_id, delta.item_id, delta.delta):
+        if self._take_audio_delta(session, delta.response_id, delta.item_id, delta.delta) >= 0:
             await self.leg.play(delta.item_id, delta.delta)
 
     def _take_audio_delta(
         self, session: _Session, response_id: str, item_id: str, delta: str
-    ) -> bool:
-        """Account for one audio delta; False if it must not be played."""
+    ) -> int:
+        """Account for one audio delta: its size in bytes, or -1 if it must not be played."""
         if response_id in self._muted_responses:
             # Audio of a response the caller interrupted: it must never reach them.
             self.deltas_muted += 1
-            return False
+            return -1
         item = self._items.get(item_id)
         if item is None:
             item = self._items[item_id] = _AgentItem(response_id)
             session.items.add(item_id)
-        item.received_ms += base64_size(delta) / BYTES_PER_MS
-        return True
+        size = base64_size(delta)
+        item.received_ms += size / BYTES_PER_MS
+        return size
 
     async def _on_speech_started(
         self, session: _Session, event: InputAudioBufferSpeechStartedEvent

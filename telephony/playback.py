@@ -43,6 +43,10 @@ class PlaybackTracker:
             self._order.append(item_id)
         elif item.index < self._head:
             self._head = item.index  # more audio for an item that had finished
+        elif item.index == self._head and item.played_ms < item.queued_ms:
+            # The usual chunk: more audio for the item playing now (current_item() is it).
+            item.queued_ms += ms
+            return self.epoch, item.queued_ms
         if self.current_item() is None:  # not playing
             # Playout of this chunk starts now; interpolation counts from here.
             item.confirmed_at = self._clock()

@@ -327,8 +327,9 @@ class TwilioLeg:
         never waits on the socket."""
         self.play_nowait(item_id, payload)
 
-    def play_nowait(self, item_id: str, payload: str) -> None:
-        """`play`, from synchronous code (the Realtime lane)."""
+    def play_nowait(self, item_id: str, payload: str, size: int = -1) -> None:
+        """`play`, from synchronous code (the Realtime lane); `size`, when known, is the
+        bytes `payload` encodes (base64_size)."""
         tap = self._play_tap
         if tap is not None:
             tap(payload)
@@ -338,7 +339,8 @@ class TwilioLeg:
             self._flush_pending()
             self._close_tail()  # the item before this one has had all its audio
             self._pending_item = item_id
-        size = base64_size(payload)
+        if size < 0:
+            size = base64_size(payload)
         if not self._pending and size <= self._chunk_bytes and not self._outbox:
             # One chunk or less with nothing queued: forward Twilio the delta's own base64.
             self._enqueue(item_id, payload, size)
