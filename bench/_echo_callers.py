@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 from _wsio import Endpoint, connect
 
 try:
@@ -124,7 +125,7 @@ class Caller:
 
     def on_text(self, raw: str) -> None:
         now = time.monotonic()
-        msg = json.loads(raw)
+        msg = orjson.loads(raw)
         event = msg.get("event")
         counted = self.run.window.inside(now)
         if event == "media":

@@ -26,6 +26,7 @@ import signal
 import time
 from pathlib import Path
 
+import orjson
 from _wsio import Endpoint, server_endpoint
 
 try:
@@ -61,7 +62,7 @@ class EchoSession:
         self._send({"type": "session.created", "session": {"type": "realtime"}})
 
     def on_text(self, raw: str) -> None:
-        event = json.loads(raw)
+        event = orjson.loads(raw)
         kind = event.get("type")
         if kind == "input_audio_buffer.append":
             if self.barge_after is not None:

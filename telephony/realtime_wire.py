@@ -163,7 +163,7 @@ class LaneConnection(OwnFrameReader, ClientConnection):
             self._read_own(data)
             return
         super().data_received(data)
-        if self.lane is not None and _between_frames(self.protocol):
+        if self.lane is not None and between_frames(self.protocol):
             self._own = True
             self._max_size = self.protocol.max_size
             self._fast_max = self._max_size if self._max_size is not None else 1 << 62
@@ -222,7 +222,7 @@ class LaneConnection(OwnFrameReader, ClientConnection):
         super().process_event(event)
 
 
-def _between_frames(protocol: Any) -> bool:
+def between_frames(protocol: Any) -> bool:
     """websockets' parser waits for the first byte of a frame, with nothing buffered, no
     fragmented message open and no extension: frames can be read elsewhere from here on.
 
