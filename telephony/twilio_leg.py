@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
 from telephony.audio import base64_size
-from telephony.budget import StreamBudget
+from telephony.budget import BATCH, StreamBudget
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import MalformedFrame
 from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
@@ -117,8 +117,11 @@ class TwilioLeg:
         self.playback = playback if playback is not None else PlaybackTracker()
         self._idle_timeout_s = idle_timeout_s
         self._send_timeout_s = send_timeout_s
+        # Frames received (both ways: the lane, the reader); the budget hears of them in
+        # batches, and the idle deadline looks at the count, so a frame costs no call to them.
+        self.frames_in = 0
         # Deadlines for the per-frame receive and sends, one timer each for the whole call.
-        self._idle = Watchdog(idle_timeout_s)
+        self._idle = Watchdog(idle_timeout_s, progress=self._frames_seen)
         self._send_watch = Watchdog(send_timeout_s)
         self._outbox: deque[str] = deque()
         self._outbox_ready = asyncio.Event()
@@ -193,12 +196,15 @@ class TwilioLeg:
                 tap = self._audio_tap
                 if tap is not None:
                     tap(payload, timestamp_ms)
-        if budget is not None:
-            budget.frame()  # a trip sends the next frame the reader's way, which ends the stream
-        self._idle.touch()
+        self.frames_in += 1
+        if not self.frames_in & (BATCH - 1) and budget is not None:
+            budget.batch()  # a trip sends the next frame the reader's way, which ends the stream
         if self._tail_mark is not None:
             self._tail_check()
         return True
+
+    def _frames_seen(self) -> int:
+        return self.frames_in
 
     async def events(self) -> AsyncIterator[LegEvent]:
         """Caller audio, digits and finally LegClosed; malformed frames are recorded, skipped."""
@@ -238,8 +244,9 @@ class TwilioLeg:
                 yield LegClosed(self._close_reason or f"disconnected: {type(exc).__name__}")
                 return
             budget = self.budget
-            if budget is not None:
-                budget.frame()
+            self.frames_in += 1
+            if not self.frames_in & (BATCH - 1) and budget is not None:
+                budget.batch()
             event = self._parse(raw)
             if self._tail_mark is not None:
                 self._tail_check()
@@ -342,9 +349,20 @@ class TwilioLeg:
         if size < 0:
             size = base64_size(payload)
         if not self._pending and size <= self._chunk_bytes and not self._outbox:
-            # One chunk or less with nothing queued: forward Twilio the delta's own base64.
-            self._enqueue(item_id, payload, size)
-            self._flush_outbox()
+            # One chunk or less with nothing queued: forward Twilio the delta's own base64,
+            # written now where the socket takes it (as `_flush_outbox` would, without the
+            # outbox in between).
+            frames = self._frames_for(item_id, payload, size)
+            send_now = self._send_now
+            if send_now is not None and not self._sends:
+                try:
+                    if send_now(frames):
+                        return
+                except Exception as exc:  # a dead socket; the sender's send reports it too
+                    log.info("Twilio send failed on call %s: %r", self.call_id, exc)
+            self._outbox.extend(frames)
+            self._outbox_ready.set()
+            self._ensure_sender()
             return
         data = self._pending + base64.b64decode(payload)
         chunk = self._chunk_bytes
@@ -367,23 +385,27 @@ class TwilioLeg:
         self._enqueue(item_id, base64.b64encode(chunk).decode("ascii"), len(chunk))
 
     def _enqueue(self, item_id: str, payload: str, size: int) -> None:
+        self._outbox.extend(self._frames_for(item_id, payload, size))
+
+    def _frames_for(self, item_id: str, payload: str, size: int) -> tuple[str, ...]:
+        """The `media` frame for `size` bytes of `item_id` (base64 `payload`), and the `mark`
+        after it when it completes a chunk; the audio counts as queued for playout."""
         epoch, end_ms = self.playback.queued(item_id, size / BYTES_PER_MS)
-        self._outbox.append(self._frames.media(payload))
-        self._unmarked += size
-        if self._unmarked >= self._chunk_bytes:
-            self._outbox.append(self._frames.mark(mark_name(epoch, item_id, end_ms)))
+        media = self._frames.media(payload)
+        unmarked = self._unmarked + size
+        if unmarked >= self._chunk_bytes:
             self._unmarked = 0
             self._tail_mark = None
-        else:
-            self._tail_mark = (epoch, item_id, end_ms)
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            self._tail_at = loop.time()
-            if self._tail_timer is None:
-                self._tail_timer = loop.call_at(
-                    self._tail_at + self._tail_backstop_s, self._tail_due
-                )
+            return (media, self._frames.mark(mark_name(epoch, item_id, end_ms)))
+        self._unmarked = unmarked
+        self._tail_mark = (epoch, item_id, end_ms)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        self._tail_at = loop.time()
+        if self._tail_timer is None:
+            self._tail_timer = loop.call_at(self._tail_at + self._tail_backstop_s, self._tail_due)
+        return (media,)
 
     def _close_tail(self) -> None:
         """Send the mark that closes audio sent since the last one."""

@@ -9,21 +9,32 @@ with `asyncio.timeout()`.
 
 One Watchdog guards one await at a time (the leg's receive, the sends under one lock); it is
 reused for every frame.
+
+What the await waits for may also come by another way (the leg's frames, handled where the
+socket receives them while its reader waits): `touch()` says so, or, with no call per frame,
+a `progress` counter that the timer reads; progress seen restarts the clock from that look,
+and while it comes the timer looks every quarter of the limit, so an await with no progress
+times out between 1 and 1.25 times the limit after the last.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 
 
 class Watchdog:
     """`with watchdog: await ...` raises TimeoutError if the await takes over `limit_s`."""
 
-    def __init__(self, limit_s: float) -> None:
+    def __init__(self, limit_s: float, progress: Callable[[], int] | None = None) -> None:
         if limit_s <= 0:
             raise ValueError("limit_s must be positive")
         self.limit_s = limit_s
+        self._progress = progress
+        self._seen = 0  # progress() at the last look
+        # How often the timer looks: with a progress counter, often enough for the bound.
+        self._look_s = limit_s / 4 if progress is not None else limit_s
         self._since: float | None = None  # loop.time() when the guarded await began
         self._task: asyncio.Task[object] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -42,8 +53,10 @@ class Watchdog:
             raise RuntimeError("Watchdog used outside a task")
         self._task = task
         self._since = loop.time()
+        if self._progress is not None:
+            self._seen = self._progress()
         if self._timer is None:
-            self._timer = loop.call_at(self._since + self.limit_s, self._check)
+            self._timer = loop.call_at(self._since + self._look_s, self._check)
         return self
 
     def __exit__(
@@ -66,12 +79,21 @@ class Watchdog:
         since, task, loop = self._since, self._task, self._loop
         if since is None or task is None or loop is None:
             return  # idle: the next guarded await arms the timer again
-        if loop.time() - since >= self.limit_s:
+        now = loop.time()
+        progress = self._progress
+        if progress is not None:
+            seen = progress()
+            if seen != self._seen:  # it came by another way since the last look
+                self._seen = seen
+                self._since = now
+                self._timer = loop.call_at(now + self._look_s, self._check)
+                return
+        if now - since >= self.limit_s:
             self._fired = True
             self._cancelling = task.cancelling()
             task.cancel()
         else:
-            self._timer = loop.call_at(since + self.limit_s, self._check)
+            self._timer = loop.call_at(min(since + self.limit_s, now + self._look_s), self._check)
 
     def touch(self) -> None:
         """What the guarded await waits for came by another way: its clock starts again."""

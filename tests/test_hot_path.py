@@ -280,3 +280,43 @@ async def test_a_watchdog_guards_one_await_at_a_time() -> None:
         with watch:
             pass
     watch.close()
+
+
+async def test_progress_keeps_a_watched_await_alive_then_it_times_out_within_a_quarter_more() -> (
+    None
+):
+    """The leg's lane counts frames instead of touching the idle watchdog per frame: while the
+    count moves the await lives on past its limit; once it stops, the timeout comes between 1
+    and 1.25 limits after the last progress (the timer looks every quarter limit)."""
+    loop = asyncio.get_running_loop()
+    count = 0
+    watch = Watchdog(0.2, progress=lambda: count)
+    last_progress = 0.0
+
+    async def feed() -> None:
+        nonlocal count, last_progress
+        for _ in range(30):  # 0.6 s of progress: three limits
+            await asyncio.sleep(0.02)
+            count += 1
+            last_progress = loop.time()
+
+    feeder = asyncio.create_task(feed())
+    with pytest.raises(TimeoutError):
+        with watch:
+            await asyncio.Event().wait()
+    timed_out = loop.time()
+    await feeder
+    watch.close()
+    assert count == 30  # it outlived the limit three times over while progress came
+    assert 0.2 <= timed_out - last_progress <= 0.25 + 0.25  # + the loop's own lateness
+
+
+async def test_without_progress_a_watchdog_with_a_counter_times_out_at_its_limit() -> None:
+    watch = Watchdog(0.1, progress=lambda: 0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        with watch:
+            await asyncio.Event().wait()
+    assert 0.1 <= loop.time() - started <= 0.1 + 0.25
+    watch.close()

@@ -229,6 +229,68 @@ async def test_a_realtime_text_frame_that_is_not_utf8_ends_the_connection_with_1
     assert offered[0] == b"hello" and all(o.startswith(b"audio-\xff") for o in offered[1:])
 
 
+async def test_a_lane_that_raises_is_removed_and_the_frame_reaches_the_app(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A frame read in one piece (the inline read): a lane that raises must not break the
+    socket; it is logged and removed, and that frame and the ones after it reach the app in
+    order."""
+    app = LaneApp()
+
+    def broken(data: bytes) -> bool:
+        raise RuntimeError("lane bug")
+
+    async with lane_server(app) as url, connect(url, compression=None) as ws:
+        app.read.release()
+        await wait_until(lambda: app.waiting, WAIT_S, "app waiting")
+        assert app.protocol is not None
+        app.protocol.set_lane(broken, 64 * 1024)
+        await ws.send("L1")
+        await wait_until(lambda: app.by_asgi == ["L1"], WAIT_S, "L1 by the app")
+        assert app.protocol.lane is None
+        app.read.release()
+        await ws.send("L2")
+        await wait_until(lambda: app.by_asgi == ["L1", "L2"], WAIT_S, "L2 by the app")
+    assert app.by_lane == []
+    assert "a hot-path lane failed" in caplog.text
+
+
+async def test_a_realtime_lane_that_raises_is_removed_and_recv_gets_the_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hello, go = asyncio.Event(), asyncio.Event()
+
+    async def handler(peer: ServerConnection) -> None:
+        await hello.wait()  # once the client's lane is in place
+        await peer.send("hello")
+        await go.wait()
+        await peer.send("audio-1")
+        await peer.send("audio-2")
+        with contextlib.suppress(ConnectionClosed):
+            await peer.wait_closed()
+
+    calls = 0
+
+    def broken(data: bytes) -> bool:
+        nonlocal calls
+        calls += 1
+        if data.startswith(b"audio"):
+            raise RuntimeError("lane bug")
+        return False
+
+    async with lane_client(handler, broken) as conn:
+        try:
+            hello.set()
+            assert await asyncio.wait_for(conn.recv(), WAIT_S) == "hello"
+            assert conn._own  # the inline read is the one that meets the failing lane
+        finally:
+            go.set()
+        got = [await asyncio.wait_for(conn.recv(), WAIT_S) for _ in range(2)]
+    assert got == ["audio-1", "audio-2"]
+    assert conn.lane is None and calls == 2  # hello (left), audio-1 (raised); then removed
+    assert "a hot-path lane failed" in caplog.text
+
+
 async def test_the_realtime_lane_keeps_server_messages_in_order() -> None:
     """LaneConnection: an "audio" message is taken by the lane only while nothing waits for
     recv() and the reader is idle; everything else reaches recv() in the order sent."""

@@ -47,3 +47,27 @@ def test_malformed_frames_are_recorded_up_to_the_budget_then_trip() -> None:
         budget.malformed()
     assert recorded == 3
     assert [e.data["budget"] for e in sink.events] == ["malformed_frames"]
+
+
+def test_frames_reported_in_batches_count_as_the_same_frames_one_by_one() -> None:
+    """The leg counts its frames and reports every BATCH: the budget trips at the same frame
+    as with one call per frame, under the same clock."""
+    from telephony.budget import BATCH
+
+    def trips_after(batched: bool) -> int:
+        clock = Clock()
+        budget = StreamBudget(
+            MemorySink(), "c1", BudgetLimits(frames_per_s=200, frame_burst=2000), clock
+        )
+        frames = 0
+        while budget.tripped is None:
+            frames += 1
+            clock.now += 0.001  # 1,000 frames a second: five times the limit
+            if batched:
+                if frames % BATCH == 0:
+                    budget.batch()
+            else:
+                budget.frame()
+        return frames
+
+    assert trips_after(batched=True) == trips_after(batched=False) < 10_000
