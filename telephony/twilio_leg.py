@@ -43,8 +43,9 @@ CHUNK_MS = 20
 MAX_FRAME_CHARS = 64 * 1024
 EXCERPT_CHARS = 120
 INBOUND_TRACKS = ("inbound", "inbound_track")
-# How late a tail's mark may go out when no caller frame comes to check it (see _tail_check).
-TAIL_BACKSTOP_S = 0.2
+# How late a tail's mark may go out when no caller frame comes to check it (see _tail_check):
+# Twilio streams caller frames all through a call, so this is for a stream gone quiet.
+TAIL_BACKSTOP_S = 0.5
 # The audio lane: (base64 payload, timestamp ms) -> taken.
 AudioLane = Callable[[str, int], bool]
 
@@ -138,6 +139,7 @@ class TwilioLeg:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tail_at = 0.0  # loop.time() when the last unmarked audio was queued
         self._tail_grace_s = chunk_ms / 1000
+        self._tail_closes_at = 0.0  # _tail_at + _tail_grace_s: no more audio by then closes it
         # The timer that closes a tail where no caller frame comes to check it (_tail_check).
         self._tail_backstop_s = max(TAIL_BACKSTOP_S, 2 * self._tail_grace_s)
         self._tail_timer: asyncio.TimerHandle | None = None
@@ -199,8 +201,10 @@ class TwilioLeg:
         self.frames_in += 1
         if not self.frames_in & (BATCH - 1) and budget is not None:
             budget.batch()  # a trip sends the next frame the reader's way, which ends the stream
-        if self._tail_mark is not None:
-            self._tail_check()
+        if self._tail_mark is not None:  # _tail_check, inline
+            loop = self._loop
+            if loop is not None and loop.time() >= self._tail_closes_at:
+                self._close_tail()
         return True
 
     def _frames_seen(self) -> int:
@@ -403,6 +407,7 @@ class TwilioLeg:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         self._tail_at = loop.time()
+        self._tail_closes_at = self._tail_at + self._tail_grace_s
         if self._tail_timer is None:
             self._tail_timer = loop.call_at(self._tail_at + self._tail_backstop_s, self._tail_due)
         return (media,)
@@ -420,7 +425,7 @@ class TwilioLeg:
         (Twilio streams 50 a second for the whole call), so a steady call arms no timer per
         chunk; `_tail_due` is the backstop for a stream that goes quiet."""
         loop = self._loop
-        if loop is not None and loop.time() >= self._tail_at + self._tail_grace_s:
+        if loop is not None and loop.time() >= self._tail_closes_at:
             # No more audio came: the item's last audio must not go unconfirmed.
             self._close_tail()
 
@@ -429,7 +434,7 @@ class TwilioLeg:
         loop = self._loop  # set where the timer was armed
         if self._tail_mark is None or self._closed or loop is None:
             return
-        if loop.time() >= self._tail_at + self._tail_grace_s:
+        if loop.time() >= self._tail_closes_at:
             self._close_tail()
         else:
             self._tail_timer = loop.call_at(self._tail_at + self._tail_backstop_s, self._tail_due)
