@@ -43,8 +43,6 @@ from telephony.ws_frames import (
     PONG,
     TEXT,
     OwnFrameReader,
-    apply_mask,
-    lane_failed,
     offer_to_lane,
     server_text_frame,
     state_reader,
@@ -59,7 +57,6 @@ Lane = Callable[[bytes], bool]
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
 _TEXT_126 = bytes((TEXT, 126))  # a final, unmasked text frame with a 16-bit length
-_MASK_BIT = 0x80
 _NO_LIMIT = 1 << 62
 
 
@@ -68,8 +65,6 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
 
     lane: Lane | None = None
     _lane_max: int | None = None  # larger messages are not offered to the lane
-    # The largest frame the one-frame read takes (the lane's and the socket's limits).
-    _fast_max = 0
     _app_queue: Any = ()  # the deque under uvicorn's ASGI queue (empty: nothing waits)
     _write_paused = False  # the transport asked us to stop writing (pause_writing)
     _state_of: Callable[[Any], Any] | None = None  # reads websockets' state (state_reader)
@@ -224,35 +219,10 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._own:
+            # The usual read (one whole media frame or mark echo) is read in one step.
             lane = self.lane
-            size = len(data)
-            # The usual read is one whole frame (a media frame or a mark echo), read here
-            # inline; anything else goes to `_read_own`, which reads it the same way.
-            if lane is not None and size > 6 and data[0] == TEXT and not self._rest:
-                length = data[1] ^ _MASK_BIT  # >= 128 when the mask bit is missing
-                if length < 126:
-                    head = 6
-                elif length == 126:
-                    head = 8
-                    length = (data[2] << 8) | data[3]
-                else:
-                    head = size  # not this shape
-                if (
-                    size - head == length
-                    and length <= self._fast_max
-                    and not self._app_queue
-                    and not self.close_sent
-                ):
-                    payload = apply_mask(data[head:], data[head - 4 : head])
-                    try:
-                        if lane(payload):
-                            return
-                    except Exception:
-                        lane_failed(self)
-                    if not self._leave_text(payload):
-                        self._hand_over(data)  # websockets closes with 1007
-                    return
-            self._read_own(data)
+            if lane is None or self._app_queue or self.close_sent or not self._read_one(data, lane):
+                self._read_own(data)
             return
         if self._discarding:
             return  # after a protocol error: the close is sent, the rest is not read

@@ -38,7 +38,6 @@ from telephony.ws_frames import (
     OwnFrameReader,
     apply_mask,
     client_pong_frame,
-    lane_failed,
     offer_to_lane,
     state_reader,
     text_frame_header,
@@ -132,35 +131,14 @@ class LaneConnection(OwnFrameReader, ClientConnection):
     _masked = False  # server frames
     _accept = frozenset({TEXT, PING, PONG})  # read here; anything else goes to websockets
     _masks: MaskSource | None = None
-    _fast_max = 0  # the largest frame the one-frame read takes (the socket's max_size)
     _waiting: Any = ()  # the deque of messages waiting for recv() (empty: none)
 
     def data_received(self, data: bytes) -> None:
         if self._own:
+            # The usual read (one whole audio delta) is read in one step.
             lane = self.lane
-            size = len(data)
-            # The usual read is one whole frame (an audio delta), read here inline; anything
-            # else goes to `_read_own`, which reads it the same way.
-            if lane is not None and size > 2 and data[0] == TEXT and not self._rest:
-                length = data[1]  # >= 128 when masked (a server must not mask)
-                if length < 126:
-                    head = 2
-                elif length == 126 and size > 4:
-                    head = 4
-                    length = (data[2] << 8) | data[3]
-                else:
-                    head = size  # not this shape
-                if size - head == length and length <= self._fast_max and not self._waiting:
-                    payload = data[head:]
-                    try:
-                        if lane(payload):
-                            return
-                    except Exception:
-                        lane_failed(self)
-                    if not self._leave_text(payload):
-                        self._hand_over(data)  # websockets closes with 1007
-                    return
-            self._read_own(data)
+            if lane is None or self._waiting or not self._read_one(data, lane):
+                self._read_own(data)
             return
         super().data_received(data)
         if self.lane is not None and between_frames(self.protocol):
