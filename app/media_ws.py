@@ -40,6 +40,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
 from telephony.ws_frames import (
+    NO_LIMIT,
     PONG,
     TEXT,
     OwnFrameReader,
@@ -57,7 +58,6 @@ Lane = Callable[[bytes], bool]
 # is closed (it usually closes its side first).
 CLOSE_LINGER_S = 1.0
 _TEXT_126 = bytes((TEXT, 126))  # a final, unmasked text frame with a 16-bit length
-_NO_LIMIT = 1 << 62
 
 
 class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
@@ -105,7 +105,7 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
 
     def _fast_limits(self) -> None:
         limits = [x for x in (self._lane_max, self._max_size) if x is not None]
-        self._fast_max = min(limits, default=_NO_LIMIT)
+        self._fast_max = min(limits, default=NO_LIMIT)
         self._app_queue = waiting_items(self.queue, "_queue")
 
     def pause_writing(self) -> None:

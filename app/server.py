@@ -134,7 +134,8 @@ class ServiceServer(uvicorn.Server):
             # which walks every live call's state (65 ms at 100 calls here). A middle
             # generation collected every 100 young collections (~7 s at 100 calls) lets them
             # die there instead (bench/bridge.py echo --pin --calls 100: RTT p99).
-            gc.set_threshold(700, GC_MIDDLE_EVERY, 10)
+            young, _, oldest = gc.get_threshold()
+            gc.set_threshold(young, GC_MIDDLE_EVERY, oldest)
         if self.started and self.on_started is not None:
             self.on_started()
 

@@ -58,10 +58,10 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     # Agent audio goes to Twilio as it arrives, in media frames of at most this many ms, and a
     # mark closes every this-many ms of audio (and an item's last audio). 20 ms marks every
-    # frame; 100 ms sends a fifth of the marks (each echoed back: a read, a parse), and the
-    # tracker interpolates between them. bench/bridge.py echo --barge-in measured the
-    # truncation error against the audio heard the same at 60 and 100 ms (p99 4-6 ms at 50
-    # calls), with 8% less CPU at 100.
+    # frame; 100 ms sends a fifth of the marks (each echoed back: a read and a parse for
+    # us), and the tracker interpolates between them. bench/bridge.py echo --barge-in
+    # measured the truncation error against the audio heard the same at 60 and 100 ms (p99
+    # 5-7 ms at 50 calls, within the spread between runs).
     twilio_media_chunk_ms: int = Field(default=100, ge=20, multiple_of=20)
     # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
     max_ws_frame_bytes: int = 64 * 1024

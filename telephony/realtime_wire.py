@@ -31,6 +31,7 @@ from websockets.protocol import Event, State
 
 from telephony.ws_frames import (
     MASKS_PER_DRAW,
+    NO_LIMIT,
     PING,
     PONG,
     TEXT,
@@ -144,7 +145,7 @@ class LaneConnection(OwnFrameReader, ClientConnection):
         if self.lane is not None and between_frames(self.protocol):
             self._own = True
             self._max_size = self.protocol.max_size
-            self._fast_max = self._max_size if self._max_size is not None else 1 << 62
+            self._fast_max = self._max_size if self._max_size is not None else NO_LIMIT
             self._waiting = waiting_items(self.recv_messages.frames, "queue")
 
     def _own_text(self, payload: bytes) -> bool:

@@ -11,10 +11,10 @@ One Watchdog guards one await at a time (the leg's receive, the sends under one 
 reused for every frame.
 
 What the await waits for may also come by another way (the leg's frames, handled where the
-socket receives them while its reader waits): `touch()` says so, or, with no call per frame,
-a `progress` counter that the timer reads; progress seen restarts the clock from that look,
-and while it comes the timer looks every quarter of the limit, so an await with no progress
-times out between 1 and 1.25 times the limit after the last.
+socket receives them while its reader waits): a `progress` counter that the timer reads says
+so, with no call per frame; progress seen restarts the clock from that look, and the timer
+then looks every quarter of the limit, so an await with no progress times out between 1 and
+1.25 times the limit after the last.
 """
 
 from __future__ import annotations
@@ -94,11 +94,6 @@ class Watchdog:
             task.cancel()
         else:
             self._timer = loop.call_at(min(since + self.limit_s, now + self._look_s), self._check)
-
-    def touch(self) -> None:
-        """What the guarded await waits for came by another way: its clock starts again."""
-        if self._since is not None and self._loop is not None:
-            self._since = self._loop.time()
 
     def close(self) -> None:
         """Drop the timer (the owner is done with this watchdog)."""

@@ -31,6 +31,7 @@ PING = 0x89
 PONG = 0x8A
 _MASK_BIT = 0x80
 MASKS_PER_DRAW = 1024
+NO_LIMIT = 1 << 62  # a frame-size limit where none is set
 
 
 class MaskSource:

@@ -54,3 +54,35 @@ def test_masks_are_not_repeated_across_a_pool_refill() -> None:
     # 3,000 draws of 32 random bits: a repeat is possible but vanishingly rare (~0.1%);
     # a pool served twice would repeat 1,024 of them.
     assert len(set(drawn)) > 2990
+
+
+async def test_waiting_items_is_true_exactly_while_a_queue_holds_items() -> None:
+    """The per-frame "does anything wait before this frame" test: the queue's own deque where
+    the library keeps one, else a probe that asks the queue (another library version)."""
+    import asyncio
+
+    from websockets.asyncio.messages import SimpleQueue
+
+    from telephony.ws_frames import waiting_items
+
+    class Renamed(asyncio.Queue[int]):  # items no longer under `_queue`
+        pass
+
+    asyncio_queue: asyncio.Queue[int] = asyncio.Queue()
+    websockets_queue: SimpleQueue[int] = SimpleQueue()
+    renamed = Renamed()
+    probes = [
+        (asyncio_queue, waiting_items(asyncio_queue, "_queue"), asyncio_queue.put_nowait),
+        (websockets_queue, waiting_items(websockets_queue, "queue"), websockets_queue.put),
+        (renamed, waiting_items(renamed, "_items_elsewhere"), renamed.put_nowait),
+    ]
+    for _queue, waiting, put in probes:
+        assert not waiting
+        put(1)
+        assert waiting
+    asyncio_queue.get_nowait()
+    assert not probes[0][1]
+    assert await websockets_queue.get() == 1
+    assert not probes[1][1]
+    renamed.get_nowait()
+    assert not probes[2][1]
