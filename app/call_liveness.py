@@ -1,7 +1,9 @@
 """Call liveness: every in-progress call row is held by a live process, or it is ended.
 
 The process running a call's media stream writes itself into the row (`holder`) when the
-stream starts and heartbeats its live calls every few seconds (`CallHeartbeat`). Any
+stream starts and heartbeats its live calls every few seconds (`CallHeartbeat`); a call
+attached but still in set-up (its row `ringing`, see `CallPhase`) is heartbeated too, and
+moves to live through `go_live`, the one step every leg uses. Any
 process then finds the calls whose holder stopped (no heartbeat for `dead_after_s`, by
 default 30 s: the process died, or the call's media went quiet long enough that its holder
 let it go) and ends them, with the reason on the call's timeline, handing their pending
@@ -24,8 +26,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.call_store import CallStatus, call_events, calls, sources_of
-from app.calls import CallRegistry
+from app import call_store
+from app.call_store import CallRow, CallStatus, call_events, calls, sources_of
+from app.calls import CallPhase, CallRegistry, LiveCallEntry
 from telephony.call_events import CallEventKind
 from tools import deliveries
 
@@ -145,7 +148,12 @@ async def end_unstreamed_calls(
     async with engine.begin() as conn:
         rows = await conn.execute(
             sa.select(calls.c.id)
-            .where(calls.c.status == CallStatus.RINGING.value, calls.c.created_at < cutoff)
+            .where(
+                calls.c.status == CallStatus.RINGING.value,
+                calls.c.created_at < cutoff,
+                # A row a live process heartbeats in set-up is that process's to end.
+                sa.or_(calls.c.heartbeat_at.is_(None), calls.c.heartbeat_at < cutoff),
+            )
             .limit(limit)
             .with_for_update(skip_locked=True)
         )
@@ -166,6 +174,37 @@ async def end_unstreamed_calls(
             if done is not None:
                 ended.append(done)
     return ended
+
+
+async def go_live(
+    engine: AsyncEngine,
+    registry: CallRegistry,
+    entry: LiveCallEntry,
+    *,
+    holder: str,
+    stream_sid: str | None = None,
+) -> CallRow | None:
+    """Move a call attached in set-up to in_progress, held by `holder`, then mark it live
+    for the heartbeat. None (and the entry stays in set-up) when the row was ended
+    meanwhile (staff, a sweep): the caller then ends the call."""
+    row = await call_store.transition(
+        engine,
+        entry.call_id,
+        CallStatus.IN_PROGRESS,
+        stream_sid=stream_sid,
+        holder=holder,
+        heartbeat_at=datetime.now(UTC),
+    )
+    if row is not None:
+        registry.went_live(entry)
+    return row
+
+
+# What a call's row may be in, by its phase here, for the call still to be going.
+_KEPT_IN = {
+    CallPhase.SETTING_UP: [CallStatus.RINGING.value, CallStatus.IN_PROGRESS.value],
+    CallPhase.LIVE: [CallStatus.IN_PROGRESS.value],
+}
 
 
 class CallHeartbeat:
@@ -201,13 +240,23 @@ class CallHeartbeat:
         if not live:
             return []
         by_id = {e.call_id: e for e in live}
+        # A call in set-up keeps a `ringing` row (its leg moves it to in_progress once the
+        # call is answered); only a row that is neither for it was ended elsewhere. The
+        # phase is read before the update: a call going live meanwhile has an in_progress
+        # row, which both conditions keep.
+        kept = sa.or_(
+            *(
+                sa.and_(
+                    calls.c.id.in_([uuid.UUID(e.call_id) for e in live if e.phase is phase]),
+                    calls.c.status.in_(statuses),
+                )
+                for phase, statuses in _KEPT_IN.items()
+            )
+        )
         async with self._engine.begin() as conn:
             rows = await conn.execute(
                 sa.update(calls)
-                .where(
-                    calls.c.id.in_([uuid.UUID(i) for i in by_id]),
-                    calls.c.status == CallStatus.IN_PROGRESS.value,
-                )
+                .where(kept)
                 .values(heartbeat_at=sa.func.now(), holder=self.holder)
                 .returning(calls.c.id)
             )

@@ -8,11 +8,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from telephony.tool_gateway import LiveCall
 
 log = logging.getLogger(__name__)
+
+
+class CallPhase(StrEnum):
+    """Where an attached call is, as the heartbeat must know it."""
+
+    # Attached, its row not in_progress yet: a SIP call whose Realtime session is opening
+    # (the 200 not out, or out and its row not yet written), an interconnect call being
+    # accepted. Its row is `ringing` (or just became `in_progress`): that is not "ended".
+    SETTING_UP = "setting_up"
+    # Its row is in_progress and held by this process: any other status means it was ended.
+    LIVE = "live"
 
 
 @dataclass(slots=True)
@@ -27,6 +39,8 @@ class LiveCallEntry:
     # Who ended it first (status callback, stop frame, shutdown); later enders don't overwrite.
     end_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Changed only through CallRegistry.went_live (set-up -> live, once).
+    phase: CallPhase = CallPhase.SETTING_UP
 
 
 class CallRegistry:
@@ -93,13 +107,22 @@ class CallRegistry:
     def attach(
         self, call_sid: str, call_id: str, live: LiveCall, from_number: str | None = None
     ) -> LiveCallEntry:
-        """The stream of `call_sid` started: its reservation becomes a live call."""
+        """The stream of `call_sid` started: its reservation becomes a call in this process,
+        in set-up until `went_live` (every leg attaches first, then moves its row to
+        in_progress, then calls `went_live`)."""
         self._reserved.pop(call_sid, None)
         entry = LiveCallEntry(
             call_sid=call_sid, call_id=call_id, live=live, from_number=from_number
         )
         self._live[call_sid] = entry
         return entry
+
+    def went_live(self, entry: LiveCallEntry) -> None:
+        """The call's row is in_progress, held here: from now on any other status of the
+        row means the call was ended elsewhere. Legal once, from set-up."""
+        if entry.phase is not CallPhase.SETTING_UP:
+            raise ValueError(f"call {entry.call_id} is {entry.phase}, not setting up")
+        entry.phase = CallPhase.LIVE
 
     def detach(self, entry: LiveCallEntry) -> None:
         """The call is over in this process."""

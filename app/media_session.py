@@ -103,6 +103,9 @@ async def run_media_session(
     )
     entry = runtime.registry.attach(call.call_sid, call.id, bridge, call.from_number)
     entry.socket = ws
+    # The row went in_progress when the stream token was spent (routes_twilio._admit): live
+    # from the start. (The SIP legs reach in_progress later, through call_liveness.go_live.)
+    runtime.registry.went_live(entry)
     try:
         await bridge.run()
     finally:

@@ -23,7 +23,6 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from openai import APIStatusError, InvalidWebhookSignatureError
@@ -34,6 +33,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
 from app import call_store, openai_webhooks
+from app.call_liveness import go_live
 from app.call_store import CallStatus
 from app.media_session import CallSink
 from app.runtime import Runtime
@@ -330,14 +330,12 @@ class OpenAISipService:
         call.leg = leg
         entry = runtime.registry.attach(call.openai_call_id, call.row_id, bridge, call.from_number)
         try:
-            await call_store.transition(
-                runtime.engine,
-                call.row_id,
-                CallStatus.IN_PROGRESS,
-                stream_sid=None,
-                holder=runtime.holder,
-                heartbeat_at=datetime.now(UTC),
-            )
+            row = await go_live(runtime.engine, runtime.registry, entry, holder=runtime.holder)
+            if row is None:
+                # Ended elsewhere (staff, a sweep) while it was being accepted.
+                entry.end_reason = entry.end_reason or "the call was ended by another process"
+                await self._hangup(call, entry.end_reason)
+                return
             sink.emit(
                 CallEvent(
                     call.row_id,

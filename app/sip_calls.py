@@ -17,12 +17,12 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.exc import DataError, DBAPIError
 
 from app import call_store
+from app.call_liveness import go_live
 from app.call_store import CallStatus
 from app.media_session import CallSink
 from app.recording import RecordingLeg
@@ -368,30 +368,27 @@ class SipService:
                 remote = incoming.remote
                 direction = ANSWER_DIRECTION[remote.direction] if remote else "sendrecv"
                 leg.answered(remote, direction)
-                await call_store.transition(
-                    runtime.engine,
-                    call_id,
-                    CallStatus.IN_PROGRESS,
-                    stream_sid=None,
-                    holder=runtime.holder,
-                    heartbeat_at=datetime.now(UTC),
-                )
-                sink.emit(
-                    CallEvent(
-                        call_id,
-                        CallEventKind.STREAM_STARTED,
-                        {
-                            "leg": "sip",
-                            "codec": incoming.codec.name,
-                            "encoding": incoming.codec.audio_format,
-                            "sample_rate": 8000,
-                            "rtp_port": rtp_port,
-                            "dtmf_payload_type": remote.dtmf_pt if remote else None,
-                            "answer_ms": round((time.monotonic() - started) * 1000),
-                        },
+                # Until here the call was in set-up for the heartbeat (its row ringing).
+                if await go_live(runtime.engine, runtime.registry, entry, holder=runtime.holder):
+                    status = CallStatus.COMPLETED
+                    sink.emit(
+                        CallEvent(
+                            call_id,
+                            CallEventKind.STREAM_STARTED,
+                            {
+                                "leg": "sip",
+                                "codec": incoming.codec.name,
+                                "encoding": incoming.codec.audio_format,
+                                "sample_rate": 8000,
+                                "rtp_port": rtp_port,
+                                "dtmf_payload_type": remote.dtmf_pt if remote else None,
+                                "answer_ms": round((time.monotonic() - started) * 1000),
+                            },
+                        )
                     )
-                )
-                status = CallStatus.COMPLETED
+                else:
+                    # Ended elsewhere (staff, a sweep) while it was being answered.
+                    await bridge.end("the call was ended by another process")
             elif pending.cancelled.is_set() or outcome == "cancelled":
                 status = CallStatus.CANCELED
                 await bridge.end(f"caller {pending.cancel_reason or 'cancelled'}")

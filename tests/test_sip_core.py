@@ -178,7 +178,7 @@ def test_no_ack_within_64_t1_ends_the_call_with_a_bye(h: Harness) -> None:
     byes = [m for m in out if isinstance(m, SipRequest) and m.method == "BYE"]
     assert len(byes) == 1
     assert statuses(out).count(200) == 10  # at 0.5, 1.5, 3.5, 7.5, then every 4 s until 32 s
-    assert CallEnded(call.key, "no ACK") in h.events
+    assert CallEnded(call.key, "no ACK for our 200 within 32 s (64*T1)") in h.events
     bye = byes[0]
     assert bye.headers.get_first("call-id") == uac.call_id
     assert bye.to_addr is not None and bye.to_addr.tag == uac.from_tag

@@ -21,7 +21,8 @@ playback); 0 sends everything as fast as possible; 2.0 is twice slower than 1.0.
 
 Test hooks: `sim.sessions` (one `SimulatedSession` per connection, with `received` / `sent`
 logs of `(monotonic time, event dict)` and waiting helpers), `await sim.drop_all()` (abort every
-connection, as a network drop), `sim.fail_next_connects(n)` (refuse the next n handshakes).
+connection, as a network drop), `sim.fail_next_connects(n)` (refuse the next n handshakes),
+`sim.handshake_delay_s` (hold every opening handshake this long, as a slow or distant API).
 """
 
 from __future__ import annotations
@@ -1583,6 +1584,8 @@ class RealtimeSimulator:
         self._port: int | None = None
         self._server: Server | None = None
         self._refuse = 0
+        # Every opening handshake waits this long before it is answered (a slow API).
+        self.handshake_delay_s = 0.0
         self._handlers: set[asyncio.Task[None]] = set()
         self._sessions_changed = asyncio.Event()
 
@@ -1668,8 +1671,12 @@ class RealtimeSimulator:
 
     # ---- websockets plumbing -----------------------------------------------------------
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+    async def _process_request(
+        self, connection: ServerConnection, request: Request
+    ) -> Response | None:
         self.connect_attempts += 1
+        if self.handshake_delay_s > 0:
+            await asyncio.sleep(self.handshake_delay_s)
         url = urlsplit(request.path)
         if url.path.rstrip("/") != REALTIME_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "Not Found\n")

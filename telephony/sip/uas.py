@@ -718,7 +718,8 @@ class UserAgentServer:
             self._timers.cancel(call, "ok")
             if call.state is CallState.ANSWERED:
                 call.move(CallState.CONFIRMED)
-            self._bye(call, now, "no ACK", notify=not call.hangup_requested)
+            self._bye(call, now, f"no ACK for our 200 within {self.t.b:g} s (64*T1)",
+                      notify=not call.hangup_requested)  # fmt: skip
         elif kind == "answer_timeout":
             if call.state is CallState.OFFERED:
                 self.reject(call.key, 480, now)
