@@ -81,6 +81,15 @@ class Settings(BaseSettings):
     sip_allow_from: str | None = None
     # Digest authentication of INVITEs: `user:password,user2:password2`; unset: none.
     sip_digest_users: SecretStr | None = None
+    # Wrong digest responses allowed per (user, source address) before each further one
+    # refuses that pair for a back-off (1 s, doubling per failure, up to the max below).
+    sip_digest_failures_allowed: int = Field(default=3, ge=0)
+    sip_digest_backoff_max_s: float = Field(default=300.0, gt=0)
+    # SIP over TCP: connections at once from one source address (beyond: refused), and
+    # how long a connection may carry nothing, not even a CRLF keep-alive, before it is
+    # closed (one carrying a call is kept while the call lives).
+    sip_tcp_max_per_source: int = Field(default=16, ge=1)
+    sip_tcp_idle_s: float = Field(default=180.0, gt=0)
     # New INVITEs per second per source address (a scanner gets 503 beyond it).
     sip_rate_per_source: float = Field(default=10.0, ge=0)
     # SIP calls per process (default MAX_LIVE_CALLS); beyond it INVITEs get 503.

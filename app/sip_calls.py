@@ -129,7 +129,14 @@ class SipService:
             else settings.max_live_calls
         )
         self.core = UserAgentServer(self._config(settings, bind_port), digest=_digest(settings))
-        self.transport = SipTransport(self.core, self.bind_host, bind_port, self._on_event)
+        self.transport = SipTransport(
+            self.core,
+            self.bind_host,
+            bind_port,
+            self._on_event,
+            max_per_source=settings.sip_tcp_max_per_source,
+            idle_s=settings.sip_tcp_idle_s,
+        )
         self.ports = RtpPorts(settings.sip_rtp_ports)
         self.clock = RtpClock()
         self._calls: dict[CallKey, _Pending] = {}
@@ -449,4 +456,11 @@ def _digest(settings: Settings) -> DigestAuth | None:
     if settings.sip_digest_users is None:
         return None
     users = parse_users(settings.sip_digest_users.get_secret_value())
-    return DigestAuth(users, realm="voice-agent") if users else None
+    if not users:
+        return None
+    return DigestAuth(
+        users,
+        realm="voice-agent",
+        failures_allowed=settings.sip_digest_failures_allowed,
+        backoff_max_s=settings.sip_digest_backoff_max_s,
+    )

@@ -422,6 +422,14 @@ def test_digest_auth_challenges_then_admits_the_right_password() -> None:
     assert wrong is not None
     uac.cseq += 1
     assert statuses(h.feed(uac.invite(headers=[f"{wrong[0]}: {wrong[1]}"]))) == [100, 403]
+    # The failed response burnt its nonce: the right password with it is challenged again.
+    right = answer_challenge(SipDigestAuth("alice", "s3cret"), challenge, 401, "INVITE", uri)
+    assert right is not None
+    uac.cseq += 1
+    out = h.feed(uac.invite(headers=[f"{right[0]}: {right[1]}"]))
+    assert statuses(out) == [100, 401]
+    challenge = out[1]
+    assert isinstance(challenge, SipResponse)
     right = answer_challenge(SipDigestAuth("alice", "s3cret"), challenge, 401, "INVITE", uri)
     assert right is not None
     uac.cseq += 1

@@ -3,11 +3,18 @@
 aiosipua parses the Authorization header and computes digests; this module issues nonces,
 remembers them until they expire, refuses replayed nonce counts and answers `stale=true` for
 an expired nonce, so a client with the right password retries without asking its user.
+
+Guessing is slowed per (user, source address): a failed response burns its nonce (a guess
+needs a new challenge), and after `failures_allowed` failures in a row every further attempt
+from that pair is refused unchecked for a back-off that doubles with each failure (1 s, 2 s,
+4 s ... up to `backoff_max_s`). Attempts refused unchecked do not count, so the back-off ends
+on schedule; a success clears the count.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
@@ -17,6 +24,11 @@ from aiosipua.headers import AuthChallenge, parse_auth, parse_uri
 
 NONCE_TTL_S = 300.0
 MAX_NONCES = 10_000
+FAILURES_ALLOWED = 3
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 300.0
+MAX_FAILURE_RECORDS = 10_000  # (user, source) pairs remembered; the oldest go first
+MAX_USERNAME = 64
 ALGORITHMS = ("MD5", "SHA-256")
 
 
@@ -25,6 +37,7 @@ class AuthResult(StrEnum):
     MISSING = "missing"  # no credentials: challenge
     STALE = "stale"  # right password, expired or unknown nonce: challenge with stale=true
     BAD = "bad"  # wrong user, password or replay: 403
+    BLOCKED = "blocked"  # this (user, source) failed too often: 403 until its back-off ends
 
 
 @dataclass(slots=True)
@@ -32,6 +45,13 @@ class _Nonce:
     expires: float
     last_nc: int = 0
     used: bool = False
+
+
+@dataclass(slots=True)
+class _Failures:
+    count: int
+    last: float
+    blocked_until: float = 0.0
 
 
 def _same_target(digest_uri: str, request_uri: str) -> bool:
@@ -73,6 +93,8 @@ class DigestAuth:
         *,
         nonce_ttl_s: float = NONCE_TTL_S,
         max_nonces: int = MAX_NONCES,
+        failures_allowed: int = FAILURES_ALLOWED,
+        backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
         self._users = users
         self.realm = realm
@@ -80,6 +102,9 @@ class DigestAuth:
         self._max = max_nonces
         self._nonces: dict[str, _Nonce] = {}
         self._opaque = secrets.token_hex(8)
+        self.failures_allowed = failures_allowed
+        self.backoff_max_s = backoff_max_s
+        self._failures: dict[tuple[str, str], _Failures] = {}
 
     def challenge(self, now: float, *, stale: bool = False) -> str:
         """A WWW-Authenticate value with a fresh nonce."""
@@ -95,8 +120,14 @@ class DigestAuth:
         return value
 
     def verify(
-        self, authorization: str | None, method: str, request_uri: str, now: float
+        self,
+        authorization: str | None,
+        method: str,
+        request_uri: str,
+        now: float,
+        source: str = "",
     ) -> AuthResult:
+        """Check the credentials of a request from `source` (its address): OK, or why not."""
         if not authorization:
             return AuthResult.MISSING
         try:
@@ -105,7 +136,44 @@ class DigestAuth:
             return AuthResult.BAD
         if creds.scheme.lower() != "digest":
             return AuthResult.MISSING
-        p = creds.params
+        key = (str(creds.params.get("username", ""))[:MAX_USERNAME], source)
+        record = self._failures.get(key)
+        if record is not None and now < record.blocked_until:
+            # Refused unchecked: even the right password waits, or the back-off would let a
+            # guesser learn that a guess was right.
+            return AuthResult.BLOCKED
+        result = self._check(creds.params, method, request_uri, now)
+        if result is AuthResult.BAD:
+            # The nonce is burnt: another guess needs another challenge (a round trip), and
+            # a response seen on the wire cannot be tried again with other values.
+            self._nonces.pop(str(creds.params.get("nonce", "")), None)
+            self._failed(key, now)
+        elif result is AuthResult.OK:
+            self._failures.pop(key, None)
+        return result
+
+    def retry_after(self, username: str, source: str, now: float) -> int:
+        """Whole seconds until (username, source) may try again (0: now)."""
+        record = self._failures.get((username[:MAX_USERNAME], source))
+        if record is None or now >= record.blocked_until:
+            return 0
+        return max(1, math.ceil(record.blocked_until - now))
+
+    def _failed(self, key: tuple[str, str], now: float) -> None:
+        record = self._failures.pop(key, None)
+        if record is None:
+            if len(self._failures) >= MAX_FAILURE_RECORDS:
+                del self._failures[next(iter(self._failures))]  # the longest untouched
+            record = _Failures(0, now)
+        record.count += 1
+        record.last = now
+        over = record.count - self.failures_allowed
+        if over > 0:
+            delay = min(self.backoff_max_s, BACKOFF_BASE_S * 2 ** min(over - 1, 30))
+            record.blocked_until = now + delay
+        self._failures[key] = record  # re-inserted: the dict stays in least-recent order
+
+    def _check(self, p: dict[str, str], method: str, request_uri: str, now: float) -> AuthResult:
         username, nonce, uri, given = (
             p.get("username", ""),
             p.get("nonce", ""),
@@ -172,9 +240,17 @@ class DigestAuth:
             del self._nonces[next(iter(self._nonces))]  # the oldest
 
     def expire(self, now: float) -> None:
-        """Forget every expired nonce (the core calls this from its housekeeping)."""
+        """Forget every expired nonce, and failures older than the longest back-off (the
+        core calls this from its housekeeping)."""
         for nonce in [n for n, r in self._nonces.items() if r.expires <= now]:
             del self._nonces[nonce]
+        forget_before = now - 2 * self.backoff_max_s
+        for key in [k for k, r in self._failures.items() if r.last < forget_before]:
+            del self._failures[key]
+
+    def held(self) -> int:
+        """Nonces and failure records in memory (housekeeping runs while there are any)."""
+        return len(self._nonces) + len(self._failures)
 
     def __len__(self) -> int:
         return len(self._nonces)

@@ -2,7 +2,10 @@
 
 Thin on purpose: it frames TCP streams into messages, hands every message to the core with
 the loop's clock, sends what the core says, and wakes the core at its next deadline. Sources
-outside the allow list are refused here too: no TCP connection from them is kept open.
+outside the allow list are refused here too: no TCP connection from them is kept open. An
+allowed source gets at most `max_per_source` TCP connections at once, and a connection that
+carries nothing (not even a CRLF keep-alive) for `idle_s` is closed unless a dialog of the
+core lives on it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_TCP_CONNECTIONS = 1024
 # A message that has started must arrive whole within this (slow senders hold no slot long).
 MESSAGE_READ_TIMEOUT_S = 10.0
-# A TCP connection with no message at all for this long is closed; real peers send keepalives
-# or in-dialog requests long before (session timers refresh every few minutes).
-IDLE_TIMEOUT_S = 3600.0
+# A TCP connection with nothing at all for this long is closed (SIP_TCP_IDLE_S), unless a
+# dialog lives on it: our BYE or re-INVITE needs it, and behind NAT no new one would reach
+# the peer. Peers that keep a flow open send RFC 5626 CRLF keep-alives (every 95-120 s).
+IDLE_TIMEOUT_S = 180.0
+MAX_PER_SOURCE = 16
+PING = b"\r\n\r\n"  # RFC 5626 4.4.1: a double CRLF is a ping, answered by one CRLF
+PONG = b"\r\n"
 CONNECT_TIMEOUT_S = 5.0
 MAX_WRITE_BUFFER = 256 * 1024
 
@@ -60,8 +67,13 @@ class SipTransport:
         host: str,
         port: int,
         on_event: Callable[[SipEvent], None],
+        *,
+        max_per_source: int = MAX_PER_SOURCE,
+        idle_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.core = core
+        self.max_per_source = max_per_source
+        self.idle_s = idle_s
         self.host = host
         self.port = port
         self._on_event = on_event
@@ -69,6 +81,9 @@ class SipTransport:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._per_source: dict[str, int] = {}  # accepted connections open, by source address
+        self.refused_per_source = 0
+        self.idle_closed = 0
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_conn = 0
@@ -233,15 +248,27 @@ class SipTransport:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
-        if (
-            not self.core.config.allow.allows(str(peer[0]))
-            or len(self._conns) >= MAX_TCP_CONNECTIONS
-        ):
+        source = str(peer[0])
+        if not self.core.config.allow.allows(source) or len(self._conns) >= MAX_TCP_CONNECTIONS:
             self.core.stats.denied += 1
             writer.close()
             return
+        held = self._per_source.get(source, 0)
+        if held >= self.max_per_source:
+            # One allowed host must not hold every slot: the others' calls need them too.
+            self.refused_per_source += 1
+            writer.close()
+            return
+        self._per_source[source] = held + 1
         conn_id = self._register(writer)
-        await self._read_loop(reader, writer, conn_id, (str(peer[0]), int(peer[1])))
+        try:
+            await self._read_loop(reader, writer, conn_id, (source, int(peer[1])))
+        finally:
+            left = self._per_source.get(source, 1) - 1
+            if left > 0:
+                self._per_source[source] = left
+            else:
+                self._per_source.pop(source, None)
 
     def _register(self, writer: asyncio.StreamWriter) -> int:
         self._next_conn += 1
@@ -266,14 +293,27 @@ class SipTransport:
         peer: tuple[str, int],
     ) -> None:
         flow = Flow("tcp", peer, conn_id)
+        crlf = b""
         try:
             while not self._closing:
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    first = await reader.read(1)
+                try:
+                    async with asyncio.timeout(self.idle_s):
+                        first = await reader.read(1)
+                except TimeoutError:
+                    if self.core.has_dialog_on(conn_id):
+                        continue  # the dialog's requests need this connection
+                    self.idle_closed += 1
+                    return
                 if not first:
                     return
                 if first in b"\r\n":
-                    continue  # CRLF keepalives between messages
+                    # CRLF keep-alives between messages; a double CRLF is a ping.
+                    crlf = (crlf + first)[-len(PING) :]
+                    if crlf == PING:
+                        crlf = b""
+                        self._write(conn_id, writer, PONG)
+                    continue
+                crlf = b""
                 async with asyncio.timeout(MESSAGE_READ_TIMEOUT_S):
                     head = first + await reader.readuntil(b"\r\n\r\n")
                     if len(head) > MAX_HEADER_BYTES:

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from aiosipua import SipMessage, SipResponse
-from aiosipua.headers import parse_address, parse_via, stringify_uri
+from aiosipua.headers import parse_address, parse_auth, parse_via, stringify_uri
 from aiosipua.session_timer import parse_session_expires, peer_allows_update, watchdog_delay
 
 from telephony.sip import sdp as sdp_mod
@@ -151,6 +151,8 @@ class SipStats:
     offered: int = 0
     rejected: int = 0
     internal_errors: int = 0
+    auth_failed: int = 0  # digest responses that were wrong (each burns its nonce)
+    auth_blocked: int = 0  # digest attempts refused unchecked during a back-off
 
 
 class _Housekeeping(TimerOwner):
@@ -326,6 +328,10 @@ class UserAgentServer:
     def live_calls(self) -> int:
         return len(self._calls)
 
+    def has_dialog_on(self, conn_id: int) -> bool:
+        """Whether a call not yet over was set up over TCP connection `conn_id`."""
+        return any(call.flow.conn_id == conn_id for call in self._calls.values())
+
     # ---- requests -----------------------------------------------------------------------
 
     def _on_request(self, req: Request, flow: Flow, now: float) -> None:
@@ -372,7 +378,7 @@ class UserAgentServer:
         if tx is None:
             return
         self._respond(tx, 100, now)
-        status, headers = self._screen_invite(req, now)
+        status, headers = self._screen_invite(req, flow, now)
         remote: RemoteMedia | None = None
         codec = PCMU
         if status == 0 and req.msg.body:
@@ -399,7 +405,9 @@ class UserAgentServer:
             )
         )
 
-    def _screen_invite(self, req: Request, now: float) -> tuple[int, list[tuple[str, str]]]:
+    def _screen_invite(
+        self, req: Request, flow: Flow, now: float
+    ) -> tuple[int, list[tuple[str, str]]]:
         """The first reason to refuse a new INVITE (status, headers); (0, []) to accept it."""
         msg = req.msg
         scheme = msg.uri.split(":", 1)[0].lower() if ":" in msg.uri else ""
@@ -413,14 +421,23 @@ class UserAgentServer:
         if encoding != "identity" or (msg.body and content_type != "application/sdp"):
             return 415, [("Accept", "application/sdp"), ("Accept-Encoding", "identity")]
         if self.digest is not None:
-            result = self.digest.verify(
-                msg.headers.get_first("authorization"), "INVITE", msg.uri, now
-            )
+            authorization = msg.headers.get_first("authorization")
+            source = flow.remote[0]
+            result = self.digest.verify(authorization, "INVITE", msg.uri, now, source)
             if result in (AuthResult.MISSING, AuthResult.STALE):
                 challenge = self.digest.challenge(now, stale=result is AuthResult.STALE)
                 return 401, [("WWW-Authenticate", challenge)]
             if result is AuthResult.BAD:
+                self.stats.auth_failed += 1
                 return 403, []
+            if result is AuthResult.BLOCKED:
+                # 403, not 503: a 503 tells the trunk's proxy that this server is down, so
+                # one guesser behind it would send everyone's calls elsewhere; a 403 ends
+                # only this attempt of this (user, source).
+                self.stats.auth_blocked += 1
+                wait = self.digest.retry_after(_auth_user(authorization), source, now)
+                warning = f'399 {self.config.host} "too many failed attempts; retry in {wait} s"'
+                return 403, [("Warning", warning)]
         status, headers, _ = self._negotiate_timer(req)
         if status:
             return status, headers
@@ -1003,8 +1020,16 @@ class UserAgentServer:
         self._rate.prune(now)
         if self.digest is not None:
             self.digest.expire(now)
-        if len(self._rate) or (self.digest is not None and len(self.digest)):
+        if len(self._rate) or (self.digest is not None and self.digest.held()):
             self._timers.set(self._house, "house", now + HOUSEKEEPING_S)
+
+
+def _auth_user(authorization: str | None) -> str:
+    """The username of an Authorization header, "" when it has none."""
+    try:
+        return str(parse_auth(authorization or "", credentials=True).params.get("username", ""))
+    except Exception:
+        return ""
 
 
 def _user(raw: str | None) -> str | None:
