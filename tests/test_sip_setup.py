@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from aiosipua import SipRequest, SipResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.call_liveness import end_unstreamed_calls
 from tests.e2e_support import event_rows, wait_until
 from tests.sip_support import Uac, UdpPeer, sdp_offer
 from tests.sipp_support import sip_stack
@@ -108,3 +109,56 @@ async def test_a_200_never_acked_ends_the_call_with_a_bye_and_its_row_says_no_ac
     events = await event_rows(engine, row["id"])
     ended = [e for e in events if e["kind"] == "call_ended"]
     assert len(ended) == 1 and "no ACK" in ended[0]["data"]["reason"]
+
+
+async def test_a_call_in_set_up_is_held_by_its_heartbeat_until_its_row_is_ended_elsewhere(
+    engine: AsyncEngine,
+) -> None:
+    async with sip_stack(engine, call_heartbeat_s=HEARTBEAT_S, sip_answer_timeout_s=30) as stack:
+        stack.sim.handshake_delay_s = 10.0  # set-up lasts as long as the test needs
+        runtime = stack.service.runtime
+        server = ("127.0.0.1", runtime.sip.port)
+        sip_peer, rtp_peer = await UdpPeer.open(), await UdpPeer.open()
+        uac = Uac(port=sip_peer.port)
+        try:
+            sip_peer.send(uac.invite(sdp_offer(port=rtp_peer.port, formats="0 101")), server)
+            await sip_peer.response(180)
+
+            async def held() -> bool:
+                async with engine.connect() as conn:
+                    n = await conn.scalar(
+                        sa.text(
+                            "SELECT count(*) FROM calls WHERE leg = 'sip' AND status = 'ringing' "
+                            "AND holder = :h AND heartbeat_at IS NOT NULL"
+                        ),
+                        {"h": runtime.holder},
+                    )
+                return bool(n)
+
+            await wait_until(held, 10, "the ringing row held by its heartbeat")
+            # Old enough for the unstreamed sweep, but held: the sweep leaves it alone.
+            async with engine.begin() as conn:
+                await conn.execute(
+                    sa.text(
+                        "UPDATE calls SET created_at = now() - interval '10 minutes' "
+                        "WHERE leg = 'sip'"
+                    )
+                )
+            assert await end_unstreamed_calls(engine, stream_wait_s=90) == []
+            # Ended elsewhere (staff) while still in set-up: the heartbeat ends it here too.
+            async with engine.begin() as conn:
+                await conn.execute(
+                    sa.text(
+                        "UPDATE calls SET status = 'failed', ended_at = now(), "
+                        "end_reason = 'ended by staff' WHERE leg = 'sip'"
+                    )
+                )
+            final = await sip_peer.message(_final, within=10)
+            assert isinstance(final, SipResponse) and final.status_code == 480
+            sip_peer.send(uac.ack(non_2xx=True), server)
+        finally:
+            sip_peer.close()
+            rtp_peer.close()
+        await wait_until(lambda: runtime.sip.live_calls() == 0, 40, "call over")
+    row = await _sip_row(engine)
+    assert row["status"] == "failed" and row["end_reason"] == "ended by staff"
