@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.call_liveness import end_unstreamed_calls
 from tests.e2e_support import event_rows, wait_until
+from tests.openai_sip_support import interconnect
 from tests.sip_support import Uac, UdpPeer, sdp_offer
 from tests.sipp_support import sip_stack
 
@@ -162,3 +163,28 @@ async def test_a_call_in_set_up_is_held_by_its_heartbeat_until_its_row_is_ended_
         await wait_until(lambda: runtime.sip.live_calls() == 0, 40, "call over")
     row = await _sip_row(engine)
     assert row["status"] == "failed" and row["end_reason"] == "ended by staff"
+
+
+async def test_an_interconnect_call_accepted_under_a_busy_heartbeat_stays_live(
+    engine: AsyncEngine,
+) -> None:
+    # The OpenAI SIP leg attaches once the accept is through, then moves its row: a beat
+    # between the two must not end it.
+    async with interconnect(engine, call_heartbeat_s=0.01) as ic:
+        call = await ic.sim.place_call(from_number="+15551230000", to_number="+15557654321")
+        await ic.sim.wait_for_state(call.call_id, "accepted")
+        row = await ic.wait_row(call.call_id, "in_progress")
+        first_beat = row["heartbeat_at"]
+
+        async def beaten() -> bool:
+            now = await ic.row(call.call_id)
+            assert now is not None and now["status"] == "in_progress", now
+            return bool(now["heartbeat_at"] != first_beat)
+
+        await wait_until(beaten, 10, "the live call heartbeated")
+        assert ic.sim.requests_for(call.call_id, "hangup") == []
+        await ic.sim.remote_hangup(call.call_id)
+        await ic.wait_over(call.call_id)
+        final = await ic.row(call.call_id)
+    assert final is not None and final["status"] == "completed"
+    assert "caller hung up" in final["end_reason"]
