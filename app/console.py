@@ -21,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app.call_query import SearchLimiter
 from app.live_updates import LiveHub
 from app.operation_actions import OperationActions
 from app.pg_listener import PgListener
@@ -46,6 +47,7 @@ class Console:
     recordings: Recordings
     live: LiveHub
     actions: OperationActions
+    searches: SearchLimiter  # phone searches per staff member or token (app/call_query.py)
     _closers: list[Any]
 
     async def aclose(self) -> None:
@@ -102,6 +104,7 @@ async def start_console(
         recordings=Recordings(engine, settings),
         live=live,
         actions=actions,
+        searches=SearchLimiter(settings.call_search_max_numbers, settings.call_search_window_s),
         _closers=[],
     )
 
