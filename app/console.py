@@ -26,6 +26,7 @@ from app.live_updates import LiveHub
 from app.operation_actions import OperationActions
 from app.pg_listener import PgListener
 from app.recording_store import Recordings
+from app.security_headers import ConsoleSecurityHeaders
 from app.settings import Settings
 from app.sms_resend import NoSmsDelivery, SmsDeliveries
 from app.staff import ensure_first_admin
@@ -117,6 +118,7 @@ def install_console(app: FastAPI) -> None:
     app.include_router(routes_console_api.router)
     app.include_router(routes_console.router)
     app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+    app.add_middleware(ConsoleSecurityHeaders)
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:

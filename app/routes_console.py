@@ -85,6 +85,26 @@ def _render(
     return response
 
 
+# Each page with a live section: (page, the section's template, the section's element id).
+LIVE_PAGES = {
+    "calls": ("console/calls.html", "console/_calls_table.html", "calls-live"),
+    "call": ("console/call.html", "console/_call_live.html", "call-live"),
+    "operations": ("console/operations.html", "console/_operations_table.html", "ops-live"),
+    "operation": ("console/operation.html", "console/_operation_live.html", "op-live"),
+}
+
+
+def _page_or_fragment(request: Request, context: dict[str, Any], which: str) -> str:
+    """The page, or (`?fragment=1`, console.js's live refresh) its live section alone inside a
+    `<template>` that the script moves into the section with the DOM (never innerHTML)."""
+    page, partial, section = LIVE_PAGES[which]
+    if not request.query_params.get("fragment"):
+        return page
+    context["partial"] = partial
+    context["fragment_of"] = section
+    return "console/_fragment.html"
+
+
 def _parse_query(request: Request, model: type[BaseModel]) -> tuple[Any, str | None]:
     """The page's query as `model` (empty form fields dropped), or the defaults and an error."""
     raw: dict[str, Any] = {}
@@ -139,11 +159,7 @@ async def calls_list(
         "first_url": "/console/calls?" + urlencode(list(args.items())) if q.cursor else None,
         "fragment_url": str(request.url.include_query_params(fragment="1")),
     }
-    name = (
-        "console/_calls_table.html"
-        if request.query_params.get("fragment")
-        else "console/calls.html"
-    )
+    name = _page_or_fragment(request, context, "calls")
     response = _render(request, name, who, context, status=status)
     response.headers.update(headers)
     return response
@@ -166,9 +182,7 @@ async def call_page(
         "lanes": lanes,
         "recording": view["recording"],
     }
-    name = (
-        "console/_call_live.html" if request.query_params.get("fragment") else "console/call.html"
-    )
+    name = _page_or_fragment(request, context, "call")
     return _render(request, name, who, context)
 
 
@@ -193,11 +207,7 @@ async def operations_list(
         "next_url": next_url,
         "fragment_url": str(request.url.include_query_params(fragment="1")),
     }
-    name = (
-        "console/_operations_table.html"
-        if request.query_params.get("fragment")
-        else "console/operations.html"
-    )
+    name = _page_or_fragment(request, context, "operations")
     return _render(request, name, who, context, status=400 if error else 200)
 
 
@@ -217,11 +227,7 @@ async def operation_page(
         "titles": TITLES,
         "states": STATE_TITLES,
     }
-    name = (
-        "console/_operation_live.html"
-        if request.query_params.get("fragment")
-        else "console/operation.html"
-    )
+    name = _page_or_fragment(request, context, "operation")
     return _render(request, name, who, context)
 
 

@@ -48,6 +48,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+async def js_true(page: Any, expression: str) -> None:
+    """Wait until `expression` is true in the page. Not `page.wait_for_function`: Playwright
+    compiles its predicate with `new Function` in the page, which the console's CSP (no
+    'unsafe-eval') refuses; `page.evaluate` goes through the DevTools protocol instead."""
+    await wait_until(
+        lambda: page.evaluate(f"Boolean({expression})"), WAIT_MS / 1000, what=expression
+    )
+
+
 @pytest.fixture
 async def browser() -> AsyncIterator[Any]:
     from playwright.async_api import async_playwright
@@ -115,19 +124,14 @@ async def test_staff_find_a_simulated_call_see_its_lanes_and_play_its_recording(
         transcript = await page.locator(".transcript li").all_inner_texts()
         await page.screenshot(path=str(ARTIFACTS / "console-call.png"), full_page=True)
         # Play the recording: the playhead moves along the timeline.
-        await page.wait_for_function(
-            "document.getElementById('recording').readyState >= 1", timeout=WAIT_MS
-        )
+        await js_true(page, "document.getElementById('recording').readyState >= 1")
         duration = await page.evaluate("document.getElementById('recording').duration")
         await page.evaluate("document.getElementById('recording').play()")
-        await page.wait_for_function(
-            "document.getElementById('recording').currentTime > 1.0", timeout=WAIT_MS
-        )
+        await js_true(page, "document.getElementById('recording').currentTime > 1.0")
         head = page.locator(".playhead")
         first = float(await head.get_attribute("data-t") or 0)
-        await page.wait_for_function(
-            f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}",
-            timeout=WAIT_MS,
+        await js_true(
+            page, f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}"
         )
         moved = float(await head.get_attribute("data-t") or 0)
         visible = await head.is_visible()
@@ -221,9 +225,8 @@ async def test_reconciling_an_unknown_operation_updates_its_history_live_for_oth
         await fixer.wait_for_selector(".flash")
         flash = await fixer.locator(".flash").inner_text()
         # The watcher's page follows without a reload.
-        await watcher.wait_for_function(
-            "document.getElementById('op-status').textContent.trim() === 'committed'",
-            timeout=WAIT_MS,
+        await js_true(
+            watcher, "document.getElementById('op-status').textContent.trim() === 'committed'"
         )
         history = await watcher.locator("#history-rows").inner_text()
         facts = await watcher.locator(".facts").inner_text()
