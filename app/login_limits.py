@@ -22,7 +22,10 @@ An admin sees the locked pairs on the console's staff page and clears them there
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -99,6 +102,33 @@ def _wait(window_s: float, oldest: datetime, now: datetime) -> int:
     return max(1, math.ceil(window_s - (now - oldest).total_seconds()))
 
 
+class _KeyedLocks:
+    """One asyncio lock per key while anyone holds or waits for it. Attempts for one key queue
+    here, in this process, before they take a database connection: a burst of guesses waits
+    without holding the pool's connections (the advisory lock then orders the replicas)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+_accounts = _KeyedLocks()
+_sources = _KeyedLocks()
+
+
 async def _lock(conn: AsyncConnection, lock_class: int, name: str) -> None:
     await conn.execute(
         sa.select(sa.func.pg_advisory_xact_lock(sa.literal(lock_class), sa.func.hashtext(name)))
@@ -110,15 +140,22 @@ async def begin(
 ) -> Attempt | Throttle:
     """Count an attempt for `username` from `source`, or refuse it without a password check."""
     user, src = key(username), key(source)
+    window = timedelta(seconds=limits.window_s)
+    async with _accounts.hold(user), _sources.hold(src):
+        return await _count_and_insert(engine, limits, user, src, window)
+
+
+async def _count_and_insert(
+    engine: AsyncEngine, limits: LoginLimits, user: str, src: str, window: timedelta
+) -> Attempt | Throttle:
     pair = sa.and_(failures_t.c.username == user, failures_t.c.source == src)
     mine = failures_t.c.username == user
     from_src = failures_t.c.source == src
-    window = timedelta(seconds=limits.window_s)
     async with engine.begin() as conn:
         await _lock(conn, _ACCOUNT_LOCK, user)
+        await _lock(conn, _SOURCE_LOCK, src)
         # clock_timestamp(), not now(): the transaction may have waited for the locks, and the
         # attempt it waited for was stamped after this transaction began.
-        await _lock(conn, _SOURCE_LOCK, src)
         row = (
             await conn.execute(
                 sa.select(
