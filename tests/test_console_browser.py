@@ -372,3 +372,55 @@ async def test_a_call_in_progress_updates_live_and_gets_its_player_when_it_ends(
         await page.wait_for_selector("#recording", timeout=WAIT_MS)
         await page.context.close()
     assert no_player == 0 and live
+
+
+_WATCH_CSP = """
+window.__csp = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__csp.push(`${e.violatedDirective} ${e.blockedURI} ${e.sourceFile}:${e.lineNumber}`);
+});
+"""
+
+
+async def test_console_pages_and_live_refresh_run_under_the_csp_with_no_violation(
+    engine: AsyncEngine, browser: Any
+) -> None:
+    """Every page under its Content-Security-Policy: nothing refused, the live sections still
+    refresh (through the template, not innerHTML), and Trusted Types refuse innerHTML."""
+    from tools import ledger
+
+    call_id = await seed_call(engine, from_number="+15551230000")
+    op_id = await seed_operation(engine, call_id, S.UNKNOWN, reference="BKCSP0001")
+    await add_staff(engine, "csp", Role.ADMIN)
+    async with running_service(engine, console_http_basic=False) as svc:
+        base = svc.url
+        page = await log_in(browser, base, "csp", PASSWORD)
+        await page.context.add_init_script(_WATCH_CSP)
+        seen: dict[str, list[str]] = {}
+        for path in ("/console/tokens", "/console/staff", f"/console/calls/{call_id}"):
+            await page.goto(f"{base}{path}")
+            seen[path] = await page.evaluate("window.__csp")
+        calls = await page.context.new_page()
+        await calls.goto(f"{base}/console/calls")
+        await calls.wait_for_selector("#calls-live[data-connected='1']")
+        await page.goto(f"{base}/console/operations/{op_id}")
+        await page.wait_for_selector("#op-live[data-connected='1']")
+        async with engine.begin() as conn:  # the outcome arrives: both pages follow it live
+            moved = await ledger.transition(
+                conn, op_id, S.UNKNOWN, S.COMMITTED, actor="test", reason="csp test",
+                provider_ref="BKCSP0001",
+            )  # fmt: skip
+        await js_true(
+            page, "document.getElementById('op-status').textContent.trim() === 'committed'"
+        )
+        await js_true(calls, "Number(document.getElementById('calls-live').dataset.version) >= 1")
+        seen["operation (live)"] = await page.evaluate("window.__csp")
+        seen["calls (live)"] = await calls.evaluate("window.__csp")
+        blocked = await page.evaluate(
+            "() => { try { document.body.innerHTML = '<b>x</b>'; return 'written'; }"
+            " catch (e) { return e.name; } }"
+        )
+        await page.context.close()
+    assert moved is not None
+    assert seen == {key: [] for key in seen}
+    assert blocked == "TypeError"  # require-trusted-types-for 'script'
