@@ -141,7 +141,7 @@ async def calls_page(
     viewer's partial number, TooManyAttempts past the search limit."""
     f = call_filter(q, principal)
     if f.phone:
-        wait = console.searches.admit(f"{principal.kind}:{principal.name}", f.phone)
+        wait = console.searches.admit(principal.actor, f.phone)  # session and Basic share one
         if wait is not None:
             raise TooManyAttempts(
                 f"too many different phone numbers searched; try again in {wait} s", wait
