@@ -109,6 +109,8 @@ async def list_tokens(engine: AsyncEngine) -> list[ApiToken]:
 
 
 async def revoke_token(engine: AsyncEngine, token_id: int) -> ApiToken:
+    if not 1 <= token_id < 2**63:  # the column is a bigint: no such token, not a DB error
+        raise StaffError(f"no API token with id {token_id}")
     async with engine.begin() as conn:
         row = (
             await conn.execute(

@@ -58,7 +58,9 @@ class Principal:
 
 
 def client_source(request: Request) -> str:
-    """The address a request came from (uvicorn applies trusted proxy headers)."""
+    """The address a request came from: uvicorn replaces the peer with the client named in
+    `X-Forwarded-For` when the peer is a proxy FORWARDED_ALLOW_IPS trusts (behind an ingress
+    without it, every request has the ingress's address)."""
     return request.client.host if request.client else "unknown"
 
 
@@ -91,13 +93,6 @@ class _BasicCache:
 _basic_cache = _BasicCache()
 
 
-def _limits(runtime: Runtime) -> login_limits.LoginLimits:
-    s = runtime.settings
-    return login_limits.LoginLimits(
-        s.login_max_failures_per_account, s.login_max_failures_per_source, s.login_failure_window_s
-    )
-
-
 async def _from_basic(runtime: Runtime, request: Request, encoded: str) -> Principal:
     if not runtime.settings.console_http_basic:
         raise NotAuthenticated("HTTP Basic is off (CONSOLE_HTTP_BASIC); use an API token")
@@ -111,16 +106,16 @@ async def _from_basic(runtime: Runtime, request: Request, encoded: str) -> Princ
     cached = _basic_cache.get(key)
     if cached is not None:
         return Principal("basic", cached[0], cached[1])
-    source = client_source(request)
-    limits = _limits(runtime)
-    throttle = await login_limits.check(runtime.engine, limits, username, source)
-    if throttle is not None:
-        raise TooManyAttempts(throttle.reason, throttle.retry_after_s)
+    limits = login_limits.LoginLimits.from_settings(runtime.settings)
+    # Counted before the password is checked, so concurrent guesses cannot overrun the limit.
+    attempt = await login_limits.begin(runtime.engine, limits, username, client_source(request))
+    if isinstance(attempt, login_limits.Throttle):
+        raise TooManyAttempts(attempt.reason, attempt.retry_after_s)
     account = await staff.authenticate(runtime.engine, username, password)
     if account is None:
-        await login_limits.record_failure(runtime.engine, limits, username, source)
+        await login_limits.failed(runtime.engine, limits, attempt)
         raise NotAuthenticated("bad credentials")
-    await login_limits.record_success(runtime.engine, account.username)
+    await login_limits.succeeded(runtime.engine, attempt)
     _basic_cache.put(key, account.username, account.role)
     return Principal("basic", account.username, account.role)
 

@@ -4,14 +4,22 @@ pages, newest first.
 A page ends with a cursor naming its last call (`created_at`, `id`); the next page is every
 call strictly before it in that order, so a page costs the same however deep it is and calls
 arriving meanwhile never shift what the next page shows.
+
+Phone searches are where masking could leak: a viewer sees `+•••••••••76`, and suffix searches
+(`?phone=176`, `?phone=2176`…) would rebuild the number digit by digit. So a viewer's search is
+an exact match on a full number (`viewer_phone`), and every principal's searches are
+rate-limited by distinct numbers (`SearchLimiter`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
+import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -65,11 +73,65 @@ def phone_digits(text: str) -> str:
     return _NOT_DIGIT.sub("", text)
 
 
+# E.164: a country code and a subscriber number, 15 digits at most; fewer than 8 is no full
+# number anywhere (it is a suffix).
+E164_MIN_DIGITS = 8
+E164_MAX_DIGITS = 15
+
+
+class SearchRefused(ValueError):
+    """A phone search this principal may not make (the message says why)."""
+
+
+def viewer_phone(digits: str) -> str:
+    """A viewer's phone search: the digits of a full E.164 number, else SearchRefused."""
+    if not E164_MIN_DIGITS <= len(digits) <= E164_MAX_DIGITS:
+        raise SearchRefused(
+            "viewers search by a full phone number with its country code (+15551230000); "
+            "numbers are masked for this role, so part of one is not searched"
+        )
+    return digits
+
+
+class SearchLimiter:
+    """Distinct phone numbers each principal searched within `window_s`, at most `max_numbers`.
+
+    Repeating a search costs nothing (the live page refreshes its filtered list on every
+    change); a new number past the limit is refused until the oldest leaves the window. Per
+    process: each replica counts its own (at most replicas x the limit).
+    """
+
+    def __init__(self, max_numbers: int, window_s: float, *, max_principals: int = 10_000) -> None:
+        self.max_numbers = max_numbers
+        self.window_s = window_s
+        self._max_principals = max_principals
+        self._seen: OrderedDict[str, OrderedDict[str, float]] = OrderedDict()
+
+    def admit(self, who: str, number: str) -> int | None:
+        """None if `who` may search `number` now, else the seconds until it may."""
+        now = time.monotonic()
+        numbers = self._seen.pop(who, None) or OrderedDict()
+        self._seen[who] = numbers  # most recently active last
+        while numbers and next(iter(numbers.values())) <= now - self.window_s:
+            numbers.popitem(last=False)
+        if number in numbers:
+            numbers.move_to_end(number)
+            numbers[number] = now
+            return None
+        if len(numbers) >= self.max_numbers:
+            return max(1, math.ceil(next(iter(numbers.values())) + self.window_s - now))
+        numbers[number] = now
+        while len(self._seen) > self._max_principals:
+            self._seen.popitem(last=False)  # the longest idle: its window has long passed
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class CallFilter:
     """Which calls to list. Empty tuples and None mean "any"."""
 
     phone: str | None = None  # digits; matches the end of the from or to number
+    phone_exact: bool = False  # match the whole number only (viewers)
     since: datetime | None = None
     until: datetime | None = None
     statuses: tuple[str, ...] = ()
@@ -102,7 +164,13 @@ def _digits_expr(column: str) -> Any:
 
 def _where(f: CallFilter, cursor: Cursor | None) -> list[Any]:
     clauses: list[Any] = []
-    if f.phone:
+    if f.phone and f.phone_exact:
+        # The same reversed-digits expression, compared whole: the index serves it too.
+        whole = sa.literal(f.phone[::-1])
+        clauses.append(
+            sa.or_(_digits_expr("from_number") == whole, _digits_expr("to_number") == whole)
+        )
+    elif f.phone:
         pattern = f.phone[::-1] + "%"  # digits only: nothing LIKE would read as a pattern
         clauses.append(
             sa.or_(

@@ -21,10 +21,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app.call_query import SearchLimiter
 from app.live_updates import LiveHub
 from app.operation_actions import OperationActions
 from app.pg_listener import PgListener
 from app.recording_store import Recordings
+from app.security_headers import ConsoleSecurityHeaders
 from app.settings import Settings
 from app.sms_resend import NoSmsDelivery, SmsDeliveries
 from app.staff import ensure_first_admin
@@ -46,6 +48,7 @@ class Console:
     recordings: Recordings
     live: LiveHub
     actions: OperationActions
+    searches: SearchLimiter  # phone searches per staff member or token (app/call_query.py)
     _closers: list[Any]
 
     async def aclose(self) -> None:
@@ -102,6 +105,7 @@ async def start_console(
         recordings=Recordings(engine, settings),
         live=live,
         actions=actions,
+        searches=SearchLimiter(settings.call_search_max_numbers, settings.call_search_window_s),
         _closers=[],
     )
 
@@ -114,6 +118,7 @@ def install_console(app: FastAPI) -> None:
     app.include_router(routes_console_api.router)
     app.include_router(routes_console.router)
     app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+    app.add_middleware(ConsoleSecurityHeaders)
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -45,7 +45,9 @@ class CallListQuery(_Query):
         max_length=32,
         pattern=r"^[0-9+()\-.\s]*$",
         description="Digits of a phone number; matches calls whose from or to number ends "
-        "with them (`0000`, `5551230000`, `+1 555 123 0000`).",
+        "with them (`0000`, `5551230000`, `+1 555 123 0000`). Viewers (numbers masked) search "
+        "by a full number with its country code only, matched whole. Distinct numbers searched "
+        "are rate-limited per staff member or token (CALL_SEARCH_MAX_NUMBERS).",
     )
     since: UtcDatetime | None = Field(None, description="Calls created at or after (ISO 8601).")
     until: UtcDatetime | None = Field(None, description="Calls created before (ISO 8601).")

@@ -86,7 +86,7 @@ async def login(
     csrf_token: Annotated[str, Form(max_length=200)] = "",
     next: Annotated[str, Form(max_length=2000)] = HOME,
 ) -> Response:
-    """Check the name and password (rate-limited per account and per source)."""
+    """Check the name and password (rate-limited per account and source; app/login_limits.py)."""
     target = safe_next(next)
     if not csrf_matches(request.cookies.get(LOGIN_COOKIE, ""), csrf_token):
         return _login_page(
@@ -98,26 +98,23 @@ async def login(
             username=username,
         )
     settings = runtime.settings
-    limits = login_limits.LoginLimits(
-        settings.login_max_failures_per_account,
-        settings.login_max_failures_per_source,
-        settings.login_failure_window_s,
-    )
+    limits = login_limits.LoginLimits.from_settings(settings)
     source = client_source(request)
-    throttle = await login_limits.check(runtime.engine, limits, username, source)
-    if throttle is not None:
+    # Counted before the password is checked, so concurrent guesses cannot overrun the limit.
+    attempt = await login_limits.begin(runtime.engine, limits, username, source)
+    if isinstance(attempt, login_limits.Throttle):
         return _login_page(
             request,
             runtime,
             next_path=target,
-            error=f"Too many failed logins; try again in {throttle.retry_after_s} s.",
+            error=f"Too many failed logins; try again in {attempt.retry_after_s} s.",
             status=429,
             username=username,
-            headers={"Retry-After": str(throttle.retry_after_s)},
+            headers={"Retry-After": str(attempt.retry_after_s)},
         )
     account = await staff.authenticate(runtime.engine, username, password)
     if account is None:
-        await login_limits.record_failure(runtime.engine, limits, username, source)
+        await login_limits.failed(runtime.engine, limits, attempt)
         return _login_page(
             request,
             runtime,
@@ -126,7 +123,7 @@ async def login(
             status=401,
             username=username,
         )
-    await login_limits.record_success(runtime.engine, account.username)
+    await login_limits.succeeded(runtime.engine, attempt)
     token, _csrf = await create_session(
         runtime.engine,
         account.id,

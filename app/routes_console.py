@@ -9,19 +9,20 @@ import uuid
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Form, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from app import api_tokens, staff
+from app import api_tokens, login_limits, staff
 from app.auth import AdminPageDep, OperatorPageDep, Principal, ViewerPageDep
 from app.console_schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
-from app.deps import EngineDep
-from app.errors import Conflict, NotFound
+from app.deps import EngineDep, RuntimeDep
+from app.errors import Conflict, Forbidden, NotFound, TooManyAttempts
 from app.operation_actions import TITLES, Action
 from app.operation_query import ConsoleState
 from app.routes_console_api import (
     ConsoleDep,
+    RowIdPath,
     calls_page,
     operation_detail,
     operations_page,
@@ -84,6 +85,26 @@ def _render(
     return response
 
 
+# Each page with a live section: (page, the section's template, the section's element id).
+LIVE_PAGES = {
+    "calls": ("console/calls.html", "console/_calls_table.html", "calls-live"),
+    "call": ("console/call.html", "console/_call_live.html", "call-live"),
+    "operations": ("console/operations.html", "console/_operations_table.html", "ops-live"),
+    "operation": ("console/operation.html", "console/_operation_live.html", "op-live"),
+}
+
+
+def _page_or_fragment(request: Request, context: dict[str, Any], which: str) -> str:
+    """The page, or (`?fragment=1`, console.js's live refresh) its live section alone inside a
+    `<template>` that the script moves into the section with the DOM (never innerHTML)."""
+    page, partial, section = LIVE_PAGES[which]
+    if not request.query_params.get("fragment"):
+        return page
+    context["partial"] = partial
+    context["fragment_of"] = section
+    return "console/_fragment.html"
+
+
 def _parse_query(request: Request, model: type[BaseModel]) -> tuple[Any, str | None]:
     """The page's query as `model` (empty form fields dropped), or the defaults and an error."""
     raw: dict[str, Any] = {}
@@ -108,9 +129,21 @@ async def console_home(_who: ViewerPageDep) -> Response:
 
 
 @router.get("/calls", response_class=HTMLResponse)
-async def calls_list(request: Request, engine: EngineDep, who: ViewerPageDep) -> Response:
+async def calls_list(
+    request: Request, engine: EngineDep, console: ConsoleDep, who: ViewerPageDep
+) -> Response:
     q, error = _parse_query(request, CallListQuery)
-    page = await calls_page(engine, q, who)
+    status = 400 if error else 200
+    headers: dict[str, str] = {}
+    try:
+        page = await calls_page(engine, console, q, who)
+    except (Forbidden, TooManyAttempts) as exc:
+        # A refused search shows the form with the reason and no calls (not a bare error page).
+        page = {"calls": [], "next_cursor": None, "limit": q.limit}
+        error = f"{str(exc)[:1].upper()}{str(exc)[1:]}."
+        status = 403 if isinstance(exc, Forbidden) else 429
+        if isinstance(exc, TooManyAttempts):
+            headers["Retry-After"] = str(exc.retry_after_s)
     args = {k: v for k, v in request.query_params.multi_items() if k not in ("cursor", "fragment")}
     next_url = None
     if page["next_cursor"]:
@@ -126,12 +159,10 @@ async def calls_list(request: Request, engine: EngineDep, who: ViewerPageDep) ->
         "first_url": "/console/calls?" + urlencode(list(args.items())) if q.cursor else None,
         "fragment_url": str(request.url.include_query_params(fragment="1")),
     }
-    name = (
-        "console/_calls_table.html"
-        if request.query_params.get("fragment")
-        else "console/calls.html"
-    )
-    return _render(request, name, who, context, status=400 if error else 200)
+    name = _page_or_fragment(request, context, "calls")
+    response = _render(request, name, who, context, status=status)
+    response.headers.update(headers)
+    return response
 
 
 @router.get("/calls/{call_id}", response_class=HTMLResponse)
@@ -151,9 +182,7 @@ async def call_page(
         "lanes": lanes,
         "recording": view["recording"],
     }
-    name = (
-        "console/_call_live.html" if request.query_params.get("fragment") else "console/call.html"
-    )
+    name = _page_or_fragment(request, context, "call")
     return _render(request, name, who, context)
 
 
@@ -178,11 +207,7 @@ async def operations_list(
         "next_url": next_url,
         "fragment_url": str(request.url.include_query_params(fragment="1")),
     }
-    name = (
-        "console/_operations_table.html"
-        if request.query_params.get("fragment")
-        else "console/operations.html"
-    )
+    name = _page_or_fragment(request, context, "operations")
     return _render(request, name, who, context, status=400 if error else 200)
 
 
@@ -202,11 +227,7 @@ async def operation_page(
         "titles": TITLES,
         "states": STATE_TITLES,
     }
-    name = (
-        "console/_operation_live.html"
-        if request.query_params.get("fragment")
-        else "console/operation.html"
-    )
+    name = _page_or_fragment(request, context, "operation")
     return _render(request, name, who, context)
 
 
@@ -291,7 +312,7 @@ async def create_token(
 
 @router.post("/tokens/{token_id}/revoke")
 async def revoke_token(
-    token_id: int, request: Request, engine: EngineDep, who: AdminPageDep
+    token_id: RowIdPath, request: Request, engine: EngineDep, who: AdminPageDep
 ) -> Response:
     try:
         token = await api_tokens.revoke_token(engine, token_id)
@@ -304,18 +325,40 @@ async def revoke_token(
 
 
 @router.get("/staff", response_class=HTMLResponse)
-async def staff_page(request: Request, engine: EngineDep, who: AdminPageDep) -> Response:
+async def staff_page(
+    request: Request, runtime: RuntimeDep, engine: EngineDep, who: AdminPageDep
+) -> Response:
     accounts = await staff.list_staff(engine)
-    return _render(request, "console/staff.html", who, {"nav": "staff", "accounts": accounts})
+    limits = login_limits.LoginLimits.from_settings(runtime.settings)
+    lockouts = await login_limits.lockouts(engine, limits)
+    locked: dict[str, list[login_limits.Lockout]] = {}
+    for lockout in lockouts:
+        locked.setdefault(lockout.username, []).append(lockout)
+    return _render(
+        request,
+        "console/staff.html",
+        who,
+        {"nav": "staff", "accounts": accounts, "lockouts": lockouts, "locked": locked},
+    )
 
 
 @router.post("/staff/{username}/{change}")
 async def staff_change(
-    username: str, change: str, request: Request, engine: EngineDep, who: AdminPageDep
+    username: Annotated[str, Path(max_length=64)],
+    change: str,
+    request: Request,
+    engine: EngineDep,
+    who: AdminPageDep,
 ) -> Response:
-    if change not in ("disable", "enable"):
+    if change not in ("disable", "enable", "unlock"):
         raise NotFound(change)
-    if change == "disable" and username == who.name:
+    if change == "unlock":
+        try:
+            cleared = await staff.unlock(engine, username)
+            message = f"{username}: unlocked ({cleared} failed logins cleared)."
+        except StaffError as exc:
+            message = str(exc)
+    elif change == "disable" and username == who.name:
         message = "You cannot disable your own account."
     else:
         try:

@@ -45,7 +45,7 @@ from app.console_schemas import (
     WhoAmI,
 )
 from app.deps import EngineDep, RuntimeDep
-from app.errors import BadRequest, Conflict, NotFound
+from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts
 from app.live_updates import ALL_CALLS, LiveHub, call_key, op_key
 from app.masking import masker_for
 from app.operation_actions import Action, ActionDone, ActionRefused
@@ -65,6 +65,12 @@ works only where CONSOLE_HTTP_BASIC is on.
 Lists are paged by keyset: pass a page's `next_cursor` as `cursor` for the next one. Unknown
 query parameters and malformed values are refused with 422.
 """
+
+
+# A row id in a path: Postgres' bigint holds at most 2**63 - 1, and a larger number reached the
+# query as an error (500). Every integer path parameter uses this (tests walk the routes).
+BIGINT_MAX = 2**63 - 1
+RowIdPath = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 
 
 def get_console(runtime: RuntimeDep) -> Console:
@@ -109,9 +115,17 @@ async def whoami(principal: ViewerDep, _q: Annotated[NoQuery, Query()]) -> dict[
 # --- calls -------------------------------------------------------------------------------
 
 
-def call_filter(q: CallListQuery) -> call_query.CallFilter:
+def call_filter(q: CallListQuery, principal: Principal) -> call_query.CallFilter:
+    """The list's filter for this principal: a viewer's phone search is a whole number."""
+    phone = q.phone
+    if phone and not principal.sees_phone_numbers:
+        try:
+            phone = call_query.viewer_phone(phone)
+        except call_query.SearchRefused as exc:
+            raise Forbidden(str(exc)) from exc
     return call_query.CallFilter(
-        phone=q.phone,
+        phone=phone,
+        phone_exact=not principal.sees_phone_numbers,
         since=q.since,
         until=q.until,
         statuses=tuple(s.value for s in q.status),
@@ -120,11 +134,21 @@ def call_filter(q: CallListQuery) -> call_query.CallFilter:
     )
 
 
-async def calls_page(engine: AsyncEngine, q: CallListQuery, principal: Principal) -> dict[str, Any]:
-    """The calls list as JSON for this role (the page renders the same)."""
+async def calls_page(
+    engine: AsyncEngine, console: Console, q: CallListQuery, principal: Principal
+) -> dict[str, Any]:
+    """The calls list as JSON for this role (the page renders the same). Forbidden for a
+    viewer's partial number, TooManyAttempts past the search limit."""
+    f = call_filter(q, principal)
+    if f.phone:
+        wait = console.searches.admit(principal.actor, f.phone)  # session and Basic share one
+        if wait is not None:
+            raise TooManyAttempts(
+                f"too many different phone numbers searched; try again in {wait} s", wait
+            )
     page = await call_query.search_calls(
         engine,
-        call_filter(q),
+        f,
         limit=q.limit,
         cursor=call_query.Cursor.decode(q.cursor) if q.cursor else None,
     )
@@ -138,10 +162,14 @@ async def calls_page(engine: AsyncEngine, q: CallListQuery, principal: Principal
 
 @router.get("/calls", response_model=CallList)
 async def list_calls(
-    engine: EngineDep, principal: ViewerDep, q: Annotated[CallListQuery, Query()]
+    engine: EngineDep,
+    console: ConsoleDep,
+    principal: ViewerDep,
+    q: Annotated[CallListQuery, Query()],
 ) -> dict[str, Any]:
-    """Calls, newest first, filtered and paged by keyset."""
-    return await calls_page(engine, q, principal)
+    """Calls, newest first, filtered and paged by keyset. Viewers search by a full number
+    only; distinct numbers searched are rate-limited per staff member or token (429)."""
+    return await calls_page(engine, console, q, principal)
 
 
 async def _calls_snapshot(engine: AsyncEngine) -> tuple[Any, ...]:
@@ -654,7 +682,7 @@ async def create_token(
 
 @router.post("/tokens/{token_id}/revoke", response_model=TokenList, responses=_NOT_FOUND)
 async def revoke_token(
-    token_id: Annotated[int, Path(ge=1, le=2**62)],
+    token_id: RowIdPath,
     engine: EngineDep,
     _admin: AdminDep,
     _q: Annotated[NoQuery, Query()],

@@ -134,10 +134,20 @@ class Settings(BaseSettings):
     console_session_max_s: float = Field(default=7 * 24 * 3600, gt=0)
     # Session cookies carry `Secure`; unset: when PUBLIC_BASE_URL is https (TLS at a proxy).
     console_cookie_secure: bool | None = None
-    # Failed logins tolerated per account and per source address within the window.
-    login_max_failures_per_account: int = Field(default=5, ge=1)
+    # Failed logins tolerated within the window: per (account, source address), so guessing
+    # from one place never locks the account out from another; per source over all accounts.
+    login_max_failures_per_account_source: int = Field(default=5, ge=1)
     login_max_failures_per_source: int = Field(default=20, ge=1)
+    # Past this many failures for one account from all sources together (a distributed
+    # guesser), the account is not locked: its password is checked at most once per
+    # `login_account_slowdown_s`, whatever the source.
+    login_max_failures_per_account: int = Field(default=50, ge=1)
+    login_account_slowdown_s: float = Field(default=2.0, gt=0)
     login_failure_window_s: float = Field(default=900, gt=0)
+    # Phone searches of the calls list: distinct numbers one staff member or token may search
+    # within the window (repeating a search is free: the live page refreshes it).
+    call_search_max_numbers: int = Field(default=30, ge=1)
+    call_search_window_s: float = Field(default=300, gt=0)
     # An operation in flight with no change for this long is "stuck" in the console.
     operation_stuck_after_s: float = Field(default=600, gt=0)
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import login_limits
 from app.console_models import console_sessions_table as sessions_t
 from app.console_models import staff_accounts_table as staff_t
 from app.passwords import (
@@ -184,6 +185,17 @@ async def set_password(engine: AsyncEngine, username: str, password: str) -> Sta
             raise StaffError(f"no staff account named {name!r}")
         await conn.execute(sessions_t.delete().where(sessions_t.c.staff_id == row.id))
     return StaffAccount.from_row(row)
+
+
+async def unlock(engine: AsyncEngine, username: str) -> int:
+    """Clear the login failures of `username` from every source (its lockouts and its share of
+    each source's count); how many failures were cleared. StaffError if the name is neither an
+    account nor has failures."""
+    name = username.strip().lower()
+    cleared = await login_limits.clear(engine, name)
+    if cleared == 0 and await get_staff(engine, name) is None:
+        raise StaffError(f"no staff account named {name!r}")
+    return cleared
 
 
 async def authenticate(engine: AsyncEngine, username: str, password: str) -> StaffAccount | None:

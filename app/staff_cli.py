@@ -4,6 +4,7 @@
     voice-agent staff list
     voice-agent staff disable NAME | enable NAME
     voice-agent staff password NAME [--password-stdin]
+    voice-agent staff unlock NAME
     voice-agent token add NAME [--role viewer|operator|admin]
     voice-agent token list
     voice-agent token revoke ID
@@ -127,6 +128,16 @@ def _staff_password(args: argparse.Namespace) -> int:
     return _run(work)
 
 
+def _staff_unlock(args: argparse.Namespace) -> int:
+    async def work(engine: AsyncEngine) -> int:
+        cleared = await staff.unlock(engine, args.name)
+        name = args.name.strip().lower()
+        print(f"login failures of {name} cleared ({cleared}); it may log in again")
+        return 0
+
+    return _run(work)
+
+
 def _token_add(args: argparse.Namespace) -> int:
     async def work(engine: AsyncEngine) -> int:
         token, secret = await api_tokens.create_token(
@@ -176,6 +187,7 @@ def add_commands(sub: Any) -> None:
     for name, func, help_text in (
         ("disable", _staff_disable, "disable an account (ends its sessions)"),
         ("enable", _staff_enable, "enable a disabled account"),
+        ("unlock", _staff_unlock, "clear an account's failed logins from every source"),
     ):
         cmd = ssub.add_parser(name, help=help_text)
         cmd.add_argument("name")

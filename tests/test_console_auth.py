@@ -83,7 +83,7 @@ async def test_wrong_passwords_are_rate_limited_per_account_and_per_source(
     await add_staff(engine, "di", Role.VIEWER)
     await add_staff(engine, "ed", Role.VIEWER)
     async with running_service(
-        engine, login_max_failures_per_account=3, login_max_failures_per_source=5
+        engine, login_max_failures_per_account_source=3, login_max_failures_per_source=5
     ) as svc:
         async with httpx.AsyncClient(base_url=svc.url) as http:
             wrong = [(await _login(http, "di", "not the password")).status_code for _ in range(3)]

@@ -48,6 +48,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+async def js_true(page: Any, expression: str) -> None:
+    """Wait until `expression` is true in the page. Not `page.wait_for_function`: Playwright
+    compiles its predicate with `new Function` in the page, which the console's CSP (no
+    'unsafe-eval') refuses; `page.evaluate` goes through the DevTools protocol instead."""
+    await wait_until(
+        lambda: page.evaluate(f"Boolean({expression})"), WAIT_MS / 1000, what=expression
+    )
+
+
 @pytest.fixture
 async def browser() -> AsyncIterator[Any]:
     from playwright.async_api import async_playwright
@@ -115,19 +124,14 @@ async def test_staff_find_a_simulated_call_see_its_lanes_and_play_its_recording(
         transcript = await page.locator(".transcript li").all_inner_texts()
         await page.screenshot(path=str(ARTIFACTS / "console-call.png"), full_page=True)
         # Play the recording: the playhead moves along the timeline.
-        await page.wait_for_function(
-            "document.getElementById('recording').readyState >= 1", timeout=WAIT_MS
-        )
+        await js_true(page, "document.getElementById('recording').readyState >= 1")
         duration = await page.evaluate("document.getElementById('recording').duration")
         await page.evaluate("document.getElementById('recording').play()")
-        await page.wait_for_function(
-            "document.getElementById('recording').currentTime > 1.0", timeout=WAIT_MS
-        )
+        await js_true(page, "document.getElementById('recording').currentTime > 1.0")
         head = page.locator(".playhead")
         first = float(await head.get_attribute("data-t") or 0)
-        await page.wait_for_function(
-            f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}",
-            timeout=WAIT_MS,
+        await js_true(
+            page, f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}"
         )
         moved = float(await head.get_attribute("data-t") or 0)
         visible = await head.is_visible()
@@ -221,9 +225,8 @@ async def test_reconciling_an_unknown_operation_updates_its_history_live_for_oth
         await fixer.wait_for_selector(".flash")
         flash = await fixer.locator(".flash").inner_text()
         # The watcher's page follows without a reload.
-        await watcher.wait_for_function(
-            "document.getElementById('op-status').textContent.trim() === 'committed'",
-            timeout=WAIT_MS,
+        await js_true(
+            watcher, "document.getElementById('op-status').textContent.trim() === 'committed'"
         )
         history = await watcher.locator("#history-rows").inner_text()
         facts = await watcher.locator(".facts").inner_text()
@@ -369,3 +372,55 @@ async def test_a_call_in_progress_updates_live_and_gets_its_player_when_it_ends(
         await page.wait_for_selector("#recording", timeout=WAIT_MS)
         await page.context.close()
     assert no_player == 0 and live
+
+
+_WATCH_CSP = """
+window.__csp = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__csp.push(`${e.violatedDirective} ${e.blockedURI} ${e.sourceFile}:${e.lineNumber}`);
+});
+"""
+
+
+async def test_console_pages_and_live_refresh_run_under_the_csp_with_no_violation(
+    engine: AsyncEngine, browser: Any
+) -> None:
+    """Every page under its Content-Security-Policy: nothing refused, the live sections still
+    refresh (through the template, not innerHTML), and Trusted Types refuse innerHTML."""
+    from tools import ledger
+
+    call_id = await seed_call(engine, from_number="+15551230000")
+    op_id = await seed_operation(engine, call_id, S.UNKNOWN, reference="BKCSP0001")
+    await add_staff(engine, "csp", Role.ADMIN)
+    async with running_service(engine, console_http_basic=False) as svc:
+        base = svc.url
+        page = await log_in(browser, base, "csp", PASSWORD)
+        await page.context.add_init_script(_WATCH_CSP)
+        seen: dict[str, list[str]] = {}
+        for path in ("/console/tokens", "/console/staff", f"/console/calls/{call_id}"):
+            await page.goto(f"{base}{path}")
+            seen[path] = await page.evaluate("window.__csp")
+        calls = await page.context.new_page()
+        await calls.goto(f"{base}/console/calls")
+        await calls.wait_for_selector("#calls-live[data-connected='1']")
+        await page.goto(f"{base}/console/operations/{op_id}")
+        await page.wait_for_selector("#op-live[data-connected='1']")
+        async with engine.begin() as conn:  # the outcome arrives: both pages follow it live
+            moved = await ledger.transition(
+                conn, op_id, S.UNKNOWN, S.COMMITTED, actor="test", reason="csp test",
+                provider_ref="BKCSP0001",
+            )  # fmt: skip
+        await js_true(
+            page, "document.getElementById('op-status').textContent.trim() === 'committed'"
+        )
+        await js_true(calls, "Number(document.getElementById('calls-live').dataset.version) >= 1")
+        seen["operation (live)"] = await page.evaluate("window.__csp")
+        seen["calls (live)"] = await calls.evaluate("window.__csp")
+        blocked = await page.evaluate(
+            "() => { try { document.body.innerHTML = '<b>x</b>'; return 'written'; }"
+            " catch (e) { return e.name; } }"
+        )
+        await page.context.close()
+    assert moved is not None
+    assert seen == {key: [] for key in seen}
+    assert blocked == "TypeError"  # require-trusted-types-for 'script'

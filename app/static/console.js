@@ -2,6 +2,29 @@
 // playhead on the timeline. Pages work without it (reload to see changes).
 "use strict";
 
+// The only way HTML from the server reaches the page (the CSP's Trusted Types allow this one
+// policy, so `innerHTML = string` throws in Chromium). A fetched fragment is parsed into a
+// detached document, where nothing runs or loads; only the server's <template> for this section
+// is taken from it, and any script, frame or inline handler is dropped before it is moved in.
+const fragmentPolicy = window.trustedTypes
+  ? window.trustedTypes.createPolicy("console-fragment", { createHTML: (html) => html })
+  : null;
+
+function fragmentFor(section, html) {
+  const markup = fragmentPolicy ? fragmentPolicy.createHTML(html) : html;
+  const parsed = new DOMParser().parseFromString(markup, "text/html");
+  const template = parsed.querySelector("template[data-fragment]");
+  if (!template || template.dataset.fragment !== section.id) return null;
+  const content = document.importNode(template.content, true);
+  content.querySelectorAll("script, iframe, frame, object, embed, base, meta, link").forEach((el) => el.remove());
+  content.querySelectorAll("*").forEach((el) => {
+    for (const attr of Array.from(el.attributes)) {
+      if (attr.name.toLowerCase().startsWith("on")) el.removeAttribute(attr.name);
+    }
+  });
+  return content;
+}
+
 // Replace a page section with its server-rendered fragment whenever the server says it changed.
 function liveSection(section) {
   const source = section.dataset.live;
@@ -18,8 +41,10 @@ function liveSection(section) {
         window.location.reload();  // the session ended: the page redirects to the login
         return;
       }
-      if (response.ok) {
-        section.innerHTML = await response.text();
+      const type = response.headers.get("content-type") || "";
+      const content = response.ok && type.startsWith("text/html") ? fragmentFor(section, await response.text()) : null;
+      if (content) {
+        section.replaceChildren(content);
         section.dataset.version = String(Number(section.dataset.version || 0) + 1);
         document.dispatchEvent(new CustomEvent("console:refreshed", { detail: section }));
       }
