@@ -71,6 +71,9 @@ class MediaStats:
         self.foreign_packets = 0
 
 
+_monotonic = time.monotonic  # (a global lookup less per packet)
+
+
 def _host(ip: str) -> str:
     return ip[7:] if ip.startswith("::ffff:") else ip
 
@@ -198,7 +201,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self._started = False
         self._closed = False
         # Stream time of caller audio: (SSRC, RTP timestamp, ms) of the last anchor.
-        self._t0 = 0.0
+        self._t0_ms = 0.0
         self._in_ssrc: int | None = None
         self._ts_base = 0
         self._ms_base = 0
@@ -249,25 +252,26 @@ class RtpStream(asyncio.DatagramProtocol):
             return
         if not self.receiving or not packet.payload:
             return  # on hold: the caller's music is not a turn of the conversation
-        now_ms = int((time.monotonic() - self._t0) * 1000)
+        now_ms = _monotonic() * 1000.0 - self._t0_ms
+        ts = packet.timestamp
         # Signed 32-bit difference: a reordered packet or a wrap is a small step either way.
-        delta = ((packet.timestamp - self._ts_base + 0x80000000) & 0xFFFFFFFF) - 0x80000000
-        ms = self._ms_base + delta // 8
+        ms = self._ms_base + (((ts - self._ts_base + 0x80000000) & 0xFFFFFFFF) - 0x80000000) // 8
         if packet.ssrc != self._in_ssrc or not -MAX_TS_JUMP_MS < ms - now_ms < MAX_TS_JUMP_MS:
-            ms = self._anchor(packet.ssrc, packet.timestamp, now_ms)
+            ms = self._anchor(packet.ssrc, ts, now_ms)
         elif ms < 0:
             ms = 0  # reordered before the first packet
         self._on_audio(packet.payload, ms)
 
-    def _anchor(self, ssrc: int, timestamp: int, now_ms: int) -> int:
+    def _anchor(self, ssrc: int, timestamp: int, now_ms: float) -> int:
         """A new stream time base: this packet plays at its arrival (a new stream or a jump)."""
         if self._in_ssrc is None:
-            self._t0 = time.monotonic()
-            now_ms = 0
+            self._t0_ms = _monotonic() * 1000.0
+            at = 0
         else:
             self.discontinuities += 1
-        self._in_ssrc, self._ts_base, self._ms_base = ssrc, timestamp, now_ms
-        return now_ms
+            at = int(now_ms)
+        self._in_ssrc, self._ts_base, self._ms_base = ssrc, timestamp, at
+        return at
 
     def _admit(self, addr: tuple[Any, ...], data: bytes) -> bool:
         """A packet from somewhere other than the learned source: learn it, or drop it."""
