@@ -339,3 +339,18 @@ async def test_the_simulator_takes_pcma_sessions_and_reports_the_format() -> Non
         session = await sim.wait_for_session(0)
         assert session.input_format == "audio/pcma" and session.output_format == "audio/pcma"
         await client.close()
+
+
+async def test_rtp_ports_are_chosen_at_random_over_the_whole_range() -> None:
+    # A sprayer that tries the lowest free port (or the next in turn) must not find the call.
+    ports = RtpPorts("43100-43199")  # 50 even ports
+    chosen = []
+    for _ in range(30):
+        transport, _, port, _ = await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+        chosen.append(port)
+        transport.close()
+        await asyncio.sleep(0)  # the socket closes on the next loop iteration
+        ports.release(port)
+    assert all(43100 <= p <= 43198 and p % 2 == 0 for p in chosen)
+    assert len(set(chosen)) >= 10 and max(chosen) - min(chosen) >= 50
+    assert chosen != sorted(chosen)
