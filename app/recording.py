@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
-from telephony.leg import AudioFormat, AudioIn, CallLeg, LegEvent
+from telephony.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
 RATE = 8000
@@ -82,6 +82,7 @@ class CallRecorder:
         self._agent: list[tuple[float, bytes | str]] = []
         self.truncated = False
         self.largest_window_bytes = 0  # the largest buffer a render laid out (tests, memory)
+        self.ended: float | None = None
 
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
@@ -161,9 +162,15 @@ class CallRecorder:
             cursor = start + len(data)
         return placed
 
+    def stop(self) -> None:
+        """The call is over (its leg closed): the recording ends here, whatever comes after."""
+        if self.ended is None:
+            self.ended = self._clock()
+
     def limit_samples(self) -> int:
-        """The most samples the recording may hold: the call so far, on our clock."""
-        lasted = min(self._clock() - self.started, self._max_s)
+        """The most samples the recording may hold: the call's length on our clock."""
+        end = self.ended if self.ended is not None else self._clock()
+        lasted = min(end - self.started, self._max_s)
         return max(0, round((lasted * 1000 + END_MARGIN_MS) * SAMPLES_PER_MS))
 
     def render(self) -> Recording:
@@ -244,6 +251,8 @@ class RecordingLeg:
         async for event in self.inner.events():
             if type(event) is AudioIn:
                 record(event.payload, event.timestamp_ms)  # decoded at the end, off the loop
+            elif type(event) is LegClosed:
+                self.recorder.stop()
             yield event
 
     async def play(self, item_id: str, payload: str) -> None:
@@ -256,6 +265,7 @@ class RecordingLeg:
         await self.inner.clear()
 
     async def close(self, reason: str) -> None:
+        self.recorder.stop()
         await self.inner.close(reason)
 
     def __getattr__(self, name: str) -> Any:
