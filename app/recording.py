@@ -12,9 +12,15 @@ in a thread) when the call ends: caller on the left channel, agent on the right,
 8 kHz, which every browser plays and seeks.
 
 Caller frames are placed by the stream's own timestamps (Twilio's `timestamp`, ms since the
-stream started), anchored at the first frame's arrival; agent audio plays from when it was
-handed over or when the audio before it ends, whichever is later (Twilio plays a stream's
-media back to back in real time), up to the moment of a clear.
+stream started; the SIP leg's from RTP), anchored at the first frame's arrival; agent audio
+plays from when it was handed over or when the audio before it ends, whichever is later (Twilio
+plays a stream's media back to back in real time), up to the moment of a clear.
+
+A timestamp is the peer's word, so it only places a frame near its arrival: one further than
+`MAX_SKEW_MS` from it (a jump, a regression, a new stream, a hostile peer) re-anchors the
+stream there, and the recording never holds more samples than the call lasted on our own clock
+(plus `END_MARGIN_MS`). The tracks are laid out window by window (`WINDOW_SAMPLES`), so no
+buffer of the render is larger than a window besides the recording itself.
 """
 
 from __future__ import annotations
@@ -22,18 +28,25 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
-from telephony.leg import AudioFormat, AudioIn, CallLeg, LegEvent
+from telephony.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
 RATE = 8000
 SAMPLES_PER_MS = RATE // 1000
 CONTENT_TYPE = "audio/wav"
+# A frame's stream time may be this far from its arrival (jitter, a burst after a stall).
+MAX_SKEW_MS = 2000
+# The recording may run this far past the last moment of the call the recorder saw.
+END_MARGIN_MS = 1000
+# Twilio's `timestamp` is any integer string; beyond float precision it places nothing.
+MAX_STAMP_MS = 1 << 53
+WINDOW_SAMPLES = 30 * RATE  # laid out and decoded 30 s at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,8 @@ class CallRecorder:
         # (at s, audio bytes); empty audio marks a clear
         self._agent: list[tuple[float, bytes | str]] = []
         self.truncated = False
+        self.largest_window_bytes = 0  # the largest buffer a render laid out (tests, memory)
+        self.ended: float | None = None
 
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
@@ -114,9 +129,11 @@ class CallRecorder:
         for arrival, stamp, payload in self._caller:
             data = self._g711(payload)
             arrival_ms = (arrival - self.started) * 1000.0
-            if stamp is not None and stamp >= 0:
-                if anchor is None:
-                    anchor = (arrival_ms, stamp)
+            if stamp is not None and 0 <= stamp < MAX_STAMP_MS:
+                if anchor is None or abs(anchor[0] + (stamp - anchor[1]) - arrival_ms) > (
+                    MAX_SKEW_MS
+                ):
+                    anchor = (arrival_ms, stamp)  # the first frame, or a discontinuity
                 at_ms = anchor[0] + (stamp - anchor[1])
             else:
                 at_ms = max(arrival_ms, cursor / SAMPLES_PER_MS)
@@ -145,30 +162,63 @@ class CallRecorder:
             cursor = start + len(data)
         return placed
 
+    def stop(self) -> None:
+        """The call is over (its leg closed): the recording ends here, whatever comes after."""
+        if self.ended is None:
+            self.ended = self._clock()
+
+    def limit_samples(self) -> int:
+        """The most samples the recording may hold: the call's length on our clock."""
+        end = self.ended if self.ended is not None else self._clock()
+        lasted = min(end - self.started, self._max_s)
+        return max(0, round((lasted * 1000 + END_MARGIN_MS) * SAMPLES_PER_MS))
+
     def render(self) -> Recording:
         """The stereo WAV: caller left, agent right, on the recorder's clock."""
         caller = self._caller_track()
         agent = self._agent_track()
         samples = max([s + len(d) for s, d in caller] + [s + len(d) for s, d in agent] + [0])
+        samples = min(samples, self.limit_samples())
         codec: Codec = "pcma" if self.audio_format == "audio/pcma" else "pcmu"
         silence = silence_byte(codec)
-        stereo = bytearray(2 * samples)
-        stereo[0::2] = _lay(caller, samples, silence)
-        stereo[1::2] = _lay(agent, samples, silence)
-        return Recording(
+        caller_bins, agent_bins = _bins(caller, samples), _bins(agent, samples)
+        pcm: list[bytes] = []
+        for index, first in enumerate(range(0, samples, WINDOW_SAMPLES)):
+            size = min(WINDOW_SAMPLES, samples - first)
+            stereo = bytearray(2 * size)
+            stereo[0::2] = _lay(caller_bins.get(index, ()), first, size, silence)
+            stereo[1::2] = _lay(agent_bins.get(index, ()), first, size, silence)
             # G.711 decodes sample by sample, so the interleaved bytes decode to stereo PCM.
-            wav=pcm16_to_wav(decode(bytes(stereo), codec), RATE, channels=2),
+            pcm.append(decode(bytes(stereo), codec))
+            self.largest_window_bytes = max(self.largest_window_bytes, len(stereo))
+        return Recording(
+            wav=pcm16_to_wav(b"".join(pcm), RATE, channels=2),
             duration_ms=samples // SAMPLES_PER_MS,
             started_at=self.started_at,
             truncated=self.truncated,
         )
 
 
-def _lay(pieces: list[tuple[int, bytes]], samples: int, silence: int) -> bytes:
-    track = bytearray([silence]) * samples
+def _bins(pieces: list[tuple[int, bytes]], samples: int) -> dict[int, list[tuple[int, bytes]]]:
+    """The pieces that fall in each window (a piece across a boundary in both); none past the
+    end."""
+    bins: dict[int, list[tuple[int, bytes]]] = {}
     for start, data in pieces:
         end = min(samples, start + len(data))
-        track[start:end] = data[: end - start]
+        if start >= end:
+            continue
+        for index in range(start // WINDOW_SAMPLES, (end - 1) // WINDOW_SAMPLES + 1):
+            bins.setdefault(index, []).append((start, data))
+    return bins
+
+
+def _lay(pieces: Iterable[tuple[int, bytes]], first: int, size: int, silence: int) -> bytes:
+    """One window of a track: samples [first, first + size)."""
+    track = bytearray([silence]) * size
+    for start, data in pieces:
+        lo, hi = max(start, first), min(start + len(data), first + size)
+        if lo < hi:
+            track[lo - first : hi - first] = data[lo - start : hi - start]
     return bytes(track)
 
 
@@ -201,6 +251,8 @@ class RecordingLeg:
         async for event in self.inner.events():
             if type(event) is AudioIn:
                 record(event.payload, event.timestamp_ms)  # decoded at the end, off the loop
+            elif type(event) is LegClosed:
+                self.recorder.stop()
             yield event
 
     async def play(self, item_id: str, payload: str) -> None:
@@ -213,6 +265,7 @@ class RecordingLeg:
         await self.inner.clear()
 
     async def close(self, reason: str) -> None:
+        self.recorder.stop()
         await self.inner.close(reason)
 
     def __getattr__(self, name: str) -> Any:

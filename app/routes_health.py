@@ -109,6 +109,13 @@ def render_metrics(runtime: Runtime) -> Response:
              "OpenAI SIP interconnect calls rejected (busy, not ours, draining).",
              sum(interconnect.rejected.values())),
         ]  # fmt: skip
+    sip = runtime.sip
+    if sip is not None:
+        samples.append(
+            ("voice_agent_sip_rtp_foreign_dropped_total", "counter",
+             "RTP packets dropped from sources the signalling did not name (strict RTP).",
+             sip.media_stats.foreign_packets)
+        )  # fmt: skip
     lines: list[str] = []
     for name, kind, help_text, value in samples:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

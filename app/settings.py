@@ -79,6 +79,13 @@ class Settings(BaseSettings):
     sip_advertised_address: str | None = None
     # Source CIDRs that may send SIP at all, checked before parsing; unset: loopback only.
     sip_allow_from: str | None = None
+    # Strict RTP: media is taken from the SDP's address, or (learned after SIP_RTP_PROBATION
+    # packets in sequence, within SIP_RTP_LEARN_S of the answer or of a move) another port of
+    # the SDP's or the INVITE's host, or a host of SIP_MEDIA_ALLOW_FROM (CIDRs: a trunk whose
+    # media comes from other hosts than its signalling). Anything else is dropped.
+    sip_media_allow_from: str | None = None
+    sip_rtp_learn_s: float = Field(default=3.0, gt=0)
+    sip_rtp_probation: int = Field(default=4, ge=1, le=100)
     # Digest authentication of INVITEs: `user:password,user2:password2`; unset: none.
     sip_digest_users: SecretStr | None = None
     # Wrong digest responses allowed per (user, source address) before each further one

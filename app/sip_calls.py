@@ -31,13 +31,13 @@ from app.settings import Settings
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.leg import CallLeg
-from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList
+from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
 from telephony.sip.dialog import CallKey
 from telephony.sip.digest import DigestAuth, parse_users
 from telephony.sip.errors import RtpPortsExhausted
 from telephony.sip.leg import SipLeg
 from telephony.sip.ports import RtpPorts
-from telephony.sip.rtp import RtpClock
+from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock
 from telephony.sip.sdp import ANSWER_DIRECTION, LocalMedia
 from telephony.sip.timers import TimerConfig
 from telephony.sip.transport import SipTransport
@@ -139,6 +139,11 @@ class SipService:
         )
         self.ports = RtpPorts(settings.sip_rtp_ports)
         self.clock = RtpClock()
+        self.media_stats = MediaStats()
+        media_allow = settings.sip_media_allow_from
+        self.media_allow = (
+            AllowList(parse_networks(media_allow, "SIP_MEDIA_ALLOW_FROM")) if media_allow else None
+        )
         self._calls: dict[CallKey, _Pending] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._switch_interval = sys.getswitchinterval()
@@ -310,7 +315,9 @@ class SipService:
             return
         dtmf_pt = incoming.remote.dtmf_pt if incoming.remote else 101
         leg = SipLeg(key.call_id, incoming.codec, dtmf_pt, self.clock,
-                     lambda reason: self._hang_up(key, reason))  # fmt: skip
+                     lambda reason: self._hang_up(key, reason),
+                     policy=self._media_policy(incoming), stats=self.media_stats,
+                     on_foreign=lambda source: self._foreign_media(row.id, source))  # fmt: skip
         try:
             _, _, rtp_port, rtp_sock = await self.ports.bind(self.bind_host, lambda: leg.rtp)
             leg.rtp.use_socket(rtp_sock)
@@ -432,6 +439,25 @@ class SipService:
         if emit_end:
             runtime.events.emit(CallEvent(call_id, CallEventKind.CALL_ENDED, {"reason": reason}))
         await runtime.events.flush(FLUSH_TIMEOUT_S)
+
+    def _media_policy(self, incoming: IncomingCall) -> MediaPolicy:
+        settings = self.runtime.settings
+        return MediaPolicy(
+            signalling_host=incoming.source.remote[0],
+            allow=self.media_allow,
+            learn_s=settings.sip_rtp_learn_s,
+            probation=settings.sip_rtp_probation,
+        )
+
+    def _foreign_media(self, call_id: str, source: tuple[str, int]) -> None:
+        """RTP from a source the signalling did not name reached a call (once a call)."""
+        self.runtime.events.emit(
+            CallEvent(
+                call_id, CallEventKind.FOREIGN_MEDIA_DROPPED, {"source": f"{source[0]}:{source[1]}"}
+            )
+        )
+        log.warning("call %s: RTP from %s:%s dropped (not the signalled media source)",
+                    call_id, source[0], source[1])  # fmt: skip
 
     def _hang_up(self, key: CallKey, reason: str) -> None:
         """Our side ends the call (tools, errors, drain): BYE, or 503/480 if not yet answered."""

@@ -42,6 +42,7 @@ _CALL_LANE_KINDS = {
     "pin_entered": "PIN entered",
     "verification_locked": "verification locked",
     "stream_abusive": "ended as abusive",
+    "foreign_media_dropped": "foreign RTP dropped",
     "malformed_frame": "bad frame",
     "apology_played": "apology",
     "call_transferred": "transferred",
@@ -420,6 +421,7 @@ def _call_lane(events: list[dict[str, Any]]) -> Lane:
                 "malformed_frame",
                 "verification_locked",
                 "stream_abusive",
+                "foreign_media_dropped",
             )
             else "call"
         )

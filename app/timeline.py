@@ -333,6 +333,7 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "pin_entered": ("digits", "outcome"),
     "verification_locked": ("subject", "failures", "locked_until"),
     "stream_abusive": ("budget", "reason"),
+    "foreign_media_dropped": ("source",),
 }
 _IDS = {"call_id", "call_sid", "item_id", "response_id", "stream_sid", "turn_id"}
 

@@ -44,6 +44,8 @@ class CallEventKind(StrEnum):
     ERROR = "error"
     # A media stream over one of its budgets (telephony.budget), ended as abusive.
     STREAM_ABUSIVE = "stream_abusive"
+    # RTP from a source the signalling did not name (strict RTP), once a call.
+    FOREIGN_MEDIA_DROPPED = "foreign_media_dropped"
     # Caller verification locked for the account or number (tools.verification).
     VERIFICATION_LOCKED = "verification_locked"
     # A keypad PIN entry: how many digits, never which.

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.recording import CallRecorder, RecordingLeg
+from app.recording import WINDOW_SAMPLES, CallRecorder, RecordingLeg
 from app.recording_store import FileStore, LargeObjectStore, get_recording
 from app.staff import Role
 from telephony import audio
@@ -113,6 +113,47 @@ def test_a_recording_longer_than_its_limit_keeps_its_start_and_says_so() -> None
     recording = rec.render()
     assert recording.truncated
     assert recording.duration_ms <= 1020
+
+
+@pytest.mark.parametrize(
+    "stamps",
+    [
+        [0, -160, *range(20, 2000, 20)],  # regressing
+        [0, 20, 2**32 // 8, 40, 60],  # a jump of 149 hours, then back
+        [0, 20, 10**15, 10**15 + 20, 3, 10**4000],  # hours, then nonsense of any size
+        [2**31, 0, 2**31 + 20, 5 * 3600 * 1000],  # a new stream, then a jump of hours
+    ],
+)
+def test_timestamps_place_caller_audio_only_near_its_arrival_and_never_past_the_call(
+    stamps: list[int],
+) -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=4 * 3600 * 1000, clock=clock)
+    for n, stamp in enumerate(stamps):
+        clock.now = 100 + n * 0.02
+        rec.caller_audio(tone(20), stamp)
+    clock.now += 0.5
+    rec.stop()  # the hang-up
+    lasted_ms = (clock.now - 100) * 1000
+    clock.now += 30  # the end-of-call work before the render is not part of the call
+    recording = rec.render()
+    caller, _ = channels(recording.wav)
+    assert recording.duration_ms <= lasted_ms + 1000
+    assert rec.largest_window_bytes <= 2 * 8 * (lasted_ms + 1000)
+    assert active_ms(caller, 0, recording.duration_ms) >= 20  # the audio is there
+
+
+def test_a_long_recording_is_laid_out_in_windows_not_one_buffer() -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=4 * 3600 * 1000, clock=clock)
+    for n in range(5000):  # 100 s of caller audio
+        clock.now = 100 + n * 0.02
+        rec.caller_audio(tone(20), n * 20)
+    recording = rec.render()
+    caller, _ = channels(recording.wav)
+    assert 100_000 <= recording.duration_ms <= 101_000
+    assert rec.largest_window_bytes == 2 * WINDOW_SAMPLES  # 30 s of stereo G.711 at a time
+    assert active_ms(caller, 0, 100_000) == 100_000  # no gap at a window boundary
 
 
 class FakeLeg:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from telephony.sip import sdp
 from telephony.sip.errors import RtpPortsExhausted, SdpError
 from telephony.sip.leg import SipLeg
 from telephony.sip.ports import RtpPorts, parse_range
-from telephony.sip.rtp import RtpClock, RtpStream, SentPlayback
+from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
 from telephony.sip.sdp import PCMA, PCMU, LocalMedia, RemoteMedia
 from tests.sip_support import sdp_offer
 
@@ -116,16 +117,116 @@ def test_inactive_stops_both_directions() -> None:
     assert out.sent == [] and audio == []
 
 
-def test_rtp_latches_to_where_media_comes_from_and_ignores_everyone_else() -> None:
-    rtp, out, audio, _ = stream()
-    nat = ("127.0.0.9", 50123)
-    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 7, b"\x01" * 160).serialize(), nat)
-    rtp.datagram_received(RtpPacket(0, 0, 1, 160, 9, b"\x02" * 160).serialize(), ("127.0.0.8", 1))
-    rtp.datagram_received(RtpPacket(96, 0, 1, 160, 7, b"\x03" * 160).serialize(), nat)  # wrong PT
+class StillClock:
+    """An RTP clock that never ticks by itself (the test ticks), so start() opens learning."""
+
+    def add(self, stream: RtpStream) -> None:
+        pass
+
+    def remove(self, stream: RtpStream) -> None:
+        pass
+
+
+def strict_stream(
+    policy: MediaPolicy, stats: MediaStats | None = None
+) -> tuple[RtpStream, FakeTransport, list[tuple[bytes, int]], list[tuple[str, int]]]:
+    audio: list[tuple[bytes, int]] = []
+    foreign: list[tuple[str, int]] = []
+    rtp = RtpStream(
+        PCMU, 101, SentPlayback(), StillClock(), lambda a, ms: audio.append((a, ms)),  # type: ignore[arg-type]
+        lambda _: None, policy=policy, stats=stats, on_foreign=foreign.append,
+    )  # fmt: skip
+    transport = FakeTransport()
+    rtp.connection_made(transport)  # type: ignore[arg-type]
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "sendrecv"), "sendrecv")
+    rtp.start()
+    return rtp, transport, audio, foreign
+
+
+def rtp_packet(seq: int, ts: int, ssrc: int = 7, fill: int = 1, pt: int = 0) -> bytes:
+    return RtpPacket(pt, 0, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc, bytes([fill]) * 160).serialize()
+
+
+def test_strict_rtp_takes_the_signalled_address_and_drops_every_other_host() -> None:
+    stats = MediaStats()
+    rtp, out, audio, foreign = strict_stream(MediaPolicy(signalling_host="127.0.0.1"), stats)
+    sprayer = ("127.0.0.9", 50123)
+    for n in range(10):  # before the caller: in sequence, but from a host nobody named
+        rtp.datagram_received(rtp_packet(n, n * 160, fill=9), sprayer)
     rtp.tick()
-    assert audio == [b"\x01" * 160]
-    assert rtp.foreign_packets == 1 and rtp.bad_packets == 1
-    assert out.sent[-1][1] == nat  # symmetric RTP: we answer where it came from
+    assert out.sent[-1][1] == PEER  # agent audio goes where the SDP says, not to the sprayer
+    rtp.datagram_received(rtp_packet(1, 160), PEER)
+    rtp.datagram_received(rtp_packet(96, 160, pt=96), PEER)  # wrong payload type
+    for n in range(10, 20):
+        rtp.datagram_received(rtp_packet(n, n * 160, fill=9), sprayer)
+    rtp.tick()
+    assert [a for a, _ in audio] == [b"\x01" * 160]
+    assert rtp.foreign_packets == 20 and stats.foreign_packets == 20 and rtp.bad_packets == 1
+    assert foreign == [sprayer]  # reported once, however many packets
+    assert {where for _, where in out.sent} == {PEER}
+
+
+def test_another_port_of_the_peers_host_is_learned_after_packets_in_sequence_in_the_window() -> (
+    None
+):
+    rtp, out, audio, foreign = strict_stream(MediaPolicy(signalling_host="127.0.0.5", probation=4))
+    nat = ("127.0.0.1", 50123)  # the SDP's host, another port: NAT rewrote it
+    rtp.datagram_received(rtp_packet(1, 160), nat)
+    rtp.datagram_received(rtp_packet(3, 480), nat)  # out of sequence: probation starts over
+    for seq in (4, 5):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), nat)
+    assert audio == [] and rtp.remote == PEER
+    rtp.datagram_received(rtp_packet(6, 6 * 160), nat)  # the fourth in a row: learned
+    rtp.datagram_received(rtp_packet(7, 7 * 160), nat)
+    rtp.tick()
+    assert len(audio) == 2 and out.sent[-1][1] == nat
+    # The INVITE's host may be learned too, but not once a source is in (learning is closed).
+    for seq in range(10):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), ("127.0.0.5", 4000))
+    assert rtp.remote == nat and foreign == [("127.0.0.5", 4000)]
+    # The SDP's own address is the peer whatever was learned.
+    rtp.datagram_received(rtp_packet(9, 9 * 160), PEER)
+    rtp.tick()
+    assert out.sent[-1][1] == PEER and len(audio) == 3
+
+
+def test_learning_ends_with_its_window_and_a_reinvite_to_the_same_address_keeps_it_shut() -> None:
+    rtp, out, audio, _ = strict_stream(MediaPolicy(learn_s=0.05, probation=2))
+    time.sleep(0.06)
+    nat = ("127.0.0.1", 50123)
+    for seq in range(5):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), nat)
+    assert audio == [] and rtp.foreign_packets == 5
+    # Hold and resume at the same address: learning stays closed.
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "sendonly"), "recvonly")
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "sendrecv"), "sendrecv")
+    for seq in range(5, 10):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), nat)
+    assert audio == [] and rtp.foreign_packets == 10
+    # A move to a new port opens it again, for that host.
+    moved = ("127.0.0.1", 41000)
+    rtp.set_remote(RemoteMedia(PCMU, 101, moved, "sendrecv"), "sendrecv")
+    for seq in range(10, 12):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), nat)
+    rtp.tick()
+    assert len(audio) == 1 and out.sent[-1][1] == nat
+
+
+def test_caller_stream_time_stays_on_the_arrival_clock_whatever_the_timestamps_say() -> None:
+    rtp, _, audio, _ = strict_stream(MediaPolicy())
+    base = 0xFFFFF000  # wraps past 2**32 after a few packets
+    stamps = [base, base - 160]  # the second is reordered: below the first
+    stamps += [base + 160 * n for n in range(1, 60)]  # runs across the wrap
+    for seq, ts in enumerate(stamps):
+        rtp.datagram_received(rtp_packet(seq, ts), PEER)
+    rtp.datagram_received(rtp_packet(100, 12345, ssrc=99), PEER)  # a new stream (new SSRC)
+    rtp.datagram_received(rtp_packet(101, 12345 + 8000 * 3600 * 5, ssrc=99), PEER)  # +5 hours
+    rtp.datagram_received(rtp_packet(102, 12345 - 8000 * 3600, ssrc=99), PEER)  # -1 hour
+    times = [ms for _, ms in audio]
+    assert times[:3] == [0, 0, 20]  # the reordered packet is not 149 hours in
+    assert times[60] == 59 * 20  # across the wrap: still 20 ms steps
+    assert all(0 <= ms < 1000 + 59 * 20 for ms in times), times  # the test took well under 1 s
+    assert rtp.discontinuities == 3
 
 
 def test_rfc4733_digits_come_out_once_per_key_press() -> None:
@@ -238,3 +339,18 @@ async def test_the_simulator_takes_pcma_sessions_and_reports_the_format() -> Non
         session = await sim.wait_for_session(0)
         assert session.input_format == "audio/pcma" and session.output_format == "audio/pcma"
         await client.close()
+
+
+async def test_rtp_ports_are_chosen_at_random_over_the_whole_range() -> None:
+    # A sprayer that tries the lowest free port (or the next in turn) must not find the call.
+    ports = RtpPorts("43100-43199")  # 50 even ports
+    chosen = []
+    for _ in range(30):
+        transport, _, port, _ = await ports.bind("127.0.0.1", asyncio.DatagramProtocol)
+        chosen.append(port)
+        transport.close()
+        await asyncio.sleep(0)  # the socket closes on the next loop iteration
+        ports.release(port)
+    assert all(43100 <= p <= 43198 and p % 2 == 0 for p in chosen)
+    assert len(set(chosen)) >= 10 and max(chosen) - min(chosen) >= 50
+    assert chosen != sorted(chosen)

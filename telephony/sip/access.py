@@ -12,7 +12,7 @@ DEFAULT_ALLOW_FROM = "127.0.0.0/8,::1/128"
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def parse_networks(spec: str) -> tuple[IpNetwork, ...]:
+def parse_networks(spec: str, setting: str = "SIP_ALLOW_FROM") -> tuple[IpNetwork, ...]:
     """`10.0.0.0/8, 192.0.2.7` -> networks; ValueError names the entry that is not a CIDR."""
     networks: list[IpNetwork] = []
     for entry in spec.split(","):
@@ -22,7 +22,7 @@ def parse_networks(spec: str) -> tuple[IpNetwork, ...]:
         try:
             networks.append(ipaddress.ip_network(entry, strict=False))
         except ValueError:
-            raise ValueError(f"SIP_ALLOW_FROM: {entry!r} is not an address or CIDR") from None
+            raise ValueError(f"{setting}: {entry!r} is not an address or CIDR") from None
     return tuple(networks)
 
 

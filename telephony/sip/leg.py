@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
-from telephony.sip.rtp import RtpClock, RtpStream, SentPlayback
+from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
 from telephony.sip.sdp import Codec, Direction, RemoteMedia
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,10 @@ class SipLeg:
         dtmf_pt: int | None,
         clock: RtpClock,
         hang_up: Callable[[str], None],
+        *,
+        policy: MediaPolicy | None = None,
+        stats: MediaStats | None = None,
+        on_foreign: Callable[[tuple[str, int]], None] | None = None,
     ) -> None:
         self.call_id = call_id
         self.codec = codec
@@ -43,7 +47,10 @@ class SipLeg:
         self._closed = False
         self._close_reason: str | None = None
         self.dropped_audio = 0
-        self.rtp = RtpStream(codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit)
+        self.rtp = RtpStream(
+            codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit,
+            policy=policy, stats=stats, on_foreign=on_foreign,
+        )  # fmt: skip
 
     # ---- from the media and signalling sides --------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 from collections.abc import Callable
 
@@ -24,8 +25,14 @@ def parse_range(spec: str) -> tuple[int, int] | None:
     return first, last
 
 
+# Port choice must not be guessable: a host spraying the range would find a new call's port at
+# once if calls took the lowest free one (or the next in turn).
+_RANDOM = random.SystemRandom()
+
+
 class RtpPorts:
-    """Hands out even RTP ports round-robin (RTCP would take the odd one above)."""
+    """Hands out even RTP ports (RTCP would take the odd one above), chosen at random among the
+    free ones of the whole range."""
 
     def __init__(self, spec: str) -> None:
         bounds = parse_range(spec)
@@ -35,7 +42,6 @@ class RtpPorts:
             first = bounds[0] + bounds[0] % 2
             self._ports = list(range(first, bounds[1] + 1, 2))
         self._in_use: set[int] = set()
-        self._next = 0
 
     async def bind(
         self,
@@ -44,7 +50,7 @@ class RtpPorts:
     ) -> tuple[asyncio.DatagramTransport, asyncio.DatagramProtocol, int, socket.socket]:
         """A UDP endpoint on a free port of the range (and its raw socket, for senders off the
         loop); RtpPortsExhausted when none is left."""
-        candidates = [0] if not self._ports else self._rotation()
+        candidates = [0] if not self._ports else self._shuffled()
         for port in candidates:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -61,13 +67,10 @@ class RtpPorts:
             return transport, protocol, bound, sock
         raise RtpPortsExhausted(f"all {len(self._ports)} RTP ports are in use")
 
-    def _rotation(self) -> list[int]:
-        ports = []
-        for _ in range(len(self._ports)):
-            port = self._ports[self._next]
-            self._next = (self._next + 1) % len(self._ports)
-            if port not in self._in_use:
-                ports.append(port)
+    def _shuffled(self) -> list[int]:
+        """Every free port, in random order (once a call: cheap beside the call's set-up)."""
+        ports = [port for port in self._ports if port not in self._in_use]
+        _RANDOM.shuffle(ports)
         return ports
 
     def release(self, port: int) -> None:

@@ -1,11 +1,21 @@
 """RTP for one call: our own playout queue paced by one shared 20 ms clock, packets through
-aiortc's `RtpPacket`, symmetric RTP with latching, and RFC 4733 digits in.
+aiortc's `RtpPacket`, strict symmetric RTP, and RFC 4733 digits in.
 
-One socket per call sends from the port we advertise and receives on it. The first valid packet
-after each negotiation names the peer's real address (NAT): we latch to it and drop packets from
-anyone else. Outbound, every 20 ms tick sends the next queued agent frame, or silence when the
-queue is empty, so SSRC, sequence and timestamp run on without a gap through barge-in flushes
-and the peer's jitter buffer never starves; a frame counts as played when it leaves.
+One socket per call sends from the port we advertise and receives on it. Media is accepted only
+from where the signalling says it comes from (strict RTP, as rtpengine and Asterisk's
+`strictrtp`): the address of the SDP's `c=` and `m=` lines at once; another port of the SDP's
+or the INVITE's host, or of a host in the media allow-list, only after `probation` packets in
+sequence from it, and only within the learning window after the answer or a re-INVITE that
+moves the media (NAT rewrites ports). Whatever else arrives is dropped and counted, and agent
+audio goes only to the source so learned. Outbound, every 20 ms tick sends the next queued agent
+frame, or silence when the queue is empty, so SSRC, sequence and timestamp run on without a gap
+through barge-in flushes and the peer's jitter buffer never starves; a frame counts as played
+when it leaves.
+
+Caller audio carries its stream time in ms, from the RTP timestamp as a signed 32-bit
+difference (wraps and reordering are small steps) and re-anchored on the arrival clock at a new
+SSRC, a new remote address, or a jump of more than `MAX_TS_JUMP_MS` from arrival: whatever a
+peer puts in its timestamps, the stream time stays within seconds of the call's own clock.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any, cast
 from aiortc.rtp import RtpPacket
 
 from telephony.playback import PlaybackTracker
+from telephony.sip.access import AllowList
 from telephony.sip.dtmf import DtmfDecoder
 from telephony.sip.sdp import Codec, Direction, RemoteMedia
 
@@ -36,6 +47,35 @@ PERIOD_S = FRAME_MS / 1000
 # A loop stalled this many frames behind gives up catching up (a burst would not help anyone).
 MAX_CATCH_UP = 5
 MAX_PAYLOAD = 1500
+# Stream time further than this from the arrival clock is a discontinuity (a new stream after a
+# re-INVITE, a hostile or broken peer), never hours of silence: re-anchor on arrival.
+MAX_TS_JUMP_MS = 3000
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """Where one call's media may come from besides the SDP's own address (strict RTP)."""
+
+    signalling_host: str | None = None  # the INVITE's source address
+    allow: AllowList | None = None  # SIP_MEDIA_ALLOW_FROM: media from elsewhere than signalling
+    learn_s: float = 3.0  # the learning window after an answer or a move
+    probation: int = 4  # packets in sequence from a new source before it is learned
+
+
+class MediaStats:
+    """Counters shared by every stream of a process (metrics)."""
+
+    __slots__ = ("foreign_packets",)
+
+    def __init__(self) -> None:
+        self.foreign_packets = 0
+
+
+_monotonic = time.monotonic  # (a global lookup less per packet)
+
+
+def _host(ip: str) -> str:
+    return ip[7:] if ip.startswith("::ffff:") else ip
 
 
 class SentPlayback(PlaybackTracker):
@@ -123,6 +163,9 @@ class RtpStream(asyncio.DatagramProtocol):
         clock: RtpClock,
         on_audio: Callable[[bytes, int], None],
         on_digit: Callable[[str], None],
+        policy: MediaPolicy | None = None,
+        stats: MediaStats | None = None,
+        on_foreign: Callable[[tuple[str, int]], None] | None = None,
     ) -> None:
         self.codec = codec
         self.dtmf_pt = dtmf_pt
@@ -142,19 +185,33 @@ class RtpStream(asyncio.DatagramProtocol):
         self._tail_item: str | None = None
         self._marker = True
         self._dtmf = DtmfDecoder()
+        # Where agent audio goes: the SDP's address until a source is learned, then that source.
         self.remote: tuple[str, int] | None = None
-        self._latched = False
+        self._policy = policy or MediaPolicy()
+        self._stats = stats or MediaStats()
+        self._on_foreign = on_foreign
+        self._signalled: tuple[str, int] | None = None  # the SDP's c= and m= address
+        self._source: tuple[Any, ...] | None = None  # the learned media source, as recvfrom says
+        self._learn_until = 0.0  # monotonic; learning is closed once it passes or a source is in
+        self._candidate: tuple[Any, ...] | None = None
+        self._candidate_seq = 0
+        self._candidate_count = 0
         self.sending = False
         self.receiving = True
         self._started = False
         self._closed = False
-        self._first_ts: int | None = None
+        # Stream time of caller audio: (SSRC, RTP timestamp, ms) of the last anchor.
+        self._t0_ms = 0.0
+        self._in_ssrc: int | None = None
+        self._ts_base = 0
+        self._ms_base = 0
         # Counters (tests, benchmarks, the call's end event).
         self.packets_sent = 0
         self.agent_frames_sent = 0
         self.packets_received = 0
         self.bad_packets = 0
         self.foreign_packets = 0
+        self.discontinuities = 0  # re-anchored stream times (a new SSRC, address or a jump)
 
     # ---- asyncio ------------------------------------------------------------------------
 
@@ -172,12 +229,13 @@ class RtpStream(asyncio.DatagramProtocol):
         log.debug("RTP socket error: %r", exc)  # ICMP unreachable before the peer listens
 
     def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
-        source = (str(addr[0]), int(addr[1]))
         if len(data) < 12 or len(data) > MAX_PAYLOAD or data[0] >> 6 != 2:
             self.bad_packets += 1
             return
         if 200 <= data[1] <= 204:
             return  # RTCP multiplexed on the RTP port (RFC 5761)
+        if addr != self._source and not self._admit(addr, data):
+            return
         try:
             packet = RtpPacket.parse(data)
         except Exception:
@@ -187,13 +245,6 @@ class RtpStream(asyncio.DatagramProtocol):
         if pt != self.codec.payload_type and pt != self.dtmf_pt:
             self.bad_packets += 1
             return
-        if not self._latched:
-            # Symmetric RTP: the peer is where its media comes from, whatever its SDP said.
-            self.remote = source
-            self._latched = True
-        elif source != self.remote:
-            self.foreign_packets += 1
-            return
         self.packets_received += 1
         if pt == self.dtmf_pt:
             for digit in self._dtmf.feed(packet.payload, packet.timestamp):
@@ -201,10 +252,70 @@ class RtpStream(asyncio.DatagramProtocol):
             return
         if not self.receiving or not packet.payload:
             return  # on hold: the caller's music is not a turn of the conversation
-        if self._first_ts is None:
-            self._first_ts = packet.timestamp
-        ms = ((packet.timestamp - self._first_ts) & 0xFFFFFFFF) // 8
+        now_ms = _monotonic() * 1000.0 - self._t0_ms
+        ts = packet.timestamp
+        # Signed 32-bit difference: a reordered packet or a wrap is a small step either way.
+        ms = self._ms_base + (((ts - self._ts_base + 0x80000000) & 0xFFFFFFFF) - 0x80000000) // 8
+        if packet.ssrc != self._in_ssrc or not -MAX_TS_JUMP_MS < ms - now_ms < MAX_TS_JUMP_MS:
+            ms = self._anchor(packet.ssrc, ts, now_ms)
+        elif ms < 0:
+            ms = 0  # reordered before the first packet
         self._on_audio(packet.payload, ms)
+
+    def _anchor(self, ssrc: int, timestamp: int, now_ms: float) -> int:
+        """A new stream time base: this packet plays at its arrival (a new stream or a jump)."""
+        if self._in_ssrc is None:
+            self._t0_ms = _monotonic() * 1000.0
+            at = 0
+        else:
+            self.discontinuities += 1
+            at = int(now_ms)
+        self._in_ssrc, self._ts_base, self._ms_base = ssrc, timestamp, at
+        return at
+
+    def _admit(self, addr: tuple[Any, ...], data: bytes) -> bool:
+        """A packet from somewhere other than the learned source: learn it, or drop it."""
+        pt = data[1] & 0x7F
+        if pt != self.codec.payload_type and pt != self.dtmf_pt:
+            self.bad_packets += 1
+            return False
+        host = _host(str(addr[0]))
+        source = (host, int(addr[1]))
+        if source == self._signalled:
+            # What the SDP names is the peer, whatever was learned before; learning is over.
+            self._learn(addr, source)
+            return True
+        policy = self._policy
+        if time.monotonic() < self._learn_until and (
+            (self._signalled is not None and host == self._signalled[0])
+            or host == policy.signalling_host
+            or (policy.allow is not None and policy.allow.allows(host))
+        ):
+            # Another port of the peer's host (NAT) or of an allowed media host: learned after
+            # `probation` packets in sequence, as Asterisk's strictrtp does. Until then the
+            # packets are dropped (60 ms at the start of a call), and not counted as foreign.
+            seq = (data[2] << 8) | data[3]
+            if addr == self._candidate and seq == (self._candidate_seq + 1) & 0xFFFF:
+                self._candidate_count += 1
+            else:
+                self._candidate, self._candidate_count = addr, 1
+            self._candidate_seq = seq
+            if self._candidate_count >= policy.probation:
+                self._learn(addr, source)
+                return True
+            return False
+        self.foreign_packets += 1
+        self._stats.foreign_packets += 1
+        if self.foreign_packets == 1 and self._on_foreign is not None:
+            self._on_foreign(source)  # once a call: the counters say how many
+        return False
+
+    def _learn(self, addr: tuple[Any, ...], source: tuple[str, int]) -> None:
+        with self.lock:
+            self._source = addr
+            self.remote = source
+            self._learn_until = 0.0
+            self._candidate = None
 
     # ---- media state --------------------------------------------------------------------
 
@@ -212,9 +323,18 @@ class RtpStream(asyncio.DatagramProtocol):
         """Apply a negotiation: where to send, and whether to send and receive at all."""
         with self.lock:
             was_sending = self.sending
-            if remote.address != self.remote or not self._latched:
+            if remote.address is not None and remote.address != self._signalled:
+                # The media moved (a new address or port): nothing learned before holds, the
+                # new address is where to send, and another port of it may be learned anew. A
+                # re-INVITE that keeps the address (hold, resume, a session refresh) changes
+                # none of this, so it cannot re-open learning.
+                self._signalled = remote.address
                 self.remote = remote.address
-                self._latched = False  # latch again to whatever the new media comes from
+                self._source = None
+                self._candidate = None
+                self._in_ssrc = None if self._in_ssrc is None else -1  # a new stream time base
+                if self._started:
+                    self._learn_until = time.monotonic() + self._policy.learn_s
             self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
             # Only a two-way call feeds the model: what a caller on hold sends us (music) is
             # not a turn of the conversation, so while we answered `recvonly` it is dropped.
@@ -226,6 +346,8 @@ class RtpStream(asyncio.DatagramProtocol):
         """Begin pacing (after the 200 OK)."""
         if not self._started and not self._closed:
             self._started = True
+            if self._source is None:
+                self._learn_until = time.monotonic() + self._policy.learn_s
             self._clock.add(self)
 
     # ---- outbound -----------------------------------------------------------------------
