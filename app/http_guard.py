@@ -6,13 +6,17 @@ nothing, half its headers or half its body stays open for ever (finding 4 of iss
 
 - a header deadline: a request's headers must be in within `header_timeout_s` of the
   connection opening or of the previous response;
-- a body deadline: its body within `body_timeout_s` after that;
+- a body deadline: its body within `body_timeout_s` of its headers being complete (a request
+  that stops mid-body gets 408 and the connection closes);
 - a bound on the bytes sent before a request's headers are complete;
 - a bound on open connections per source address (more are closed at once).
 
 The application's own work is not timed: once a request is fully read the clock stops until
 its response is complete. A WebSocket upgrade leaves the guard (media streams have their
-own idle watchdog), so Twilio's many streams from few addresses are not counted.
+own idle watchdog and a bound of their own on sockets waiting for `start`), so Twilio's
+many streams from few addresses are not counted. A response that holds its connection for
+long under caps of its own (a console event stream) leaves the per-source count too, until
+it ends (`leave_source_count`): held streams cannot lock their address out.
 """
 
 from __future__ import annotations
@@ -26,13 +30,28 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The key, in an HTTP scope's extensions, of the hook `leave_source_count` calls.
+GUARD_EXTENSION = "voice-agent.http-guard"
+_TIMED_OUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 15\r\nconnection: close\r\n\r\nRequest Timeout"
+)
+
+
+def leave_source_count(scope: Any) -> None:
+    """The connection of this request stops counting against its source address until its
+    response is complete (for a long-held response bounded by caps of its own)."""
+    hook = scope.get("extensions", {}).get(GUARD_EXTENSION)
+    if hook is not None:
+        hook()
+
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     """What one connection may take before it is closed."""
 
     header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = 10.0
     max_connections_per_source: int = 256
     # Bytes a connection may send while its request's headers are not complete.
     max_header_bytes: int = 256 * 1024
@@ -72,6 +91,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             self._guard_timer: asyncio.TimerHandle | None = None
             self._guard_body_phase = False
             self._guard_header_bytes = 0
+            self._guard_exempt: str | None = None  # the source of a connection not counted
             client = self.client
             self._guard_source: str | None = client[0] if client else None
             if self._guard_source is not None:
@@ -95,6 +115,10 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             if timer is not None:
                 timer.cancel()
                 self._guard_timer = None
+            self._guard_exempt = None
+            self._guard_release_source()
+
+        def _guard_release_source(self) -> None:
             source = getattr(self, "_guard_source", None)
             if source is not None:
                 self._guard_source = None
@@ -115,25 +139,50 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             if transport.is_closing() or transport.get_protocol() is not self:
                 return
             cycle = self.cycle
-            waiting_for_headers = cycle is None or cycle.response_complete
-            if waiting_for_headers and not self._guard_body_phase:
+            if self._guard_body_phase:
+                if cycle is not None and not cycle.response_complete and cycle.more_body:
+                    self._guard_expire("body")
+                    return
+                # Read in time: the application is working; the clock restarts at the response.
+                self._guard_body_phase = False
+                return
+            if cycle is None or cycle.response_complete:
                 # Includes a request whose headers never completed: no cycle exists yet.
                 self._guard_expire("headers")
                 return
-            if cycle is not None and not cycle.response_complete and cycle.more_body:
-                if not self._guard_body_phase:
-                    self._guard_body_phase = True
-                    self._guard_arm(limits.body_timeout_s)
-                    return
-                self._guard_expire("body")
-                return
-            # Fully read: the application is working; the clock restarts at the response.
-            self._guard_body_phase = False
+            if cycle.more_body:
+                # A pipelined request, whose headers came while the one before was answered.
+                self._guard_body_phase = True
+                self._guard_arm(limits.body_timeout_s)
+
+        def _guard_headers_complete(self, cycle: Any) -> None:
+            """A request's headers are in: its body (if any) has `body_timeout_s` from now."""
+            scope = cycle.scope
+            scope.setdefault("extensions", {})[GUARD_EXTENSION] = self._guard_leave_count
+            if cycle.more_body:
+                self._guard_body_phase = True
+                self._guard_arm(limits.body_timeout_s)
+            elif self._guard_timer is not None:
+                # Fully read: the application's work is not timed.
+                self._guard_timer.cancel()
+                self._guard_timer = None
 
         def _guard_expire(self, what: str) -> None:
             counters.timed_out += 1
             counters.note("closed a connection whose request %s did not arrive in time", what)
+            cycle = self.cycle
+            if what == "body" and cycle is not None and not cycle.response_started:
+                # The application waits for the rest of the body and, once the connection is
+                # lost, gets a disconnect (logged as such, no traceback); the client is told.
+                self.transport.write(_TIMED_OUT)
             self.transport.close()
+
+        def _guard_leave_count(self) -> None:
+            source = self._guard_source
+            if source is None:
+                return
+            self._guard_release_source()
+            self._guard_exempt = source
 
         def data_received(self, data: bytes) -> None:
             before = self.cycle
@@ -141,6 +190,15 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 return  # closed, or upgraded to a WebSocket
             cycle = self.cycle
+            if (
+                cycle is not None
+                and cycle is not before
+                and not cycle.response_complete
+                and (before is None or before.response_complete)
+            ):
+                # The headers of the request now being served completed in this read. (A
+                # pipelined one waits; its clock starts when the one before is answered.)
+                self._guard_headers_complete(cycle)
             # Still waiting for a request's headers after this read (not the rest of a body
             # answered early, as a 413 is): a header block has a size, not only a time.
             waiting = cycle is None or (
@@ -157,6 +215,12 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            exempt = self._guard_exempt
+            if exempt is not None and not self.transport.is_closing():
+                # The long response is over: the connection counts against its source again.
+                self._guard_exempt = None
+                self._guard_source = exempt
+                counters.open[exempt] += 1
             if not self.transport.is_closing():
                 self._guard_body_phase = False
                 self._guard_header_bytes = 0
