@@ -38,6 +38,23 @@ _TIMED_OUT = (
 )
 
 
+class _CycleTransport:
+    """The transport as one request's cycle sees it: its `close` goes through the guard,
+    which lingers when the request's body is still coming (see `_guard_close`)."""
+
+    __slots__ = ("_close", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, close: Any) -> None:
+        self._transport = transport
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def leave_source_count(scope: Any) -> None:
     """The connection of this request stops counting against its source address until its
     response is complete (for a long-held response bounded by caps of its own)."""
@@ -55,6 +72,13 @@ class HttpLimits:
     max_connections_per_source: int = 256
     # Bytes a connection may send while its request's headers are not complete.
     max_header_bytes: int = 256 * 1024
+    # A response sent before its request's body was read (a 413, a refused webhook) closes the
+    # connection; the client, still sending, would get a reset and lose the answer in its
+    # buffers. So the connection is half-closed, and what the client sends is read and dropped
+    # (never parsed or kept) until it stops for `linger_idle_s`, for at most `body_timeout_s`
+    # and `linger_bytes` in all, as nginx's lingering close does.
+    linger_idle_s: float = 2.0
+    linger_bytes: int = 128 * 1024 * 1024
 
 
 class _Counters:
@@ -92,6 +116,8 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             self._guard_body_phase = False
             self._guard_header_bytes = 0
             self._guard_exempt: str | None = None  # the source of a connection not counted
+            self._guard_linger: int | None = None  # bytes still to drop while lingering
+            self._guard_linger_until = 0.0
             client = self.client
             self._guard_source: str | None = client[0] if client else None
             if self._guard_source is not None:
@@ -138,6 +164,9 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             transport = self.transport
             if transport.is_closing() or transport.get_protocol() is not self:
                 return
+            if self._guard_linger is not None:
+                transport.close()  # the linger is over
+                return
             cycle = self.cycle
             if self._guard_body_phase:
                 if cycle is not None and not cycle.response_complete and cycle.more_body:
@@ -159,6 +188,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             """A request's headers are in: its body (if any) has `body_timeout_s` from now."""
             scope = cycle.scope
             scope.setdefault("extensions", {})[GUARD_EXTENSION] = self._guard_leave_count
+            cycle.transport = _CycleTransport(self.transport, lambda: self._guard_close(cycle))
             if cycle.more_body:
                 self._guard_body_phase = True
                 self._guard_arm(limits.body_timeout_s)
@@ -177,6 +207,21 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
                 self.transport.write(_TIMED_OUT)
             self.transport.close()
 
+        def _guard_close(self, cycle: Any) -> None:
+            """The cycle closes the connection after its response: at once, or, when the
+            request's body is still coming, after a linger that lets the client read it."""
+            transport = self.transport
+            if transport.is_closing() or self._guard_linger is not None:
+                return
+            if not (cycle.response_complete and cycle.more_body) or not transport.can_write_eof():
+                transport.close()
+                return
+            transport.write_eof()
+            self._guard_linger = limits.linger_bytes
+            self._guard_linger_until = self.loop.time() + limits.body_timeout_s
+            self._guard_arm(limits.linger_idle_s)
+            self.flow.resume_reading()  # what comes is dropped (data_received)
+
         def _guard_leave_count(self) -> None:
             source = self._guard_source
             if source is None:
@@ -185,6 +230,15 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             self._guard_exempt = source
 
         def data_received(self, data: bytes) -> None:
+            if self._guard_linger is not None:
+                # Answered and half-closed: the rest of the body is dropped, never parsed.
+                self._guard_linger -= len(data)
+                left = self._guard_linger_until - self.loop.time()
+                if self._guard_linger < 0 or left <= 0:
+                    self.transport.close()
+                else:
+                    self._guard_arm(min(limits.linger_idle_s, left))
+                return
             before = self.cycle
             super().data_received(data)
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
@@ -221,7 +275,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
                 self._guard_exempt = None
                 self._guard_source = exempt
                 counters.open[exempt] += 1
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and self._guard_linger is None:
                 self._guard_body_phase = False
                 self._guard_header_bytes = 0
                 self._guard_arm(limits.header_timeout_s)

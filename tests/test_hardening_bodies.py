@@ -179,6 +179,36 @@ async def test_a_declared_oversized_body_is_refused_before_it_is_sent(engine: As
     assert time.monotonic() - started < 3  # not waiting for a body it will not read
 
 
+async def test_a_client_that_sends_its_whole_oversized_body_still_reads_the_413(
+    engine: AsyncEngine,
+) -> None:
+    """httpx writes the whole body before it reads: the answer, sent at the limit, must still
+    be there when it looks (the connection lingers instead of resetting)."""
+    async with (
+        running_service(engine) as service,
+        httpx.AsyncClient(base_url=service.url, timeout=10) as http,
+    ):
+        declared = await http.post(
+            "/api/tokens",
+            content=b"{}" + b" " * (2 * MIB),
+            headers={"content-type": "application/json"},
+        )
+
+        async def chunks() -> Any:
+            for _ in range(256):
+                yield b" " * 16384
+
+        streamed = await http.post(
+            "/openai/webhook",
+            content=chunks(),
+            headers={"webhook-id": "a", "webhook-timestamp": "1", "webhook-signature": "v1,x"},
+        )
+        healthy = await http.get("/healthz")
+    assert declared.status_code == 413
+    assert streamed.status_code == 413
+    assert healthy.status_code == 200
+
+
 @pytest.mark.parametrize(
     ("path", "status"),
     [
