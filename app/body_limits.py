@@ -51,9 +51,9 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bo
     for name, value in headers:
         if name == b"content-length":
             # The server's parser has checked it is a number; a repeated one counts at its largest.
-            with_digits = value.strip()
-            if with_digits.isdigit():
-                length = max(length or 0, int(with_digits))
+            text = value.strip()
+            if text.isdigit():
+                length = max(length or 0, int(text))
         elif name == b"transfer-encoding":
             chunked = True
     return length, chunked or bool(length)

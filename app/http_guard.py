@@ -184,11 +184,16 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
                 self._guard_body_phase = True
                 self._guard_arm(limits.body_timeout_s)
 
-        def _guard_headers_complete(self, cycle: Any) -> None:
-            """A request's headers are in: its body (if any) has `body_timeout_s` from now."""
+        def _guard_new_request(self, cycle: Any) -> None:
+            """A request's headers are in (its app has not run yet): it gets the hook of
+            `leave_source_count`, and closes through the guard."""
             scope = cycle.scope
             scope.setdefault("extensions", {})[GUARD_EXTENSION] = self._guard_leave_count
             cycle.transport = _CycleTransport(self.transport, lambda: self._guard_close(cycle))
+
+        def _guard_headers_complete(self, cycle: Any) -> None:
+            """The request now served has its headers in: its body (if any) has
+            `body_timeout_s` from now."""
             if cycle.more_body:
                 self._guard_body_phase = True
                 self._guard_arm(limits.body_timeout_s)
@@ -244,15 +249,12 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 return  # closed, or upgraded to a WebSocket
             cycle = self.cycle
-            if (
-                cycle is not None
-                and cycle is not before
-                and not cycle.response_complete
-                and (before is None or before.response_complete)
-            ):
-                # The headers of the request now being served completed in this read. (A
-                # pipelined one waits; its clock starts when the one before is answered.)
-                self._guard_headers_complete(cycle)
+            if cycle is not None and cycle is not before and not cycle.response_complete:
+                self._guard_new_request(cycle)
+                if before is None or before.response_complete:
+                    # The headers of the request now being served completed in this read. (A
+                    # pipelined one waits; its clock starts when the one before is answered.)
+                    self._guard_headers_complete(cycle)
             # Still waiting for a request's headers after this read (not the rest of a body
             # answered early, as a 413 is): a header block has a size, not only a time.
             waiting = cycle is None or (
