@@ -76,7 +76,11 @@ async def start_console(
         settings.console_user,
         settings.console_password.get_secret_value() if settings.console_password else None,
     )
-    live = LiveHub()
+    live = LiveHub(
+        max_streams=settings.sse_max_streams,
+        max_per_principal=settings.sse_max_streams_per_principal,
+        max_lifetime_s=settings.sse_max_lifetime_s,
+    )
     live.subscribe(listener)
     # Deferral runs on the caller's connection, so this job-queue app is never opened.
     jobs = make_app(database_url, max_pool_size=1)

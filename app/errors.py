@@ -100,12 +100,19 @@ class TooManyAttempts(AppError):
         self.retry_after_s = retry_after_s
 
 
+class TooManyStreams(AppError):
+    """A console live stream beyond its staff member's (or the server's) bound."""
+
+    retryable = True
+
+
 _HTTP: list[tuple[type[Exception], int]] = [
     (NotAuthenticated, 401),
     (LoginRequired, 303),
     (Forbidden, 403),
     (CsrfRejected, 403),
     (TooManyAttempts, 429),
+    (TooManyStreams, 429),
     (Conflict, 409),
     (BadSignature, 403),
     (PayloadTooLarge, 413),
@@ -125,7 +132,15 @@ _WS: list[tuple[type[Exception], int]] = [
 
 
 # Errors whose message is written for the API's user (the others answer with their name).
-_SPEAKS = (NotAuthenticated, Forbidden, CsrfRejected, TooManyAttempts, Conflict, NotFound)
+_SPEAKS = (
+    NotAuthenticated,
+    Forbidden,
+    CsrfRejected,
+    TooManyAttempts,
+    TooManyStreams,
+    Conflict,
+    NotFound,
+)
 
 
 def http_status(exc: BaseException) -> int:

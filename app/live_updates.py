@@ -9,6 +9,10 @@ A watcher (one SSE response) waits on the keys it shows (`call:<id>`, `op:<id>`,
 every notification for one of its keys wakes it, and it then reads what changed from the
 database. Notifications can be lost (a reconnecting listener), so a watcher also wakes on its
 own every `fallback_s`.
+
+Each stream holds a slot (`open_stream`): at most `max_per_principal` per staff member or API
+token and `max_streams` in all, and it lives at most `max_lifetime_s` (then it ends and the
+browser's EventSource reconnects by itself), so a held stream is never for ever (issue 22).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 from app.pg_listener import PgListener
+from app.slots import Slot, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,25 @@ def op_key(operation_id: str) -> str:
 class LiveHub:
     """Wakes the watchers of whatever a notification is about."""
 
-    def __init__(self, *, fallback_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        fallback_s: float = 5.0,
+        max_streams: int = 128,
+        max_per_principal: int = 8,
+        max_lifetime_s: float = 300.0,
+    ) -> None:
         self.fallback_s = fallback_s
+        self.max_lifetime_s = max_lifetime_s
+        self.streams = SlotPool(per_key=max_per_principal, total=max_streams)
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._closed = asyncio.Event()
+
+    def open_stream(self, principal: str) -> Slot | None:
+        """A slot for one more stream of `principal`, or None when it (or the hub) is full."""
+        if self.closed:
+            return None
+        return self.streams.take(principal)
 
     def subscribe(self, listener: PgListener) -> None:
         listener.subscribe(CALL_EVENTS, self._on_call_events)
@@ -90,18 +110,23 @@ class LiveHub:
 
     async def watch(self, keys: Iterable[str]) -> AsyncIterator[None]:
         """Yields each time one of `keys` may have changed (and every `fallback_s`), until the
-        hub closes or the consumer stops iterating."""
+        hub closes, `max_lifetime_s` has passed or the consumer stops iterating."""
         event = asyncio.Event()
         wanted = list(keys)
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + self.max_lifetime_s
         for key in wanted:
             self._watchers.setdefault(key, set()).add(event)
         try:
             while not self._closed.is_set():
+                left = ends_at - loop.time()
+                if left <= 0:
+                    return  # a stream's life is bounded; the client reconnects
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.fallback_s):
+                    async with asyncio.timeout(min(self.fallback_s, left)):
                         await event.wait()
                 event.clear()
-                if self._closed.is_set():
+                if self._closed.is_set() or loop.time() >= ends_at:
                     return
                 yield
         finally:

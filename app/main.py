@@ -23,6 +23,7 @@ from app import (
     routes_sms,
     routes_twilio,
 )
+from app.body_limits import BodyLimit
 from app.call_control import CallControl
 from app.call_liveness import CallHeartbeat
 from app.calls import CallRegistry
@@ -34,6 +35,7 @@ from app.event_writer import EventWriter
 from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
+from app.slots import SlotPool
 from app.sms import SmsChannel
 from app.sms_resend import LedgerSmsDeliveries
 from app.stream_token import StreamTokens
@@ -184,6 +186,10 @@ def create_app(
             delivery=delivery,
             sms=sms,
             holder=holder,
+            pending_streams=SlotPool(
+                per_key=settings.media_max_pending_per_source,
+                total=settings.media_max_pending_streams,
+            ),
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
@@ -225,6 +231,13 @@ def create_app(
         title="voice-agent", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     install_error_handlers(app)
+    # Before routing, so no route or dependency (FastAPI reads a JSON body before it checks
+    # credentials) can read more than its limit.
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.http_max_body_bytes,
+        webhook_max_bytes=settings.webhook_max_body_bytes,
+    )
     app.include_router(routes_twilio.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_health.router)

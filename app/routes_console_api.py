@@ -45,11 +45,13 @@ from app.console_schemas import (
     WhoAmI,
 )
 from app.deps import EngineDep, RuntimeDep
-from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts
+from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts, TooManyStreams
+from app.http_guard import leave_source_count
 from app.live_updates import ALL_CALLS, LiveHub, call_key, op_key
 from app.masking import masker_for
 from app.operation_actions import Action, ActionDone, ActionRefused
 from app.recording_store import get_recording
+from app.slots import Slot
 from app.staff import StaffError
 from tools.ledger_models import operation_events_table as op_events_t
 from tools.ledger_models import operations_table as ops_t
@@ -191,12 +193,17 @@ async def calls_stream(
     request: Request,
     engine: EngineDep,
     console: ConsoleDep,
-    _who: ViewerDep,
+    who: ViewerDep,
     _q: Annotated[NoQuery, Query()],
 ) -> Response:
     """`changed` whenever a call starts, a call's events are written or an operation moves."""
     return _sse(
-        request, console.live, [ALL_CALLS], lambda: _calls_snapshot(engine), min_interval_s=1.0
+        request,
+        console.live,
+        who,
+        [ALL_CALLS],
+        lambda: _calls_snapshot(engine),
+        min_interval_s=1.0,
     )
 
 
@@ -260,13 +267,17 @@ async def call_stream(
     request: Request,
     engine: EngineDep,
     console: ConsoleDep,
-    _who: ViewerDep,
+    who: ViewerDep,
     _q: Annotated[NoQuery, Query()],
 ) -> Response:
     """`changed` whenever the call's timeline changed (events, tool calls, operations)."""
     await _require_call(engine, call_id)
     return _sse(
-        request, console.live, [call_key(str(call_id))], lambda: _call_snapshot(engine, call_id)
+        request,
+        console.live,
+        who,
+        [call_key(str(call_id))],
+        lambda: _call_snapshot(engine, call_id),
     )
 
 
@@ -530,7 +541,7 @@ async def operation_stream(
     request: Request,
     engine: EngineDep,
     console: ConsoleDep,
-    _who: ViewerDep,
+    who: ViewerDep,
     _q: Annotated[NoQuery, Query()],
 ) -> Response:
     """`changed` whenever the operation's status or history changed."""
@@ -540,6 +551,7 @@ async def operation_stream(
     return _sse(
         request,
         console.live,
+        who,
         [op_key(str(operation_id))],
         lambda: _op_snapshot(engine, operation_id),
     )
@@ -719,16 +731,41 @@ async def list_staff(
 KEEPALIVE = ": keep-alive\n\n"
 
 
+class EventStream(StreamingResponse):
+    """A server-sent event stream that holds a slot of the hub while it is served, and whose
+    connection leaves the per-source HTTP connection count meanwhile: the hub's bounds (per
+    staff member or token, and in all) cap held streams, so they cannot lock an address out
+    of everything else (app.http_guard)."""
+
+    def __init__(self, content: AsyncIterator[str], slot: Slot, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._slot = slot
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        leave_source_count(scope)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+
+
 def _sse(
     request: Request,
     hub: LiveHub,
+    principal: Principal,
     keys: list[str],
     snapshot: Callable[[], Awaitable[tuple[Any, ...]]],
     *,
     min_interval_s: float = 0.0,
 ) -> StreamingResponse:
     """An SSE response that says `changed` each time `snapshot()` differs from before, at
-    most once per `min_interval_s` (a busy list must not cost a query per event written)."""
+    most once per `min_interval_s` (a busy list must not cost a query per event written).
+    It ends after the hub's `max_lifetime_s` (the browser reconnects after `retry`)."""
+    slot = hub.open_stream(principal.actor)
+    if slot is None:
+        raise TooManyStreams(
+            "too many live streams open (SSE_MAX_STREAMS_PER_PRINCIPAL, SSE_MAX_STREAMS)"
+        )
 
     async def events() -> AsyncIterator[str]:
         last = await snapshot()
@@ -746,8 +783,9 @@ def _sse(
             else:
                 yield KEEPALIVE
 
-    return StreamingResponse(
+    return EventStream(
         events(),
+        slot,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )

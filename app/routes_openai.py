@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.deps import RuntimeDep
-from app.openai_sip import WebhookRejected
+from app.openai_sip import SIGNATURE_HEADERS, WebhookRejected
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +18,14 @@ router = APIRouter()
 @router.post("/openai/webhook")
 async def openai_webhook(request: Request, runtime: RuntimeDep) -> Response:
     """Verify, take once, answer at once: accept/reject and the sideband happen off this request."""
-    body = await request.body()
     service = runtime.openai_sip
+    if not all(request.headers.get(name) for name in SIGNATURE_HEADERS):
+        # Refused before the body is read: an anonymous post costs us no memory (the body
+        # itself is bounded by WEBHOOK_MAX_BODY_BYTES, app.body_limits).
+        service.bad_signatures += 1
+        log.warning("OpenAI webhook refused: no webhook signature")
+        return JSONResponse({"error": "no webhook signature"}, status_code=401)
+    body = await request.body()
     try:
         outcome = await service.on_webhook(body, request.headers)
     except WebhookRejected as exc:

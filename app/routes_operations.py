@@ -17,7 +17,15 @@ from app.deps import CompensationDep, EngineDep, RuntimeDep, SettingsDep
 from app.errors import BadRequest, BadSignature, Conflict, NotFound, PayloadTooLarge
 from tools import callback_receipts as receipts
 from tools import staff
-from tools.callback import SIGNATURE_HEADER, CallbackReport, verify, verify_standard
+from tools.callback import (
+    ID_HEADER,
+    SIGNATURE_HEADER,
+    STANDARD_SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    CallbackReport,
+    verify,
+    verify_standard,
+)
 from tools.cancellation import request_cancel
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger import OperationRecord
@@ -28,6 +36,8 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 MAX_CALLBACK_BYTES = 64 * 1024
+# A Standard Webhooks signature is these three headers (tools.callback.verify_standard).
+STANDARD_HEADERS = (ID_HEADER, TIMESTAMP_HEADER, STANDARD_SIGNATURE_HEADER)
 
 
 @router.post("/operations/{operation_id}/callback")
@@ -39,21 +49,27 @@ async def operation_callback(
     compensation: CompensationDep,
 ) -> dict[str, Any]:
     """The system of record reports an outcome (HMAC-signed, idempotent, order-safe)."""
+    secret = settings.sor_callback_secret
+    # No secret configured means no callback can be trusted; no signature header at all is
+    # refused too, both before a byte of the body is read.
+    standard = all(request.headers.get(name) for name in STANDARD_HEADERS)
+    legacy_signed = settings.sor_callback_accept_legacy_signature and bool(
+        request.headers.get(SIGNATURE_HEADER)
+    )
+    if secret is None or not (standard or legacy_signed):
+        raise BadSignature()
     # Read at most the limit (as the Twilio webhooks do): request.body() would first buffer
     # a body of any size in memory, declared or chunked, before refusing it.
+    limit = max(MAX_CALLBACK_BYTES, settings.webhook_max_body_bytes)
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_CALLBACK_BYTES):
+    if length is not None and (not length.isdigit() or int(length) > limit):
         raise PayloadTooLarge()
     buffer = bytearray()
     async for chunk in request.stream():
         buffer += chunk
-        if len(buffer) > MAX_CALLBACK_BYTES:
+        if len(buffer) > limit:
             raise PayloadTooLarge()
     body = bytes(buffer)
-    secret = settings.sor_callback_secret
-    # No secret configured means no callback can be trusted.
-    if secret is None:
-        raise BadSignature()
     key = secret.get_secret_value()
     webhook_id = verify_standard(key, request.headers, body)
     if webhook_id is None:

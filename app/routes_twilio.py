@@ -35,6 +35,7 @@ from app.media_session import run_media_session
 from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.runtime import Runtime
 from app.settings import Settings
+from app.slots import Slot
 from telephony.budget import StreamBudget
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
@@ -43,7 +44,8 @@ from telephony.twilio_events import Connected, Start, StartInfo, parse_inbound
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# A Twilio webhook is a few hundred bytes of form fields.
+# A Twilio webhook is a few hundred bytes of form fields (the default WEBHOOK_MAX_BODY_BYTES,
+# which app.body_limits enforces while reading; this route's own bound follows the setting).
 MAX_WEBHOOK_BYTES = 64 * 1024
 # Twilio sends `connected` and `start` right after the socket opens.
 START_TIMEOUT_S = 10.0
@@ -54,22 +56,26 @@ _CLEAR_PREFIX = '{"event":"clear"'
 
 async def signed_form(request: Request, settings: Settings) -> dict[str, str]:
     """The webhook's form fields, if the body is small and X-Twilio-Signature verifies."""
+    signature = request.headers.get("x-twilio-signature", "")
+    if not signature:
+        # Refused before a byte of the body is read: an anonymous post costs us no memory.
+        raise BadSignature(request.url.path)
+    limit = max(MAX_WEBHOOK_BYTES, settings.webhook_max_body_bytes)
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_WEBHOOK_BYTES):
+    if length is not None and (not length.isdigit() or int(length) > limit):
         raise PayloadTooLarge(length)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_WEBHOOK_BYTES:
+        if len(body) > limit:
             raise PayloadTooLarge(len(body))
     params = dict(parse_qsl(body.decode("utf-8", errors="replace"), keep_blank_values=True))
     # Signatures cover the URL Twilio called, which is the public one (TLS ends at a proxy).
     url = settings.public_base_url.rstrip("/") + request.url.path
     if request.url.query:
         url += "?" + request.url.query
-    signature = request.headers.get("x-twilio-signature", "")
     validator = RequestValidator(settings.twilio_auth_token.get_secret_value())
-    if not signature or not validator.validate(url, params, signature):
+    if not validator.validate(url, params, signature):
         raise BadSignature(request.url.path)
     return params
 
@@ -204,6 +210,32 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
 @router.websocket("/twilio/media")
 async def media(ws: WebSocket, runtime: RuntimeDep) -> None:
     """One Twilio Media Stream: verify its token, then bridge it until the call ends."""
+    # Until its `start` carries a valid token a socket is anonymous: it holds a slot per
+    # source address (and of the pool), or is refused at the handshake (403).
+    source = ws.client.host if ws.client else "unknown"
+    slot = runtime.pending_streams.take(source)
+    if slot is None:
+        PENDING_REFUSED.warning(
+            "media socket from %s refused: %d waiting for start from there, %d in all "
+            "(MEDIA_MAX_PENDING_PER_SOURCE, MEDIA_MAX_PENDING_STREAMS)",
+            source,
+            runtime.pending_streams.held(source),
+            runtime.pending_streams.held(),
+        )
+        await _close(ws, WS_POLICY_VIOLATION, "too many streams waiting to start")
+        return
+    try:
+        call = await _accept_and_admit(ws, runtime, slot)
+    finally:
+        slot.release()  # no-op once admitted; a socket that closes gives it back here
+    if call is not None:
+        await run_media_session(runtime, call[0], call[1], call[2])
+
+
+async def _accept_and_admit(
+    ws: WebSocket, runtime: Runtime, slot: Slot
+) -> tuple[FrameGuard, StartInfo, call_store.CallRow] | None:
+    """Accept the socket, read its `start` and admit its token; None if it was refused."""
     await ws.accept()
     guard = FrameGuard(ws, runtime)
     try:
@@ -211,26 +243,28 @@ async def media(ws: WebSocket, runtime: RuntimeDep) -> None:
     except (TimeoutError, MalformedFrame) as exc:
         log.info("media stream closed before start: %s", exc)
         await _close(ws, WS_POLICY_VIOLATION, "no valid start")
-        return
+        return None
     except WebSocketDisconnect:
-        return
+        return None
     try:
         call = await _admit(runtime, start)
     except TokenRejected as exc:
         await _record_rejection(runtime, start, exc.reason)
         await _close(ws, ws_close_code(exc), f"stream token {exc.reason}")
-        return
+        return None
     except DataError:
         # Start fields no column can hold (an over-long streamSid): a bad stream, not a retry.
         log.warning("media stream for call %s refused: unstorable start", start.call_sid)
         await _close(ws, WS_POLICY_VIOLATION, "bad start")
-        return
+        return None
     except DBAPIError:
         log.exception("media stream admission failed")
         await _close(ws, ws_close_code(DatabaseUnavailable()), "try again")
-        return
+        return None
+    # A valid token: the stream is a call now, bounded by MAX_LIVE_CALLS, not by this pool.
+    slot.release()
     guard.call_id = call.id
-    await run_media_session(runtime, guard, start, call)
+    return guard, start, call
 
 
 async def _close(ws: WebSocket, code: int, reason: str) -> None:
@@ -273,6 +307,9 @@ async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
     runtime.tokens.consume(claims)
     return row
 
+
+# Sockets refused because too many wait for `start`: logged at most every 10 s.
+PENDING_REFUSED = RateLimitedLog(log)
 
 # Streams refused for their token: counted (on /metrics) and logged at most every 10 s.
 # Never written to the named call's timeline: anyone can name a CallSid, so a row per

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.calls import CallRegistry
 from app.event_writer import EventWriter
 from app.settings import Settings
+from app.slots import SlotPool
 from app.stream_token import StreamTokens
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
@@ -38,3 +39,6 @@ class Runtime:
     holder: str = "replica"  # this process, as written into the calls it holds
     # Media streams refused for their token: counted, never written to a call's timeline.
     streams_rejected: int = 0
+    # Media sockets not yet admitted (no valid `start`), per source address (create_app sizes
+    # it from MEDIA_MAX_PENDING_PER_SOURCE and MEDIA_MAX_PENDING_STREAMS).
+    pending_streams: SlotPool = field(default_factory=lambda: SlotPool(per_key=64, total=256))

@@ -221,9 +221,22 @@ class Settings(BaseSettings):
     # HTTP_BODY_TIMEOUT_S of its headers; an idle keep-alive connection closes after
     # HTTP_IDLE_TIMEOUT_S; one source address may hold HTTP_MAX_CONNECTIONS_PER_SOURCE.
     http_header_timeout_s: float = Field(default=10.0, gt=0)
-    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_body_timeout_s: float = Field(default=10.0, gt=0)
     http_idle_timeout_s: float = Field(default=5.0, gt=0)
     http_max_connections_per_source: int = Field(default=256, ge=1)
+    # Request bodies (issue 22): larger ones are refused with 413 while read, before any
+    # authentication. Webhooks (Twilio, OpenAI, provider callbacks) are a few hundred bytes.
+    http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    webhook_max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Media sockets that have not yet shown a valid stream token (`start`): per source
+    # address and in all; more are refused at the handshake (403).
+    media_max_pending_per_source: int = Field(default=64, ge=1)
+    media_max_pending_streams: int = Field(default=256, ge=1)
+    # Console live streams (SSE): per staff member or API token and in all (more get 429),
+    # and how long one stream lives before it ends (the browser reconnects by itself).
+    sse_max_streams_per_principal: int = Field(default=8, ge=1)
+    sse_max_streams: int = Field(default=128, ge=1)
+    sse_max_lifetime_s: float = Field(default=300.0, gt=0)
     # `/metrics` on its own `host:port` (meant for a private network); unset: on the main port.
     metrics_bind: str | None = None
     # Caller verification: this many wrong PINs within the window, across calls, per account
