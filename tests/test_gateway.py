@@ -16,7 +16,13 @@ import sqlalchemy as sa
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolGateway, ToolReply
+from telephony.tool_gateway import (
+    CallContext,
+    ConfirmationEvidence,
+    FunctionCallRequest,
+    ToolGateway,
+    ToolReply,
+)
 from tools import ledger
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
@@ -74,6 +80,31 @@ class FakeReads:
         return {**args.model_dump(mode="json"), "available": True, "seats_left": 10}
 
 
+class CallerAnswers:
+    """The call's side of `CallerEvidence`: what these tests say the caller did.
+
+    By default the caller heard every readback and answered after it (the honest flow the
+    bridge observes); `heard = False` is a model that confirms on its own.
+    """
+
+    def __init__(self) -> None:
+        self.heard = True
+        self.asked: list[str] = []
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence:
+        self.asked.append(operation_id)
+        if not self.heard:
+            return ConfirmationEvidence(False, "the caller has not answered the readback yet")
+        return ConfirmationEvidence(
+            True,
+            "the readback was heard in full and the caller spoke after it",
+            readback_item_id="item_readback",
+            readback_heard_ms=2400,
+            readback_audio_ms=2400,
+            caller_item_id="item_caller_yes",
+        )
+
+
 class PendingSink:
     def __init__(self) -> None:
         self.handed: list[tuple[str, list[OperationRecord]]] = []
@@ -105,6 +136,7 @@ class Harness:
         self.reads = FakeReads()
         self.queue = queue or TableQueue()
         self.pending = PendingSink()
+        self.caller = CallerAnswers()
         store = StaticIdentityStore(
             [Account("acc-2", "t1", frozenset({KNOWN_PHONE}), pin=PIN, name="Grace")]
         )
@@ -132,6 +164,7 @@ class Harness:
             item_id=f"item_{n}",
             response_id=f"resp_{n}",
             turn_id=n,
+            evidence=self.caller,
         )
         return await self.pipe.handle(ctx, req)
 

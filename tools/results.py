@@ -155,6 +155,17 @@ def confirmation_output(op: OperationRecord, window_s: float) -> dict[str, Any]:
     }
 
 
+def awaiting_caller_output(op: OperationRecord, window_s: float, why: str) -> dict[str, Any]:
+    """A confirmation the call did not observe from the caller: still waiting, and why."""
+    out = confirmation_output(op, window_s)
+    out["message"] = bounded(
+        f"Not done yet: the caller's own answer was not heard ({why}). Read the readback "
+        "to the caller, wait until they answer, and call confirm_operation only after they "
+        "have said yes."
+    )
+    return out
+
+
 def cancelled_output(op: OperationRecord, reason: str) -> dict[str, Any]:
     return {
         "status": "cancelled",
