@@ -346,6 +346,54 @@ async def test_confirmed_booking_is_admitted_and_enqueued_with_its_true_state(h:
     ]
 
 
+async def test_the_models_yes_without_the_callers_answer_admits_nothing(h: Harness) -> None:
+    asked = await h.call(ctx(), "book_table", BOOK)
+    assert asked.awaiting_confirmation  # the bridge takes what follows as the readback
+    h.caller.heard = False
+    reply = await h.confirm(ctx(), asked)
+    assert reply.output["status"] == "awaiting_confirmation"
+    assert "wait until they answer" in reply.output["message"]
+    assert reply.awaiting_confirmation
+    op = await h.op(asked)
+    assert op.status is S.AWAITING_CONFIRMATION and op.confirmed_by is None
+    assert await h.jobs() == []
+    tc = await h.tool_call(ctx(), "fc_2")
+    assert tc.decision == "needs_caller"
+    [refused] = [e for e in await h.events(op.operation_id) if e.kind == "decision"]
+    assert refused.data["rule"] == "caller_evidence"
+    assert refused.data["requested_by"] == "model"
+    # Once the call observed the caller's answer, the same request is admitted.
+    h.caller.heard = True
+    admitted = await h.confirm(ctx(), asked)
+    assert admitted.output["status"] == "admitted"
+    op = await h.op(asked)
+    assert op.confirmed_by == "caller"
+    assert op.confirmation is not None
+    assert op.confirmation["caller_item_id"] == "item_caller_yes"
+    assert op.confirmation["readback_heard_ms"] == 2400
+    moved = [e for e in await h.events(op.operation_id) if e.to_status is S.ADMITTED]
+    assert moved[0].data["confirmed_by"] == "caller"
+    assert moved[0].data["evidence"] == op.confirmation
+
+
+async def test_a_request_from_a_leg_that_cannot_attest_the_caller_is_never_confirmed(
+    h: Harness,
+) -> None:
+    asked = await h.call(ctx(), "book_table", BOOK)
+    req = FunctionCallRequest(
+        call_id="fc_no_port",
+        name="confirm_operation",
+        arguments=json.dumps({"operation_id": asked.output["operation_id"], "confirmed": True}),
+        item_id="item_x",
+        response_id="resp_x",
+        turn_id=9,
+    )
+    reply = await h.pipe.handle(ctx(), req)
+    assert reply.output["status"] == "awaiting_confirmation"
+    assert (await h.op(asked)).status is S.AWAITING_CONFIRMATION
+    assert await h.jobs() == []
+
+
 async def test_confirmation_whose_enqueue_fails_leaves_neither_admission_nor_job(
     engine: AsyncEngine, jobs_table: None
 ) -> None:
