@@ -355,6 +355,12 @@ class ToolPipeline:
                 "I couldn't get an answer in time. Say you'll check again, and try once more.",
                 retryable=True,
             )
+        except InvalidArguments as exc:
+            # Refused before anything was sent (e.g. a path value of `..`): the caller can fix it.
+            return error_output(
+                f"Those details didn't fit: {_storable(str(exc), 120)}. Ask the caller for the "
+                "right details, then try again."
+            )
         except ToolError as exc:
             log.warning("read %s failed: %s", spec.name, exc)
             return error_output("I couldn't check that just now.", retryable=exc.retryable)
