@@ -410,7 +410,7 @@ class _Builder:
             kind=ToolKind.MUTATION if mutation else ToolKind.READ,
             provider_action=f"{provider}.{name}",
             provider_idempotent=tool.idempotent,
-            needs_confirmation=tool.confirmation,
+            needs_confirmation=_confirmation(tool.confirmation),
             needs_verification=tool.verification,
             needs_caller_id=tool.caller_id,
             preconditions=tuple(p for p in preconditions if p is not None),
@@ -647,6 +647,13 @@ def _shaper(tool: ToolDecl) -> Any:
         return shape(result, data)
 
     return shaped
+
+
+def _confirmation(declared: str | bool | None) -> bool | None:
+    """`confirmation:` as the engine reads it (None: not declared, which a mutation must)."""
+    if declared is None or isinstance(declared, bool):
+        return declared
+    return declared == "required"
 
 
 def _path_arguments(tool: ToolDecl) -> tuple[str, ...]:
