@@ -1093,6 +1093,7 @@ class Bridge:
         for output in response.output or []:
             if isinstance(output, RealtimeConversationItemFunctionCall):
                 self._on_function_call(session, output, response.id or "")
+        self._calls_per_response.pop(response.id or "", None)  # it makes no more calls
         self._announcing.done(response.id or "", response.status)
         await self._drain()
 
@@ -1287,6 +1288,8 @@ class Bridge:
             sent=sent,
             response=decision,
             turn_id=request.turn_id,
+            # Refused by the per-response / in-flight caps: it reached no tool or provider.
+            **({"limited": True} if refusal is not None else {}),
         )
         await self._drain()
 

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from telephony.session_config import BridgeConfig
 from telephony.sim.scenario import Scenario
 from tests.domains import APPOINTMENTS, DOMAINS, AppointmentsBackend, Backend, Domain
-from tests.e2e_support import Stack, event_rows, wait_until
+from tests.e2e_support import Stack, call_stack, event_rows, wait_until
 from tests.openai_sip_support import interconnect
 from tests.test_e2e_booking import (
     CONFIRM,
@@ -224,8 +225,15 @@ async def test_on_openai_sip_the_servers_playout_and_the_callers_turn_are_the_ev
     assert op["confirmation"]["readback_heard_ms"] > 0
 
 
+@pytest.mark.parametrize(
+    ("per_response", "latency_s"),
+    [
+        pytest.param(None, 0.3, id="defaults"),  # 8 per response, 4 in flight
+        pytest.param(40, 1.5, id="in-flight-cap"),  # only the in-flight cap holds them back
+    ],
+)
 async def test_forty_function_calls_in_one_response_reach_the_provider_at_most_the_caps(
-    engine: AsyncEngine, clean_db: str
+    engine: AsyncEngine, clean_db: str, per_response: int | None, latency_s: float
 ) -> None:
     find = {
         "name": "find_slots",
@@ -237,38 +245,45 @@ async def test_forty_function_calls_in_one_response_reach_the_provider_at_most_t
         {"reply": {"text": "We have some times tomorrow.", "audio_ms": 900}},
     ]
     sim = Scenario.model_validate(
-        {
-            "name": "fan-out",
-            "greeting": {"text": "Hello.", "audio_ms": GREETING_MS},
-            "steps": steps,
-        }
+        {"name": "fan-out", "greeting": {"text": "Hello.", "audio_ms": GREETING_MS}, "steps": steps}
     )
+    config = BridgeConfig(max_tool_calls_per_response=per_response) if per_response else None
     async with APPOINTMENTS.start(clean_db) as backend:
         assert isinstance(backend, AppointmentsBackend)
         # A slow provider, so calls that were let through overlap there.
-        backend.api.set_faults(Faults(latency_s=0.3))
-        async with booking_stack(engine, clean_db, backend, sim) as stack:
-            caller = stack.caller()
-            await caller.dial()
-            await hear(caller, GREETING_MS)
-            await caller.play_speech(700)
-            call_id = await stack.call_id(caller)
+        backend.api.set_faults(Faults(latency_s=latency_s))
+        catalog = backend.catalog()
+        try:
+            async with call_stack(
+                engine, sim, bridge_config=config, catalog=catalog, database_url=clean_db
+            ) as stack:
+                caller = stack.caller()
+                await caller.dial()
+                await hear(caller, GREETING_MS)
+                await caller.play_speech(700)
+                call_id = await stack.call_id(caller)
 
-            async def answered() -> bool:
+                async def answered() -> bool:
+                    events = await call_events(stack, call_id)
+                    return sum(1 for e in events if e["kind"] == "function_output") >= 40
+
+                await wait_until(answered, 30, "40 function outputs")
+                effects = backend.api.effects()
                 events = await call_events(stack, call_id)
-                return sum(1 for e in events if e["kind"] == "function_output") >= 40
-
-            await wait_until(answered, WAIT_S, "40 function outputs")
-            effects = backend.api.effects()
-            events = await call_events(stack, call_id)
-            await caller.hangup()
+                await caller.hangup()
+        finally:
+            await catalog.aclose()
 
     outputs = [e["data"] for e in events if e["kind"] == "function_output"]
     assert len(outputs) == 40  # every call was answered, most with a refusal
-    # Defaults: 8 per response, 4 in flight per call.
-    assert 1 <= effects.requests <= 8, effects
-    assert effects.most_concurrent <= 4, effects
+    limited = [o for o in outputs if o.get("limited")]
+    assert len(limited) == 40 - effects.requests  # the rest were refused before the pipeline
+    assert effects.most_concurrent <= 4, effects  # MAX_TOOL_CALLS_IN_FLIGHT
+    if per_response is None:
+        assert 1 <= effects.requests <= 8, effects  # MAX_TOOL_CALLS_PER_RESPONSE
+    else:
+        assert effects.requests < 40, effects  # the ones over 4 running were refused
     print(
-        f"40 calls in one response: {effects.requests} reached the provider, "
-        f"at most {effects.most_concurrent} at once"
+        f"40 calls in one response ({per_response or 8} per response allowed): "
+        f"{effects.requests} reached the provider, at most {effects.most_concurrent} at once"
     )
