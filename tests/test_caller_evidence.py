@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from telephony.caller_evidence import EvidenceLog, SpokenItem
+from telephony.playback import PlaybackTracker
 
 
 class Clock:
@@ -76,3 +77,22 @@ def test_an_operation_never_read_back_in_this_call_has_no_evidence() -> None:
     log = asked_and_read(clock)
     log.digit("1")
     assert not log.judge("op-other", [readback(100.2, 102.4)]).counts
+
+
+def test_the_tracker_knows_when_an_item_was_heard_to_its_end_not_when_it_was_sent() -> None:
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    epoch, _ = tracker.queued("item_rb", 1000)
+    assert tracker.ended_at("item_rb") is None  # sent, not heard
+    clock.now += 0.5
+    tracker.played(epoch, "item_rb", 500)
+    assert tracker.ended_at("item_rb") is None
+    clock.now += 0.5
+    tracker.played(epoch, "item_rb", 1000)
+    assert tracker.ended_at("item_rb") == clock.now
+    # An item that follows finishes the earlier one when it is confirmed playing.
+    epoch, _ = tracker.queued("item_a", 400)
+    tracker.queued("item_b", 400)
+    clock.now += 1.0
+    tracker.played(epoch, "item_b", 600)
+    assert tracker.ended_at("item_a") == clock.now
