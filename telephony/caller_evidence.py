@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from telephony.tool_gateway import ConfirmationEvidence
 
@@ -80,12 +80,12 @@ class EvidenceLog:
         asked = self._asked.get(operation_id)
         if asked is None:
             return ConfirmationEvidence(False, "the caller was never read this request back")
-        answer = next(
-            (a for a in reversed(self._answers) if a.heard and a.at > asked),
-            None,
-        )
-        if answer is None:
+        answer = self._answers[-1] if self._answers else None
+        if answer is None or answer.at <= asked:
             return ConfirmationEvidence(False, "the caller has not answered the readback yet")
+        if not answer.heard:
+            # Their latest words are not in yet (a "no, wait" may be on its way).
+            return ConfirmationEvidence(False, "the caller is still speaking")
         candidates = [
             s
             for s in spoken
@@ -111,20 +111,12 @@ class EvidenceLog:
             digit=answer.digit,
         )
         if readback.ended_at is None:
-            return _with(found, False, "the readback was not heard to its end")
+            return replace(found, counts=False, reason="the readback was not heard to its end")
         if readback.ended_at > answer.at:
-            return _with(found, False, "the caller spoke before the readback ended")
+            return replace(found, counts=False, reason="the caller spoke before the readback ended")
         how = "pressed a key" if answer.digit is not None else "spoke"
-        return _with(found, True, f"the readback was heard in full and the caller {how} after it")
-
-
-def _with(evidence: ConfirmationEvidence, counts: bool, reason: str) -> ConfirmationEvidence:
-    return ConfirmationEvidence(
-        counts,
-        reason,
-        evidence.readback_item_id,
-        evidence.readback_heard_ms,
-        evidence.readback_audio_ms,
-        evidence.caller_item_id,
-        evidence.digit,
-    )
+        return replace(
+            found,
+            counts=True,
+            reason=f"the readback was heard in full and the caller {how} after it",
+        )
