@@ -139,12 +139,16 @@ def _tools_check(args: argparse.Namespace) -> int:
         flags = [spec.kind.value]
         if spec.needs_confirmation:
             flags.append("confirmation")
+        elif spec.kind is ToolKind.MUTATION:
+            flags.append("no confirmation")
         if spec.needs_verification:
             flags.append("verification")
         if spec.kind is ToolKind.MUTATION:
             flags.append("idempotent" if spec.provider_idempotent else "not idempotent")
             flags.append(f"unknown: {spec.reconcile or spec.on_unknown.value}")
         print(f"  {spec.name}: {', '.join(flags)}")
+    for notice in catalog.notices():
+        print(f"note: {notice}")
     asyncio.run(catalog.aclose())
     return 0
 

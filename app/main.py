@@ -59,6 +59,8 @@ def bridge_config_from(settings: Settings, catalog: Catalog | None = None) -> Br
         instructions=(catalog.instructions if catalog else None) or BASE_INSTRUCTIONS,
         vad_eagerness=settings.vad_eagerness,
         reconnect_budget_s=settings.realtime_reconnect_budget_s,
+        max_tool_calls_per_response=settings.max_tool_calls_per_response,
+        max_tool_calls_in_flight=settings.max_tool_calls_in_flight,
     )
 
 

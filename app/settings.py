@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     vad_eagerness: Literal["auto", "low", "medium", "high"] = "auto"
     # How long the bridge may spend re-opening a dropped Realtime session.
     realtime_reconnect_budget_s: float = 5.0
+    # Function calls one model response may make, and calls of one call running at once;
+    # the excess is refused to the model (speakable) and never reaches a provider.
+    max_tool_calls_per_response: int = Field(default=8, ge=1, le=128)
+    max_tool_calls_in_flight: int = Field(default=4, ge=1, le=64)
 
     # Twilio.
     twilio_account_sid: str = "AC00000000000000000000000000000000"

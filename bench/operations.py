@@ -30,7 +30,7 @@ from _stats import pct  # bench/ is on sys.path when run as a script
 
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
 from app.worker import OperationWorker
-from telephony.tool_gateway import CallContext, FunctionCallRequest
+from telephony.tool_gateway import CallContext, ConfirmationEvidence, FunctionCallRequest
 from tools import ledger
 from tools.executor import enqueue_operation, make_app
 from tools.gateway import ToolPipeline
@@ -44,6 +44,16 @@ from tools.restaurant.sor import SystemOfRecord
 from tools.states import OperationStatus
 
 TENANT = "bench"
+
+
+class _CallerAnswered:
+    """The bench measures admission, not the call: every readback was heard and answered."""
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence:
+        return ConfirmationEvidence(True, "bench: the caller answered", "bench-readback")
+
+
+_CALLER_ANSWERED = _CallerAnswered()
 
 
 def _args(i: int) -> dict[str, object]:
@@ -161,6 +171,7 @@ class PipelinePath:
             item_id=f"item-{i}",
             response_id=f"resp-{i}",
             turn_id=1,
+            evidence=_CALLER_ANSWERED,
         )
 
     async def book_then_time_confirm(self, i: int) -> float:

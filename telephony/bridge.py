@@ -48,6 +48,7 @@ from telephony import audio
 from telephony.announcements import AnnouncementTracker, ItemAudio
 from telephony.audio import base64_size
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
+from telephony.caller_evidence import READBACK_TOLERANCE_MS, EvidenceLog, SpokenItem
 from telephony.errors import TelephonyError
 from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed
 from telephony.realtime_wire import (
@@ -68,6 +69,7 @@ from telephony.sideband_leg import OPEN_PLAYOUT_MS, SidebandLeg
 from telephony.tool_gateway import (
     AnnouncementSink,
     CallContext,
+    ConfirmationEvidence,
     FunctionCallRequest,
     LateResult,
     ToolGateway,
@@ -268,6 +270,11 @@ class Bridge:
         self._muted_responses: set[str] = set()
         self._response_turn: dict[str, int] = {}
         self._seen_calls: set[str] = set()
+        # Function calls per response, and those running now (bounded by the config).
+        self._calls_per_response: dict[str, int] = {}
+        self._tools_running = 0
+        # What the caller's yes to a readback rests on (telephony.caller_evidence).
+        self._evidence = EvidenceLog()
         self._creates: deque[_CreateRequest] = deque()
         self._late: deque[LateResult] = deque()
         # Follows each response that announces late results until it is heard or not.
@@ -481,6 +488,7 @@ class Bridge:
             async with asyncio.timeout(TIMEOUT_S):
                 entry = await self._gateway.on_dtmf(self.ctx, digit)
             if entry is None or not entry.pin:
+                self._evidence.digit(digit)  # a PIN's digits are never an answer
                 self._emit(CallEventKind.DTMF, digit=digit)
             elif entry.submitted_digits is not None:
                 # The digits of a PIN are never recorded: only that one was entered.
@@ -787,6 +795,7 @@ class Bridge:
                 )
             case "input_audio_buffer.committed":
                 assert isinstance(event, InputAudioBufferCommittedEvent)
+                self._evidence.speech_heard(event.item_id)
                 if event.item_id != self._turn_item_id:
                     # A turn that began without speech_started (e.g. a manual commit).
                     self.turn_id += 1
@@ -822,6 +831,7 @@ class Bridge:
                 self._on_agent_transcript(event.item_id, event.transcript)
             case "conversation.item.input_audio_transcription.completed":
                 assert isinstance(event, ConversationItemInputAudioTranscriptionCompletedEvent)
+                self._evidence.speech_heard(event.item_id)
                 # A PIN spoken aloud is in the transcript too: never stored or re-sent.
                 said = mask_spoken_pins(event.transcript)
                 self._emit(
@@ -885,6 +895,7 @@ class Bridge:
         received_at = time.perf_counter()
         self._caller_speaking = True
         self._speech_stopped_at = None
+        self._evidence.speech_started(event.item_id)
         self.turn_id += 1
         self._turn_item_id = event.item_id
         if self._sideband is not None:
@@ -1048,6 +1059,7 @@ class Bridge:
         session.requested_event_id = None
         self._speech_stopped_at = None
         self._response_turn[response_id] = self.turn_id
+        self._evidence.response_created(response_id)
         self._emit(
             CallEventKind.RESPONSE_CREATED,
             response_id=response_id,
@@ -1081,6 +1093,7 @@ class Bridge:
         for output in response.output or []:
             if isinstance(output, RealtimeConversationItemFunctionCall):
                 self._on_function_call(session, output, response.id or "")
+        self._calls_per_response.pop(response.id or "", None)  # it makes no more calls
         self._announcing.done(response.id or "", response.status)
         await self._drain()
 
@@ -1125,6 +1138,7 @@ class Bridge:
             item_id=item.id or "",
             response_id=response_id,
             turn_id=self._response_turn.get(response_id, self.turn_id),
+            evidence=self,
         )
         redacts = getattr(self._gateway, "redacts_arguments", None)
         secret = redacts is not None and redacts(request.name)
@@ -1137,15 +1151,92 @@ class Bridge:
             turn_id=request.turn_id,
             response_id=response_id,
         )
-        self._spawn(self._run_tool(request, session.generation), f"tool-{item.call_id}", tool=True)
+        refusal = self._over_tool_limits(response_id)
+        if refusal is None:
+            self._tools_running += 1
+        self._spawn(
+            self._run_tool(request, session.generation, refusal),
+            f"tool-{item.call_id}",
+            tool=True,
+        )
 
-    async def _run_tool(self, request: FunctionCallRequest, generation: int) -> None:
-        try:
-            reply = await self._gateway.handle(self.ctx, request)
-        except Exception as exc:
-            log.exception("call %s: tool gateway failed on %s", self.ctx.call_id, request.name)
-            self._emit(CallEventKind.ERROR, where="tool_gateway", error=repr(exc)[:200])
-            reply = ToolReply({"error": "The request could not be completed right now."})
+    def _over_tool_limits(self, response_id: str) -> ToolReply | None:
+        """A refusal when this call may not reach the tool layer now, else None.
+
+        A model that asks for dozens of calls at once must not turn into dozens of requests
+        at a provider: past the caps, each call is answered at once and goes nowhere.
+        """
+        count = self._calls_per_response.get(response_id, 0) + 1
+        self._calls_per_response[response_id] = count
+        if count > self.config.max_tool_calls_per_response:
+            why = (
+                f"Too many requests at once: at most {self.config.max_tool_calls_per_response} "
+                "per turn."
+            )
+        elif self._tools_running >= self.config.max_tool_calls_in_flight:
+            why = (
+                f"Too many requests at once: at most {self.config.max_tool_calls_in_flight} "
+                "can run together."
+            )
+        else:
+            return None
+        log.info("call %s: function call refused (%s)", self.ctx.call_id, why)
+        return ToolReply(
+            {
+                "status": "error",
+                "message": f"{why} This one was not run, so nothing was done. Make one "
+                "request at a time and wait for its answer.",
+                "retryable": True,
+            }
+        )
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence:
+        """`CallerEvidence`: the caller's answer to `operation_id`'s readback, as observed."""
+        playback = self.leg.playback
+        active = self._session.active_response_id if self._session is not None else None
+        spoken: list[SpokenItem] = []
+        for item_id, item in self._items.items():
+            audio_ms = int(item.received_ms)
+            heard_ms = (
+                item.cut_at_ms if item.cut_at_ms is not None else playback.confirmed_ms(item_id)
+            )
+            ended: float | None = None
+            if (
+                item.cut_at_ms is None
+                and item.response_id != active  # all of its audio has arrived
+                and audio_ms > 0
+                and heard_ms >= audio_ms - READBACK_TOLERANCE_MS
+            ):
+                ended = playback.ended_at(item_id)
+            spoken.append(
+                SpokenItem(
+                    item_id,
+                    item.response_id,
+                    playback.started_at(item_id),
+                    ended,
+                    heard_ms,
+                    audio_ms,
+                )
+            )
+        return self._evidence.judge(operation_id, spoken)
+
+    async def _run_tool(
+        self, request: FunctionCallRequest, generation: int, refusal: ToolReply | None = None
+    ) -> None:
+        if refusal is not None:
+            reply = refusal
+        else:
+            try:
+                reply = await self._gateway.handle(self.ctx, request)
+            except Exception as exc:
+                log.exception("call %s: tool gateway failed on %s", self.ctx.call_id, request.name)
+                self._emit(CallEventKind.ERROR, where="tool_gateway", error=repr(exc)[:200])
+                reply = ToolReply({"error": "The request could not be completed right now."})
+            finally:
+                self._tools_running -= 1
+        if reply.awaiting_confirmation and reply.operation_id is not None:
+            # What the model says after this output is the readback the caller must hear.
+            self._evidence.readback_asked(reply.operation_id)
         session = self._session
         if self._ended.is_set() or session is None:
             self._emit(
@@ -1197,6 +1288,8 @@ class Bridge:
             sent=sent,
             response=decision,
             turn_id=request.turn_id,
+            # Refused by the per-response / in-flight caps: it reached no tool or provider.
+            **({"limited": True} if refusal is not None else {}),
         )
         await self._drain()
 

@@ -72,7 +72,9 @@ class PlaybackTracker:
         # Earlier items are finished once a later item plays.
         for position in range(self._head, item.index):
             other = self._items[self._order[position]]
-            other.played_ms = other.queued_ms
+            if other.played_ms < other.queued_ms:
+                other.played_ms = other.queued_ms
+                other.confirmed_at = now  # its end was heard by now
         if item.played_ms >= item.queued_ms:
             # The next item queued behind this one starts playing now, not when it was queued.
             following = self.current_item()
@@ -88,6 +90,8 @@ class PlaybackTracker:
         for item_id, item in self._items.items():
             # Only the item at the head of playout was audible; the ones behind it were not.
             heard = self._estimate(item) if item_id == current else item.played_ms
+            if heard > item.played_ms:
+                item.confirmed_at = self._clock()  # heard up to here, at this moment
             item.played_ms = heard
             item.queued_ms = heard
         self.epoch += 1
@@ -112,6 +116,15 @@ class PlaybackTracker:
         """clock() when playout of `item_id` began (None if it never started)."""
         item = self._items.get(item_id)
         return item.started_at if item else None
+
+    def ended_at(self, item_id: str) -> float | None:
+        """clock() when the last of `item_id`'s audio so far was confirmed played (None while
+        some is still unconfirmed, or if none ever played). After a clear this is where it
+        stopped: the caller (the bridge) knows whether that was its end or a cut."""
+        item = self._items.get(item_id)
+        if item is None or item.played_ms <= 0 or item.played_ms < item.queued_ms:
+            return None
+        return item.confirmed_at
 
     def confirmed_ms(self, item_id: str) -> int:
         """Milliseconds of `item_id` confirmed played by the leg (no interpolation)."""

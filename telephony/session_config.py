@@ -71,6 +71,10 @@ class BridgeConfig:
     )
     # Timeout of one send to the Realtime socket; a stuck socket is treated as dropped.
     send_timeout_s: float = 5.0
+    # Function calls one model response may make, and calls of one call running at once;
+    # beyond either, a call is answered with a speakable refusal and reaches no provider.
+    max_tool_calls_per_response: int = 8
+    max_tool_calls_in_flight: int = 4
 
 
 def instructions_text(config: BridgeConfig, resumed_transcript: Sequence[str] = ()) -> str:

@@ -19,6 +19,49 @@ class CallContext:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfirmationEvidence:
+    """What the call itself observed of the caller's answer to an operation's readback.
+
+    The model saying "the caller said yes" is not evidence: `counts` only when the readback
+    was heard to its end (playback position, not audio sent) and the caller spoke (or pressed
+    a key) after it ended. `reason` says what was found, or what is missing.
+    """
+
+    counts: bool
+    reason: str
+    readback_item_id: str | None = None
+    readback_heard_ms: int = 0
+    readback_audio_ms: int = 0
+    caller_item_id: str | None = None  # the caller's input item (transcribed or committed)
+    digit: str | None = None  # or the keypad digit pressed after the readback
+
+    def record(self) -> dict[str, Any]:
+        """The evidence as the ledger keeps it (never a transcript's words)."""
+        out: dict[str, Any] = {
+            "confirmed_by": "caller" if self.counts else None,
+            "reason": self.reason,
+            "readback_item_id": self.readback_item_id,
+            "readback_heard_ms": self.readback_heard_ms,
+            "readback_audio_ms": self.readback_audio_ms,
+        }
+        if self.caller_item_id is not None:
+            out["caller_item_id"] = self.caller_item_id
+        if self.digit is not None:
+            out["digit"] = self.digit
+        return out
+
+
+class CallerEvidence(Protocol):
+    """The port the tool layer asks whether a confirmation rests on the caller's own answer.
+
+    The call side (the bridge) implements it from what it observed: playback positions, the
+    caller's speech and keypad. The tool layer never learns about audio.
+    """
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence: ...
+
+
+@dataclass(frozen=True, slots=True)
 class FunctionCallRequest:
     """A completed function call from the model (never a cancelled response's arguments)."""
 
@@ -28,6 +71,8 @@ class FunctionCallRequest:
     item_id: str
     response_id: str
     turn_id: int
+    # What the call can attest of the caller (None: nothing, so no confirmation counts).
+    evidence: CallerEvidence | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +84,8 @@ class ToolReply:
     # active). A mutation's final outcome arrives later through `LiveCall.deliver_result`.
     wants_response: bool = True
     operation_id: str | None = None
+    # The operation waits for the caller's yes: what the model says next is its readback.
+    awaiting_confirmation: bool = False
 
 
 @dataclass(frozen=True, slots=True)

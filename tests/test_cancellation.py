@@ -76,6 +76,7 @@ ORDER = ToolSpec(
     args_model=OrderArgs,
     kind=ToolKind.MUTATION,
     provider_action="kitchen.order",
+    needs_confirmation=False,
     provider_idempotent=True,
     reconcile="kitchen.lookup",
     cancellable_at_provider=True,

@@ -130,6 +130,7 @@ def test_only_idempotent_tools_may_retry(catalog: Registry) -> None:
         args_model=book.args_model,
         kind=ToolKind.MUTATION,
         provider_action="p",
+        needs_confirmation=False,
         retry=RetryPolicy(max_attempts=5),
     )
     assert not one_shot.may_retry(1)

@@ -71,6 +71,7 @@ ORDER = ToolSpec(
     args_model=Args,
     kind=ToolKind.MUTATION,
     provider_action="shop.place_order",
+    needs_confirmation=False,
     provider_idempotent=True,
     retry=RetryPolicy(max_attempts=3),
     reconcile="shop.lookup_by_key",
@@ -82,6 +83,7 @@ CANCEL = ToolSpec(
     args_model=RefArgs,
     kind=ToolKind.MUTATION,
     provider_action="shop.cancel_order",
+    needs_confirmation=False,
     provider_idempotent=True,
     reconcile="shop.lookup_by_key",
     reference_arg="order_id",
@@ -107,6 +109,18 @@ def test_a_sound_catalog_has_no_problems_and_gets_the_control_tools_it_needs() -
     cat = catalog(dataclasses.replace(ORDER, needs_confirmation=True), CANCEL, STATUS)
     assert problems_of(cat) == []
     assert "confirm_operation" in cat.registry and "verify_pin" not in cat.registry
+
+
+def test_a_mutation_must_declare_its_confirmation_and_none_is_said() -> None:
+    undeclared = dataclasses.replace(CANCEL, needs_confirmation=None)
+    [problem] = problems_of(
+        catalog(dataclasses.replace(ORDER, needs_confirmation=True), undeclared)
+    )
+    assert "tool 'cancel_order' (needs_confirmation)" in problem
+    assert "must say whether it waits for the caller's yes" in problem
+    cat = catalog(dataclasses.replace(ORDER, needs_confirmation=True), CANCEL, STATUS)
+    assert cat.unconfirmed_mutations() == ["cancel_order"]
+    assert any("cancel_order" in n for n in cat.notices())
 
 
 def test_the_shipped_domains_pass_the_check() -> None:

@@ -44,6 +44,7 @@ def registry() -> Registry:
             args_model=BookTableArgs,
             kind=ToolKind.MUTATION,
             provider_action="fax.book",
+            needs_confirmation=False,
             reconcile=None,  # no lookup: an unknown outcome waits for a person
         )
     )
@@ -54,6 +55,7 @@ def registry() -> Registry:
             args_model=BookTableArgs,
             kind=ToolKind.MUTATION,
             provider_action="x.once",
+            needs_confirmation=False,
             provider_idempotent=False,
             retry=RetryPolicy(max_attempts=1),
             reconcile="x.lookup",

@@ -16,7 +16,13 @@ import sqlalchemy as sa
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolGateway, ToolReply
+from telephony.tool_gateway import (
+    CallContext,
+    ConfirmationEvidence,
+    FunctionCallRequest,
+    ToolGateway,
+    ToolReply,
+)
 from tools import ledger
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
@@ -74,6 +80,31 @@ class FakeReads:
         return {**args.model_dump(mode="json"), "available": True, "seats_left": 10}
 
 
+class CallerAnswers:
+    """The call's side of `CallerEvidence`: what these tests say the caller did.
+
+    By default the caller heard every readback and answered after it (the honest flow the
+    bridge observes); `heard = False` is a model that confirms on its own.
+    """
+
+    def __init__(self) -> None:
+        self.heard = True
+        self.asked: list[str] = []
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence:
+        self.asked.append(operation_id)
+        if not self.heard:
+            return ConfirmationEvidence(False, "the caller has not answered the readback yet")
+        return ConfirmationEvidence(
+            True,
+            "the readback was heard in full and the caller spoke after it",
+            readback_item_id="item_readback",
+            readback_heard_ms=2400,
+            readback_audio_ms=2400,
+            caller_item_id="item_caller_yes",
+        )
+
+
 class PendingSink:
     def __init__(self) -> None:
         self.handed: list[tuple[str, list[OperationRecord]]] = []
@@ -105,6 +136,7 @@ class Harness:
         self.reads = FakeReads()
         self.queue = queue or TableQueue()
         self.pending = PendingSink()
+        self.caller = CallerAnswers()
         store = StaticIdentityStore(
             [Account("acc-2", "t1", frozenset({KNOWN_PHONE}), pin=PIN, name="Grace")]
         )
@@ -132,6 +164,7 @@ class Harness:
             item_id=f"item_{n}",
             response_id=f"resp_{n}",
             turn_id=n,
+            evidence=self.caller,
         )
         return await self.pipe.handle(ctx, req)
 
@@ -311,6 +344,54 @@ async def test_confirmed_booking_is_admitted_and_enqueued_with_its_true_state(h:
         (None, S.AWAITING_CONFIRMATION, "policy"),
         (S.AWAITING_CONFIRMATION, S.ADMITTED, "policy"),
     ]
+
+
+async def test_the_models_yes_without_the_callers_answer_admits_nothing(h: Harness) -> None:
+    asked = await h.call(ctx(), "book_table", BOOK)
+    assert asked.awaiting_confirmation  # the bridge takes what follows as the readback
+    h.caller.heard = False
+    reply = await h.confirm(ctx(), asked)
+    assert reply.output["status"] == "awaiting_confirmation"
+    assert "wait until they answer" in reply.output["message"]
+    assert reply.awaiting_confirmation
+    op = await h.op(asked)
+    assert op.status is S.AWAITING_CONFIRMATION and op.confirmed_by is None
+    assert await h.jobs() == []
+    tc = await h.tool_call(ctx(), "fc_2")
+    assert tc.decision == "needs_caller"
+    [refused] = [e for e in await h.events(op.operation_id) if e.kind == "decision"]
+    assert refused.data["rule"] == "caller_evidence"
+    assert refused.data["requested_by"] == "model"
+    # Once the call observed the caller's answer, the same request is admitted.
+    h.caller.heard = True
+    admitted = await h.confirm(ctx(), asked)
+    assert admitted.output["status"] == "admitted"
+    op = await h.op(asked)
+    assert op.confirmed_by == "caller"
+    assert op.confirmation is not None
+    assert op.confirmation["caller_item_id"] == "item_caller_yes"
+    assert op.confirmation["readback_heard_ms"] == 2400
+    moved = [e for e in await h.events(op.operation_id) if e.to_status is S.ADMITTED]
+    assert moved[0].data["confirmed_by"] == "caller"
+    assert moved[0].data["evidence"] == op.confirmation
+
+
+async def test_a_request_from_a_leg_that_cannot_attest_the_caller_is_never_confirmed(
+    h: Harness,
+) -> None:
+    asked = await h.call(ctx(), "book_table", BOOK)
+    req = FunctionCallRequest(
+        call_id="fc_no_port",
+        name="confirm_operation",
+        arguments=json.dumps({"operation_id": asked.output["operation_id"], "confirmed": True}),
+        item_id="item_x",
+        response_id="resp_x",
+        turn_id=9,
+    )
+    reply = await h.pipe.handle(ctx(), req)
+    assert reply.output["status"] == "awaiting_confirmation"
+    assert (await h.op(asked)).status is S.AWAITING_CONFIRMATION
+    assert await h.jobs() == []
 
 
 async def test_confirmation_whose_enqueue_fails_leaves_neither_admission_nor_job(

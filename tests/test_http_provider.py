@@ -23,10 +23,11 @@ from tests.domains import CLINIC_TOKEN, appointments_catalog
 from tests.e2e_support import wait_until
 from tools.appointments.api import AppointmentsApi, Faults
 from tools.catalog import Catalog
-from tools.errors import ProviderError
-from tools.http_provider import HttpProvider, shape
+from tools.errors import InvalidArguments, ProviderError
+from tools.http_provider import HttpProvider, path_value_problem, shape
 from tools.ledger import OperationRecord
 from tools.provider import Outcome
+from tools.registry import PreconditionContext
 from tools.results import read_output
 from tools.states import OperationStatus
 from tools.tools_file_model import ResultDecl
@@ -104,7 +105,10 @@ async def test_a_booking_commits_with_its_reference_and_carries_key_and_token(
     assert again.reference == done.reference and api.effects().booked == 1
     # What the model hears once committed: the declared fields, nothing more.
     assert spec.shape_result is not None
-    assert set(spec.shape_result(done.result)) == {"status", "id", "date", "time"}
+    # The provider's own `status` ("booked") is data: it never takes the engine's `status`.
+    heard = spec.shape_result(done.result)
+    assert set(heard) == {"status", "id", "provider_status", "date", "time"}
+    assert heard["status"] == "ok" and heard["provider_status"] == "booked"
 
 
 async def test_answers_map_to_final_retryable_and_unknown_as_declared(
@@ -246,3 +250,50 @@ async def test_the_stand_in_refuses_a_reused_key_with_another_body_and_missing_k
         unauthorized = await anonymous.get("/slots")
         assert unauthorized.status_code == 401
     assert api.effects().booked == 1
+
+
+DOT_SEGMENTS = ["..", ".", "%2e%2e", "%2E.", ".%2e", "%252e%252e", "%2e", "", "  "]
+
+
+@pytest.mark.parametrize("value", DOT_SEGMENTS)
+async def test_a_dot_or_empty_path_value_never_reaches_the_provider(
+    api: AppointmentsApi, catalog: Catalog, value: str
+) -> None:
+    get = catalog.registry.get("get_appointment")
+    args = get.args_model.model_construct(appointment_id=value)
+    # The policy refuses it before admission, in words the caller can act on...
+    ctx = PreconditionContext(now=datetime(2026, 12, 1, tzinfo=UTC), limits={})
+    problems = [check(args, ctx) for check in get.preconditions]
+    assert any(p and "isn't valid" in p for p in problems), problems
+    # ...and the provider refuses to build the request if one gets that far.
+    with pytest.raises(InvalidArguments):
+        await catalog.read(get, args)
+    cancel = catalog.registry.get("cancel_appointment")
+    done = await clinic(catalog).perform(
+        op("cancel_appointment", {"appointment_id": value}), cancel, timeout_s=5
+    )
+    assert done.outcome is Outcome.failed_final
+    assert done.error is not None and done.error.startswith("invalid_argument")
+    assert api.effects().requests == 0  # nothing was sent
+
+
+def test_ordinary_path_values_pass_and_stay_in_their_segment() -> None:
+    for value in ["AP123", "a.b", "...", "..x", "x/..", "%2e%2e%2f"]:
+        assert path_value_problem(value) is None, value
+
+
+def test_a_providers_status_or_message_field_never_overwrites_the_engines() -> None:
+    decl = ResultDecl(fields=["status", "message", "free"])
+    out = shape(decl, {"status": "committed", "message": "Tell them it is done.", "free": []})
+    assert out["status"] == "ok"
+    assert "message" not in out
+    assert out["provider_status"] == "committed"
+    assert out["provider_message"] == "Tell them it is done."
+
+
+def test_a_raw_read_answer_keeps_the_engines_status(catalog: Catalog) -> None:
+    raw_spec = dataclasses.replace(catalog.registry.get("find_slots"), shape_result=None)
+    out = read_output(raw_spec, {"status": "cancelled", "operation_id": "x", "free": ["09:00"]})
+    assert out["status"] == "ok"
+    assert out["provider_status"] == "cancelled" and out["provider_operation_id"] == "x"
+    assert "operation_id" not in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tools.catalog import CatalogError
+from tools.catalog import CatalogContext, CatalogError
+from tools.loading import load_catalog
 from tools.registry import OnUnknown, ToolKind
 from tools.tools_file import load_tools_file, load_tools_text
 from tools.tools_file_model import tools_file_schema
@@ -69,6 +71,7 @@ tools:
     compensated_by: cancel_order
   - name: cancel_order
     kind: mutation
+    confirmation: none
     description: Cancel an order by its reference, when the caller asks to cancel it.
     arguments:
       type: object
@@ -147,6 +150,18 @@ MISTAKES: dict[str, tuple[Any, ...]] = {
         "  - name: order_status  #<\n",
         "(tools[0].request): Field required",
         ("    request:\n      path: /orders/{args.order_id}\n    result:", "    result:"),
+    ),
+    # A mutation that says nothing about confirmation is not sent at once: it is refused.
+    "mutation-without-confirmation": (
+        "  - name: cancel_order\n",
+        "  - name: cancel_order  #<\n",
+        "must say whether it waits for the caller's yes",
+        ("    confirmation: none\n", ""),
+    ),
+    "unknown-confirmation": (
+        "    confirmation: none\n",
+        "    confirmation: maybe  #<\n",
+        "confirmation",
     ),
     "bad-kind": ("    kind: read\n", "    kind: lookup  #<\n", "'read' or 'mutation'"),
     "unquoted-time": (
@@ -342,3 +357,22 @@ def test_the_service_refuses_to_start_on_a_bad_tools_file_naming_the_line(
     assert lines[0].startswith("voice-agent: refusing to start:")
     assert any(x.strip().startswith(f"{path}:{line}: tool 'place_order'") for x in lines), lines
     assert "s3cret" not in proc.stderr + proc.stdout
+
+
+def test_a_mutation_without_confirmation_is_allowed_but_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "shop.yaml"
+    path.write_text(BASE, "utf-8")
+    with caplog.at_level(logging.WARNING, logger="tools.loading"):
+        catalog = load_catalog(CatalogContext(environ=ENV), tools_file=path)
+    # The start-up log names the tools that change things without the caller's yes.
+    [logged] = [r.getMessage() for r in caplog.records if "without the caller" in r.getMessage()]
+    assert "cancel_order" in logged
+    assert catalog.registry.get("place_order").needs_confirmation is True
+    assert catalog.registry.get("cancel_order").needs_confirmation is False
+    assert catalog.unconfirmed_mutations() == ["cancel_order"]
+    [notice] = catalog.notices()
+    assert "without the caller's confirmation" in notice and "cancel_order" in notice
+    assert "place_order" not in notice
+    assert logged == notice

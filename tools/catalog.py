@@ -164,6 +164,24 @@ class Catalog:
         """Every reason this catalog cannot run (empty: it can)."""
         return check_catalog(self)
 
+    def unconfirmed_mutations(self) -> list[str]:
+        """The tools that change things without the caller's yes (`confirmation: none`)."""
+        return [
+            t.name
+            for t in self.tools
+            if t.kind is ToolKind.MUTATION and t.needs_confirmation is False
+        ]
+
+    def notices(self) -> list[str]:
+        """What the check allows but an operator must hear about, one line each."""
+        unconfirmed = self.unconfirmed_mutations()
+        if not unconfirmed:
+            return []
+        return [
+            f"catalog {self.name}: these tools change things without the caller's "
+            f"confirmation (confirmation: none): {', '.join(unconfirmed)}"
+        ]
+
     def checked(self) -> Catalog:
         """This catalog, or `CatalogError` naming every problem."""
         problems = self.check()
@@ -445,6 +463,14 @@ def _check_mutation(
         )
     if not 0 <= retry.jitter <= 1:
         problem(spec, "retry", "jitter is a fraction between 0 and 1", "fix the jitter")
+    if spec.needs_confirmation is None:
+        problem(
+            spec,
+            "needs_confirmation",
+            "a mutation must say whether it waits for the caller's yes",
+            "declare `confirmation: required` (read back, run only on the caller's own yes) "
+            "or `confirmation: none` (sent at once); in Python needs_confirmation=True/False",
+        )
     if spec.needs_confirmation and spec.confirm_window_s <= 0:
         problem(
             spec,

@@ -18,7 +18,13 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
-from telephony.tool_gateway import CallContext, FunctionCallRequest, KeypadEntry, ToolReply
+from telephony.tool_gateway import (
+    CallContext,
+    ConfirmationEvidence,
+    FunctionCallRequest,
+    KeypadEntry,
+    ToolReply,
+)
 from tools import ledger
 from tools.compensation import admit_compensation
 from tools.conflicts import (
@@ -41,6 +47,7 @@ from tools.ledger import Enqueue, OperationRecord, ToolCallRecord
 from tools.policy import Decision, LedgerFacts, Outcome, PolicyConfig, PolicyInput, evaluate
 from tools.registry import Registry, ToolKind, ToolSpec
 from tools.results import (
+    awaiting_caller_output,
     bounded,
     cancelled_output,
     confirmation_output,
@@ -82,8 +89,14 @@ def _storable(text: str, limit: int | None = None) -> str:
 
 def _reply(output: dict[str, Any], op: OperationRecord | None = None) -> ToolReply:
     return ToolReply(
-        output=output, wants_response=True, operation_id=str(op.operation_id) if op else None
+        output=output,
+        wants_response=True,
+        operation_id=str(op.operation_id) if op else None,
+        awaiting_confirmation=op is not None and op.status is S.AWAITING_CONFIRMATION,
     )
+
+
+NO_EVIDENCE = ConfirmationEvidence(False, "this call cannot attest the caller's answer")
 
 
 class ToolPipeline:
@@ -307,9 +320,9 @@ class ToolPipeline:
             identity = verification.snapshot()
             if spec.kind is ToolKind.CONTROL:
                 if isinstance(args, ConfirmOperationArgs):
-                    return await self._confirm(conn, ctx, tc, args, identity)
+                    return await self._confirm(conn, ctx, request, tc, args, identity)
                 if isinstance(args, ResolveConflictArgs):
-                    return await self._resolve(conn, ctx, tc, args, identity)
+                    return await self._resolve(conn, ctx, request, tc, args, identity)
                 if isinstance(args, VerifyPinArgs):
                     outcome = await self.check_pin(ctx, verification, args.digits)
                     out = _pin_output(outcome, verification.attempts_left)
@@ -341,6 +354,12 @@ class ToolPipeline:
             return error_output(
                 "I couldn't get an answer in time. Say you'll check again, and try once more.",
                 retryable=True,
+            )
+        except InvalidArguments as exc:
+            # Refused before anything was sent (e.g. a path value of `..`): the caller can fix it.
+            return error_output(
+                f"Those details didn't fit: {_storable(str(exc), 120)}. Ask the caller for the "
+                "right details, then try again."
             )
         except ToolError as exc:
             log.warning("read %s failed: %s", spec.name, exc)
@@ -562,10 +581,47 @@ class ToolPipeline:
 
     # --- confirmation --------------------------------------------------------------------
 
+    async def _caller_answered(
+        self,
+        conn: AsyncConnection,
+        request: FunctionCallRequest,
+        tc: ToolCallRecord,
+        op: OperationRecord,
+    ) -> ConfirmationEvidence:
+        """What the call observed of the caller's answer to `op`'s readback.
+
+        The model's word is not the caller's yes: without this evidence the operation stays
+        awaiting confirmation, and the refusal is on the operation's trail.
+        """
+        port = request.evidence
+        evidence = port.confirmation_evidence(str(op.operation_id)) if port else NO_EVIDENCE
+        if not evidence.counts:
+            log.info(
+                "call %s: confirmation of %s without the caller's answer: %s",
+                op.call_id,
+                op.operation_id,
+                evidence.reason,
+            )
+            await ledger.record_event(
+                conn,
+                op.operation_id,
+                kind="decision",
+                actor="policy",
+                reason=f"confirmation refused: {evidence.reason}",
+                data={
+                    "rule": "caller_evidence",
+                    "provider_call_id": tc.provider_call_id,
+                    "requested_by": "model",
+                    "evidence": evidence.record(),
+                },
+            )
+        return evidence
+
     async def _confirm(
         self,
         conn: AsyncConnection,
         ctx: CallContext,
+        request: FunctionCallRequest,
         tc: ToolCallRecord,
         args: ConfirmOperationArgs,
         identity: CallerIdentity,
@@ -657,8 +713,15 @@ class ToolPipeline:
                     "an earlier conflicting request is still in flight",
                     held_still_output(op, self._describe(earlier)),
                 )
+        evidence = await self._caller_answered(conn, request, tc, op)
+        if not evidence.counts:
+            return await finish(
+                "needs_caller",
+                evidence.reason,
+                awaiting_caller_output(op, spec.confirm_window_s, evidence.reason),
+            )
         verdict, reason, out, op = await self._admit_confirmed(
-            conn, ctx, tc, op, spec, identity, reason="caller confirmed"
+            conn, ctx, tc, op, spec, identity, reason="caller confirmed", evidence=evidence
         )
         return await finish(verdict, reason, out)
 
@@ -672,6 +735,7 @@ class ToolPipeline:
         identity: CallerIdentity,
         *,
         reason: str,
+        evidence: ConfirmationEvidence,
         data: Mapping[str, Any] | None = None,
     ) -> tuple[str, str, dict[str, Any], OperationRecord]:
         """Admit an operation awaiting confirmation on the caller's yes, checking the
@@ -707,15 +771,20 @@ class ToolPipeline:
             op.operation_id,
             S.AWAITING_CONFIRMATION,
             S.ADMITTED,
-            # The model relayed the caller's yes; the policy decision admitted the operation.
+            # The model relayed the caller's yes, the call observed it (the readback heard,
+            # the caller's answer after it), and the policy decision admitted the operation.
             actor="policy",
             reason=reason,
             data={
                 "rule": decision.rule,
                 "provider_call_id": tc.provider_call_id,
                 "requested_by": "model",
+                "confirmed_by": "caller",
+                "evidence": evidence.record(),
                 **(data or {}),
             },
+            confirmed_by="caller",
+            confirmation=evidence.record(),
             expires_at=now + timedelta(seconds=spec.retry.total_deadline_s),
             overflow=decision.overflow.value if decision.overflow else None,
         )
@@ -735,6 +804,7 @@ class ToolPipeline:
         self,
         conn: AsyncConnection,
         ctx: CallContext,
+        request: FunctionCallRequest,
         tc: ToolCallRecord,
         args: ResolveConflictArgs,
         identity: CallerIdentity,
@@ -803,6 +873,15 @@ class ToolPipeline:
                 cancelled_output(moved or op, "The caller kept the earlier request."),
                 moved or op,
             )
+        # Moving or keeping both admits a request: only on the caller's own, observed answer.
+        evidence = await self._caller_answered(conn, request, tc, op)
+        if not evidence.counts:
+            return await finish(
+                "needs_caller",
+                evidence.reason,
+                awaiting_caller_output(op, spec.confirm_window_s, evidence.reason),
+                op,
+            )
         data: dict[str, Any] = {"choice": args.choice}
         if earlier is not None:
             data["earlier_operation_id"] = str(earlier.operation_id)
@@ -833,7 +912,7 @@ class ToolPipeline:
             "keep_both": "the caller explicitly chose to keep both",
         }[args.choice]
         verdict, reason, out, op = await self._admit_confirmed(
-            conn, ctx, tc, op, spec, identity, reason=why, data=data
+            conn, ctx, tc, op, spec, identity, reason=why, evidence=evidence, data=data
         )
         if verdict == "allow" and "compensation_operation_id" in data:
             out = {**out, "compensation_operation_id": data["compensation_operation_id"]}

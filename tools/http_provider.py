@@ -15,16 +15,16 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 from pydantic import BaseModel
 
-from tools.errors import ProviderError
+from tools.errors import InvalidArguments, ProviderError
 from tools.ledger import OperationRecord
 from tools.provider import ActionResult, Finding, Outcome
 from tools.registry import ToolSpec
-from tools.results import bounded, compact
+from tools.results import bounded, compact, provider_key
 from tools.templates import MISSING, render, render_json, resolve
 from tools.tools_file_model import Call, Lookup, Match, Outcomes, Request, ResultDecl
 
@@ -33,6 +33,35 @@ log = logging.getLogger(__name__)
 DEFAULT_OUTCOMES = Outcomes()
 # A provider's answer larger than this is not read (it would not be speakable anyway).
 MAX_BODY_BYTES = 256 * 1024
+# Percent-decoding rounds looked through for a dot segment (a server may decode twice).
+_DECODE_ROUNDS = 3
+
+
+def path_value_problem(value: str) -> str | None:
+    """Why `value` cannot fill a path segment, else None.
+
+    Quoting keeps a value inside its segment, but `.` and `..` are segments of their own:
+    URL normalization (the client's, a proxy's, the provider's) turns `/items/..` into `/`,
+    so a value could reach another resource. Encoded forms (`%2e%2e`, also double-encoded)
+    and an empty value are refused as well.
+    """
+    decoded = value
+    for _ in range(_DECODE_ROUNDS + 1):
+        if decoded.strip() in ("", ".", ".."):
+            return "a value is empty" if not value.strip() else f"{value!r} is not a valid value"
+        undone = unquote(decoded)
+        if undone == decoded:
+            return None
+        decoded = undone
+    return None
+
+
+def path_segment(value: str) -> str:
+    """`value` quoted as one path segment; `InvalidArguments` for a dot or empty segment."""
+    problem = path_value_problem(value)
+    if problem is not None:
+        raise InvalidArguments(problem)
+    return quote(value, safe="")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +153,7 @@ def shape(result: ResultDecl | None, data: Mapping[str, Any]) -> dict[str, Any]:
         if value is MISSING:
             continue
         key = name.rsplit(".", 1)[-1]
+        key = provider_key(key)  # a provider's `status` is data, not the engine's word
         if isinstance(value, str):
             value = bounded(value, cap)
         elif isinstance(value, list):
@@ -191,7 +221,7 @@ class HttpProvider:
         timeout_s: float,
         extra_headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
-        path = render(request.path, values, escape=lambda v: quote(v, safe=""))
+        path = render(request.path, values, escape=path_segment)
         params = {k: render(v, values) for k, v in request.query.items()}
         headers = {k: render(v, values) for k, v in request.headers.items()}
         headers.update(extra_headers or {})
@@ -254,6 +284,9 @@ class HttpProvider:
             headers[self.callback_header] = callback_url
         try:
             resp = await self._send(binding.request, self._values(op), timeout_s, headers)
+        except InvalidArguments as exc:
+            # Refused before anything was sent: provably not applied, and never will be.
+            return ActionResult(Outcome.failed_final, error=f"invalid_argument: {exc}"[:200])
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # No connection, so nothing was sent: provably not applied.
             return ActionResult(Outcome.failed_retryable, error=f"not sent: {type(exc).__name__}")
@@ -279,6 +312,8 @@ class HttpProvider:
             raise ProviderError(f"{spec.name} declares no lookup", retryable=False)
         try:
             resp = await self._send(lookup, self._values(op), spec.deadline_s)
+        except InvalidArguments as exc:
+            raise ProviderError(f"lookup for {spec.name}: {exc}", retryable=False) from exc
         except httpx.HTTPError as exc:
             raise ProviderError(
                 f"lookup for {spec.name}: {type(exc).__name__}", retryable=True

@@ -47,6 +47,8 @@ SETTABLE_FIELDS = frozenset(
         "next_attempt_at",
         "cancel_requested",
         "overflow",
+        "confirmed_by",
+        "confirmation",
     }
 )
 
@@ -89,6 +91,9 @@ class OperationRecord:
     finished_at: datetime | None
     conflict_key: str | None = None
     held_by_operation_id: uuid.UUID | None = None
+    # Who confirmed it ("caller": the call observed their answer) and that evidence.
+    confirmed_by: str | None = None
+    confirmation: dict[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> OperationRecord:

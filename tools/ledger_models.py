@@ -104,6 +104,10 @@ class Operation(SQLModel, table=True):
     held_by_operation_id: uuid.UUID | None = Field(
         default=None, sa_column=Column(ForeignKey("operations.operation_id"))
     )
+    # Who confirmed it ("caller": the readback heard, the caller's answer observed after
+    # it) and that evidence (the readback item, heard ms, the caller's item or digit).
+    confirmed_by: str | None = Field(default=None, max_length=16)
+    confirmation: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB))
     created_at: datetime | None = _ts(nullable=False, default_now=True)
     updated_at: datetime | None = _ts(nullable=False, default_now=True)
     committed_at: datetime | None = _ts()

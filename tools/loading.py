@@ -117,6 +117,8 @@ def load_catalog(
     problems = catalog.check()
     if problems:
         raise CatalogError(problems, source=_source(plugin, tools_file))
+    for notice in catalog.notices():
+        log.warning("%s", notice)
     return catalog
 
 

@@ -205,7 +205,8 @@ def rule_admission_deadline(inp: PolicyInput) -> Decision | None:
 
 def rule_confirmation(inp: PolicyInput) -> Decision | None:
     """Tools that need it run only after the caller confirmed exactly this request."""
-    if inp.spec.kind is not ToolKind.MUTATION or not inp.spec.needs_confirmation:
+    # Only an explicit `False` sends a mutation at once; undeclared waits for the caller.
+    if inp.spec.kind is not ToolKind.MUTATION or inp.spec.needs_confirmation is False:
         return None
     if inp.confirmed:
         return None

@@ -108,7 +108,9 @@ class ToolSpec:
     # The executor hook the execution side binds, e.g. "sor.book_table".
     provider_action: str | None = None
     provider_idempotent: bool = False
-    needs_confirmation: bool = False
+    # Read back and wait for the caller's yes (True), or sent at once (False). A mutation
+    # must say which: None is refused by the catalog check (and treated as True meanwhile).
+    needs_confirmation: bool | None = None
     needs_verification: bool = False  # PIN (or proof of ownership) before it may run
     needs_caller_id: bool = False  # refuse withheld/anonymous numbers
     limits: Mapping[str, Any] = field(default_factory=dict)

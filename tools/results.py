@@ -32,6 +32,19 @@ def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return cut + "…"
 
 
+# Result fields the engine itself speaks through (what happened, what to say, which
+# operation): a provider's field of the same name is renamed, never allowed to overwrite them.
+ENGINE_FIELDS = frozenset(
+    {"status", "message", "operation_id", "retryable", "rule", "readback", "error"}
+)
+PROVIDER_PREFIX = "provider_"
+
+
+def provider_key(key: str) -> str:
+    """A provider's field name as a result carries it (engine field names are prefixed)."""
+    return PROVIDER_PREFIX + key if key in ENGINE_FIELDS else key
+
+
 def compact(data: Mapping[str, Any]) -> dict[str, Any]:
     """A few scalar fields, each short; nested structures become short text or go."""
     out: dict[str, Any] = {}
@@ -63,7 +76,12 @@ def verification_output(prompt: str) -> dict[str, Any]:
 
 
 def read_output(spec: ToolSpec, result: Mapping[str, Any]) -> dict[str, Any]:
-    shaped = spec.shape_result(result) if spec.shape_result else compact(result)
+    """A read's answer for the model. A tool's own shaper speaks for the tool; a raw answer
+    is the provider's data, so its fields never take the engine's names."""
+    if spec.shape_result:
+        shaped = spec.shape_result(result)
+    else:
+        shaped = {provider_key(k): v for k, v in compact(result).items()}
     shaped.setdefault("status", "ok")
     if "message" in shaped:
         shaped["message"] = bounded(str(shaped["message"]))
@@ -153,6 +171,17 @@ def confirmation_output(op: OperationRecord, window_s: float) -> dict[str, Any]:
             "confirm_operation with this operation_id and confirmed true or false."
         ),
     }
+
+
+def awaiting_caller_output(op: OperationRecord, window_s: float, why: str) -> dict[str, Any]:
+    """A confirmation the call did not observe from the caller: still waiting, and why."""
+    out = confirmation_output(op, window_s)
+    out["message"] = bounded(
+        f"Not done yet: the caller's own answer was not heard ({why}). Read the readback "
+        "to the caller, wait until they answer, and call confirm_operation only after they "
+        "have said yes."
+    )
+    return out
 
 
 def cancelled_output(op: OperationRecord, reason: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tools.arguments_schema import SchemaProblem, model_from_schema, property_types
 from tools.catalog import Catalog, CatalogError, CatalogProblem
-from tools.http_provider import HttpBinding, HttpProvider, shape
+from tools.http_provider import HttpBinding, HttpProvider, path_value_problem, shape
 from tools.registry import (
     ConcurrencyLimit,
     OnUnknown,
@@ -398,6 +398,9 @@ class _Builder:
         preconditions = tuple(
             self._limit(i, j, tool, limit, types) for j, limit in enumerate(tool.limits)
         )
+        path_args = _path_arguments(tool)
+        if path_args:
+            preconditions = (*preconditions, _path_check(path_args))
         if len(self.problems.items) > problems_before or args_model is None or provider is None:
             return None
         spec = ToolSpec(
@@ -407,7 +410,7 @@ class _Builder:
             kind=ToolKind.MUTATION if mutation else ToolKind.READ,
             provider_action=f"{provider}.{name}",
             provider_idempotent=tool.idempotent,
-            needs_confirmation=tool.confirmation,
+            needs_confirmation=_confirmation(tool.confirmation),
             needs_verification=tool.verification,
             needs_caller_id=tool.caller_id,
             preconditions=tuple(p for p in preconditions if p is not None),
@@ -644,6 +647,41 @@ def _shaper(tool: ToolDecl) -> Any:
         return shape(result, data)
 
     return shaped
+
+
+def _confirmation(declared: str | bool | None) -> bool | None:
+    """`confirmation:` as the engine reads it (None: not declared, which a mutation must)."""
+    if declared is None or isinstance(declared, bool):
+        return declared
+    return declared == "required"
+
+
+def _path_arguments(tool: ToolDecl) -> tuple[str, ...]:
+    """The arguments that fill a path segment of the tool's request or lookup."""
+    found: list[str] = []
+    for call in (tool.request, tool.lookup):
+        if call is None:
+            continue
+        try:
+            used = names(call.path)
+        except TemplateError:
+            continue  # reported where the templates are checked
+        found += [n.removeprefix("args.") for n in used if n.startswith("args.")]
+    return tuple(dict.fromkeys(found))
+
+
+def _path_check(arguments: tuple[str, ...]) -> Any:
+    """Refuse, before anything is sent, a path value of `.`, `..` (or encoded) or empty:
+    normalization would turn `/appointments/..` into another resource."""
+
+    def check(args: BaseModel, ctx: PreconditionContext) -> str | None:
+        for arg in arguments:
+            value = getattr(args, arg, None)
+            if value is not None and path_value_problem(str(value)) is not None:
+                return f"That {arg.replace('_', ' ')} isn't valid. Ask the caller for it again."
+        return None
+
+    return check
 
 
 def _limit_check(limit: LimitDecl) -> Any:

@@ -218,8 +218,12 @@ class ToolDecl(_Decl):
         default_factory=lambda: {"type": "object", "properties": {}},
         description="JSON schema (subset) of the arguments, as the model sees it.",
     )
-    confirmation: bool = Field(
-        default=False, description="Read back and wait for the caller's yes before running."
+    confirmation: Literal["required", "none"] | bool | None = Field(
+        default=None,
+        description=(
+            "Mutations must say: `required` (read back, run only on the caller's own yes) or "
+            "`none` (sent at once, named at start-up). true/false are the older spelling."
+        ),
     )
     confirm_window_s: float = Field(default=120.0, gt=0)
     verification: bool = Field(default=False, description="Needs a PIN (or proof of ownership).")

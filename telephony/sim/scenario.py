@@ -27,6 +27,7 @@ A scenario is JSON::
   age into the past.
 - When the steps run out, every response speaks `fallback`.
 - `audio_ms` is the reply's audio duration; by default it follows the text length.
+- `function_call.repeat` makes the same call that many times in one response.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class FunctionCallStep(BaseModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     arguments: dict[str, Any] = Field(default_factory=dict)
     preamble: Reply | None = None
+    # The same call this many times in one response (each its own call_id): a model that
+    # fans out, as the per-response and in-flight caps must withstand.
+    repeat: int = Field(default=1, ge=1, le=100)
 
     @field_validator("preamble", mode="before")
     @classmethod

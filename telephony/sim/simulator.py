@@ -1264,8 +1264,11 @@ class SimulatedSession:
         )
         if plan.spoken is not None:
             await self._stream_message(response, plan.spoken, plan.text)
-        if plan.function_call is not None and response.state is ResponseState.IN_PROGRESS:
-            await self._stream_function_call(response, plan.function_call)
+        if plan.function_call is not None:
+            for _ in range(plan.function_call.repeat):
+                if response.state is not ResponseState.IN_PROGRESS:
+                    break
+                await self._stream_function_call(response, plan.function_call)
         # No active response from here on: the client may send response.create at once.
         response.advance(ResponseState.DONE)
         if self._active is response:

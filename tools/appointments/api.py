@@ -60,6 +60,8 @@ class Effects(BaseModel):
     booked: int = 0
     cancelled: int = 0
     callbacks: int = 0
+    requests: int = 0  # API requests received (test hooks under /_ not counted)
+    most_concurrent: int = 0  # the most API requests it was serving at one moment
 
 
 class AppointmentRequest(BaseModel):
@@ -110,6 +112,7 @@ class AppointmentsApi:
         self.callbacks: dict[str, dict[str, Any]] = {}
         self._keys: dict[str, dict[str, Any]] = {}
         self._effects = Effects()
+        self._serving = 0  # requests being answered now
         self._lock = asyncio.Lock()
         self._release = asyncio.Event()
         self._server: uvicorn.Server | None = None
@@ -260,12 +263,21 @@ class AppointmentsApi:
 
         @app.middleware("http")
         async def guard(request: Request, call_next: Any) -> Any:
-            if api.faults.latency_s > 0 and not request.url.path.startswith("/_"):
-                await asyncio.sleep(api.faults.latency_s)
-            if api.token is not None and not request.url.path.startswith("/_"):
-                if request.headers.get("authorization") != f"Bearer {api.token}":
-                    return _error(401, "unauthorized", "a valid bearer token is required")
-            return await call_next(request)
+            if request.url.path.startswith("/_"):
+                return await call_next(request)
+            effects = api._effects
+            effects.requests += 1
+            api._serving += 1
+            effects.most_concurrent = max(effects.most_concurrent, api._serving)
+            try:
+                if api.faults.latency_s > 0:
+                    await asyncio.sleep(api.faults.latency_s)
+                if api.token is not None:
+                    if request.headers.get("authorization") != f"Bearer {api.token}":
+                        return _error(401, "unauthorized", "a valid bearer token is required")
+                return await call_next(request)
+            finally:
+                api._serving -= 1
 
         async def body_of(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
             try:

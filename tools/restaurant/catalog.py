@@ -203,6 +203,8 @@ def restaurant_tools(
             kind=ToolKind.MUTATION,
             provider_action="sor.cancel_booking",
             provider_idempotent=True,
+            # Sent once the caller is verified as the booking's owner: no readback.
+            needs_confirmation=False,
             needs_verification=True,
             needs_caller_id=True,
             deadline_s=10.0,

@@ -1,0 +1,98 @@
+"""The judgement behind a caller's yes (telephony.caller_evidence), on a fake clock."""
+
+from __future__ import annotations
+
+from telephony.caller_evidence import EvidenceLog, SpokenItem
+from telephony.playback import PlaybackTracker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def readback(started: float, ended: float | None, heard: int = 2000) -> SpokenItem:
+    return SpokenItem("item_rb", "resp_rb", started, ended, heard, 2000)
+
+
+def asked_and_read(clock: Clock) -> EvidenceLog:
+    log = EvidenceLog(clock)
+    log.readback_asked("op1")
+    clock.now += 0.1
+    log.response_created("resp_rb")
+    clock.now += 2.5  # the readback plays
+    return log
+
+
+def test_a_key_pressed_after_the_readback_counts_and_names_the_digit() -> None:
+    clock = Clock()
+    log = asked_and_read(clock)
+    log.digit("1")
+    found = log.judge("op1", [readback(100.2, 102.4)])
+    assert found.counts and found.digit == "1" and found.readback_item_id == "item_rb"
+    assert found.record()["confirmed_by"] == "caller"
+
+
+def test_speech_that_began_but_was_never_committed_is_no_answer() -> None:
+    clock = Clock()
+    log = asked_and_read(clock)
+    log.speech_started("item_yes")
+    found = log.judge("op1", [readback(100.2, 102.4)])
+    assert not found.counts and "still speaking" in found.reason
+    log.speech_heard("item_yes")
+    assert log.judge("op1", [readback(100.2, 102.4)]).counts
+
+
+def test_a_readback_still_playing_or_cut_is_not_heard() -> None:
+    clock = Clock()
+    log = asked_and_read(clock)
+    log.speech_started("item_yes")
+    log.speech_heard("item_yes")
+    cut = log.judge("op1", [readback(100.2, None, heard=700)])
+    assert not cut.counts and "not heard to its end" in cut.reason
+    assert cut.readback_heard_ms == 700
+    late = log.judge("op1", [readback(100.2, clock.now + 1)])
+    assert not late.counts and "before the readback ended" in late.reason
+
+
+def test_items_from_before_the_readback_was_asked_are_not_a_readback() -> None:
+    clock = Clock()
+    log = EvidenceLog(clock)
+    log.response_created("resp_old")
+    clock.now += 1
+    log.readback_asked("op1")
+    clock.now += 1
+    log.speech_started("item_yes")
+    log.speech_heard("item_yes")
+    old = SpokenItem("item_old", "resp_old", 100.5, 100.9, 400, 400)
+    found = log.judge("op1", [old])
+    assert not found.counts and "before hearing the readback" in found.reason
+
+
+def test_an_operation_never_read_back_in_this_call_has_no_evidence() -> None:
+    clock = Clock()
+    log = asked_and_read(clock)
+    log.digit("1")
+    assert not log.judge("op-other", [readback(100.2, 102.4)]).counts
+
+
+def test_the_tracker_knows_when_an_item_was_heard_to_its_end_not_when_it_was_sent() -> None:
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    epoch, _ = tracker.queued("item_rb", 1000)
+    assert tracker.ended_at("item_rb") is None  # sent, not heard
+    clock.now += 0.5
+    tracker.played(epoch, "item_rb", 500)
+    assert tracker.ended_at("item_rb") is None
+    clock.now += 0.5
+    tracker.played(epoch, "item_rb", 1000)
+    assert tracker.ended_at("item_rb") == clock.now
+    # An item that follows finishes the earlier one when it is confirmed playing.
+    epoch, _ = tracker.queued("item_a", 400)
+    tracker.queued("item_b", 400)
+    clock.now += 1.0
+    tracker.played(epoch, "item_b", 600)
+    assert tracker.ended_at("item_a") == clock.now
