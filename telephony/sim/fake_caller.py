@@ -36,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from telephony import audio
 from telephony.errors import MalformedFrame, TelephonyError
+from telephony.sim.speech import SpeechSynthesizer
 from telephony.twilio_events import OutClear, OutMark, OutMedia, parse_outbound
 
 BYTES_PER_SECOND = audio.TELEPHONY_RATE  # mu-law: one byte per sample
@@ -304,7 +305,9 @@ class FakeTwilioCaller:
         idle_audio: bool = True,
         timeout: float = 10.0,
         call_sid: str | None = None,
+        voice: SpeechSynthesizer | None = None,
     ) -> None:
+        """`voice` speaks what `say` is given (None: `say` sends speech-like noise)."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.server_url = server_url.rstrip("/")
@@ -321,6 +324,7 @@ class FakeTwilioCaller:
         self.timeout = timeout
         self.call_sid = call_sid or new_call_sid()
         self.stream_sid = new_stream_sid()
+        self.voice = voice
 
         self.state = CallerState.IDLE
         self.twiml_outcome: TwimlOutcome | None = None
@@ -586,6 +590,13 @@ class FakeTwilioCaller:
     async def play_speech(self, ms: float) -> float:
         """Stream `ms` of synthesized speech-like audio."""
         return await self.play_mulaw(audio.speech_like_mulaw(ms))
+
+    async def say(self, text: str, *, ms: float | None = None) -> float:
+        """The caller says `text`: spoken by `voice`, or without one `ms` of speech-like noise
+        (default: as long as the text takes to say, ~65 ms a character)."""
+        if self.voice is not None:
+            return await self.play_mulaw(await self.voice.speak(text, "pcmu"))
+        return await self.play_speech(ms if ms is not None else max(600, 65 * len(text)))
 
     async def play_silence(self, ms: float) -> float:
         """Stream `ms` of silence (the caller listening)."""
