@@ -1025,7 +1025,8 @@ class SimulatedSession:
         if self._vad is not None:
             self._vad.reset()
         previous = self._order[-1] if self._order else None
-        transcript = await self._recognized_transcript() or self._caller_transcript()
+        recognized = await self._recognized_transcript()
+        transcript = recognized if recognized is not None else self._caller_transcript()
         item = ConversationItemState(id=item_id, type="message", role="user")
         self._append_item(item)
         await self._send(
@@ -1644,7 +1645,7 @@ class RealtimeSimulator:
         record: bool = True,
         voice: SpeechSynthesizer | None = None,
         recognize: bool = False,
-        vad: VadKind = "energy",
+        vad: VadKind = "auto",
     ) -> None:
         """`record=False` keeps no event logs and forgets closed sessions (long-running use).
 
