@@ -26,6 +26,7 @@ from telephony.sim.speech import (
     espeak_available,
     speech_setup,
 )
+from telephony.sim.vad import EnergyVad, SpeechStarted, SpeechStopped, webrtcvad_available
 from telephony.twilio_leg import parse_mark_name
 from tests.e2e_support import call_stack
 
@@ -36,6 +37,7 @@ _missing = [
     for name, ok in (
         ("espeak-ng (apt-get install espeak-ng)", espeak_available()),
         ("pocketsphinx (pip install pocketsphinx)", pocketsphinx_available()),
+        ("webrtcvad (pip install webrtcvad-wheels)", webrtcvad_available()),
     )
     if not ok
 ]
@@ -124,6 +126,31 @@ def test_piper_without_its_package_or_voice_file_says_which_and_uses_espeak(
     assert choice.notice is not None and "Piper cannot speak" in choice.notice
     assert "piper-tts" in choice.notice or "missing.onnx" in choice.notice
     assert choose_voice("tones").engine is None
+
+
+async def test_both_vads_find_the_turn_in_real_speech_and_only_webrtc_ends_a_line_offset() -> None:
+    speech = await caller_voice().speak(CALLER_LINES[1], "pcmu")
+    speech_ms = audio.duration_ms(len(speech))
+    line = audio.silence(1000) + speech + audio.silence(800)
+    for kind in ("webrtc", "energy"):
+        vad = EnergyVad(kind=kind)
+        assert vad.kind == kind
+        start, stop = vad.feed(line)
+        assert isinstance(start, SpeechStarted) and isinstance(stop, SpeechStopped)
+        # The start includes the 300 ms prefix padding; speech ends where eSpeak's does, but
+        # for its softest last sounds (under the -40 dBFS threshold, over the -50 of the trim).
+        assert 700 - FRAME_MS <= start.audio_start_ms <= 700 + 3 * FRAME_MS, (kind, start)
+        end = 1000 + speech_ms
+        assert end - 250 <= stop.speech_end_ms <= end + 3 * FRAME_MS, (kind, stop, end)
+    assert EnergyVad(kind="auto").kind == "webrtc"
+    # A constant offset is loud by level, so the threshold alone hears a caller who never
+    # stops; WebRTC's detector hears the step, then nothing.
+    offset = audio.pcm16_to_mulaw((3000).to_bytes(2, "little", signed=True) * 16000)
+    assert [type(e) for e in EnergyVad(kind="energy").feed(offset)] == [SpeechStarted]
+    assert [type(e) for e in EnergyVad(kind="webrtc").feed(offset)] == [
+        SpeechStarted,
+        SpeechStopped,
+    ]
 
 
 def menu_scenario() -> Scenario:

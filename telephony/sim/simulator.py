@@ -9,10 +9,12 @@ connects to it unchanged::
             ...
 
 What it does, per connection: `session.created`; `session.update` validated against the GA
-shape (errors name the offending `param`) and answered with `session.updated`; energy-based
-speech detection on appended audio (`speech_started` / `speech_stopped` / `committed`, the user
-item, its scripted transcription); scripted responses (audio + transcript deltas, function
-calls) paced faster than real time; `response.cancel`, barge-in cancellation,
+shape (errors name the offending `param`) and answered with `session.updated`; speech
+detection on appended audio (`vad`: `speech_started` / `speech_stopped` / `committed`, the user
+item, its transcription: scripted, or with `recognize=True` recognised from the audio against
+the scenario's expected phrases, which then choose the next step); scripted responses (audio
+spoken by `voice` or synthetic tones, transcript deltas, function calls) paced faster than real
+time; `response.cancel`, barge-in cancellation,
 `conversation.item.truncate` and the error codes of the real server.
 
 Pace: `realtime_factor` scales every simulated wait. At 1.0 a response's first audio comes after

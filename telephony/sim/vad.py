@@ -2,10 +2,10 @@
 
 The detector cuts the stream into short frames and calls a frame voiced when its RMS level is
 at or above a threshold (dBFS) and, where the `webrtcvad` module is installed (the
-`webrtcvad-wheels` package), when WebRTC's voice activity detector also calls it speech: loud
-noise, music or a tone no longer counts as a caller talking, and `server_vad`'s threshold
-still means what it says. Without the module the threshold alone decides (the fallback). Then
-a small state machine:
+`webrtcvad-wheels` package), when WebRTC's voice activity detector also calls it speech (it
+models speech rather than loudness: a line's constant offset, loud by level, ends its turn after
+a few frames instead of never; `server_vad`'s threshold still means what it says). Without the
+module the threshold alone decides (the fallback). Then a small state machine:
 
     silence --(voiced frame)--> pending --(activation_ms voiced in a row)--> speech
     pending --(unvoiced frame)--> silence
