@@ -28,6 +28,7 @@ from telephony.sim.speech import (
 )
 from telephony.sim.vad import EnergyVad, SpeechStarted, SpeechStopped, webrtcvad_available
 from telephony.twilio_leg import parse_mark_name
+from tests.cli_support import clean_env, run_cli
 from tests.e2e_support import call_stack
 
 FRAME_MS = 20
@@ -273,3 +274,24 @@ async def test_the_caller_drives_the_scenario_by_what_it_says_not_by_script_orde
     ]
     persisted = [e["data"]["text"] for e in events if e["kind"] == "caller_transcript"]
     assert persisted[0] == CALLER_LINES[1] and persisted[-1] == CALLER_LINES[3]
+
+
+async def test_voice_agent_call_says_a_line_that_the_simulator_recognises(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    async with call_stack(engine, menu_scenario(), simulator=speaking_simulator(tmp_path)) as stack:
+        code, _, err = await run_cli(
+            "call", "--server", stack.service.url, "--say", CALLER_LINES[1], "--tail-ms", "4000",
+            "--out", str(tmp_path / "heard.wav"),
+            env=clean_env(), cwd=tmp_path,
+        )  # fmt: skip
+        session = await stack.sim.wait_for_session(0)
+    assert code == 0, err
+    assert [r.phrase for r in session.recognitions] == [CALLER_LINES[1]]
+    said = [e["transcript"] for e in session.sent_events("response.output_audio_transcript.done")]
+    assert said[:2] == ["Hello, how can I help?", "Yes, there is parking on the square."]
+    # An empty line is refused before any call is placed, in one line.
+    code, _, err = await run_cli(
+        "call", "--server", "http://127.0.0.1:9", "--say", " ", env=clean_env(), cwd=tmp_path
+    )
+    assert code == 2 and err.strip() == "voice-agent call: --say needs some words", err
