@@ -6,11 +6,16 @@ or pocketsphinx, and under CI (.ci/run installs both) they fail instead.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
+from openai import AsyncOpenAI
 from openai.types.realtime import ConversationItemInputAudioTranscriptionCompletedEvent
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,9 +23,12 @@ from telephony import audio
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.recognizer import PhraseRecognizer, closest_phrase, pocketsphinx_available
 from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator, synthesize_speech
 from telephony.sim.speech import (
     AGENT_ESPEAK_VOICE,
     CALLER_ESPEAK_VOICE,
+    MAX_TEXT_CHARS,
+    SpeechError,
     SpeechSynthesizer,
     choose_voice,
     espeak_available,
@@ -152,6 +160,45 @@ async def test_both_vads_find_the_turn_in_real_speech_and_only_webrtc_ends_a_lin
         SpeechStarted,
         SpeechStopped,
     ]
+
+
+async def test_the_simulator_speaks_24_khz_pcm_and_a_line_it_cannot_say_is_tones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    voice = agent_voice(tmp_path)
+    too_long = "word " * (MAX_TEXT_CHARS // 5 + 1)
+    with pytest.raises(SpeechError, match="longer than"):
+        await voice.speak(too_long, "pcm16")
+    scenario = Scenario.model_validate(
+        {
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": 3000},
+            "steps": [{"reply": {"text": too_long.strip(), "audio_ms": 1000}}],
+        }
+    )
+    said: list[bytes] = []
+    async with RealtimeSimulator(scenario, realtime_factor=0.0, voice=voice) as sim:
+        client = AsyncOpenAI(api_key="sk-test", base_url=sim.base_url)
+        async with client.realtime.connect(model="gpt-realtime") as conn:
+            for _ in range(2):
+                await conn.response.create()
+                chunks: list[bytes] = []
+                async with asyncio.timeout(20):
+                    async for event in conn:
+                        if event.type == "response.output_audio.delta":
+                            chunks.append(base64.b64decode(event.delta))
+                        if event.type == "response.done":
+                            assert event.response.status == "completed"
+                            break
+                said.append(b"".join(chunks))
+    # The session's default output is 24 kHz PCM: the greeting is eSpeak's line at that rate,
+    # then silence up to the scripted 3 s (speech is never cut to fit).
+    spoken = await voice.speak("Hello, how can I help?", "pcm16")
+    assert said[0][: len(spoken)] == spoken
+    assert len(said[0]) == 3000 * 48 and not any(said[0][len(spoken) :])
+    # A line the engine refuses is the synthetic tones of its scripted length, with one warning.
+    assert said[1] == synthesize_speech(1000, zlib.crc32(too_long.strip().encode()), "pcm16")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "tones" in r.message]
+    assert len(warnings) == 1 and "\n" not in warnings[0].message
 
 
 def menu_scenario() -> Scenario:

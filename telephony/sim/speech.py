@@ -127,7 +127,7 @@ class SpeechSynthesizer:
         self.cache_dir = cache_dir
         self.timeout_s = timeout_s
         self._memory: OrderedDict[str, bytes] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self.synthesised = 0  # lines actually run through the engine (cache misses)
 
     def describe(self) -> str:
@@ -158,24 +158,21 @@ class SpeechSynthesizer:
         if cached is not None:
             self._memory.move_to_end(key)
             return cached
-        pending = self._inflight.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+        # One synthesis per line at a time: a second caller of the same line waits for it.
+        lock = self._locks.setdefault(key, asyncio.Lock())
         try:
-            result = await self._load_or_make(key, text, codec)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: a failed line must not warn about it later
-            raise
+            async with lock:
+                cached = self._memory.get(key)
+                if cached is not None:
+                    return cached
+                result = await self._load_or_make(key, text, codec)
+                self._memory[key] = result
+                while len(self._memory) > MEMORY_CACHE_LINES:
+                    self._memory.popitem(last=False)
+                return result
         finally:
-            self._inflight.pop(key, None)
-        future.set_result(result)
-        self._memory[key] = result
-        while len(self._memory) > MEMORY_CACHE_LINES:
-            self._memory.popitem(last=False)
-        return result
+            if not lock.locked():
+                self._locks.pop(key, None)
 
     async def _load_or_make(self, key: str, text: str, codec: audio.Codec) -> bytes:
         path = self.cache_dir / f"{key}.{codec}" if self.cache_dir is not None else None
@@ -184,10 +181,16 @@ class SpeechSynthesizer:
                 return await asyncio.to_thread(path.read_bytes)
         wav = await self._run_engine(text)
         self.synthesised += 1
-        parsed = audio.parse_wav(wav)
-        pcm = parsed.data
-        if parsed.format_tag != audio.WAVE_FORMAT_PCM or parsed.bits != 16 or parsed.channels != 1:
-            pcm = audio.wav_to_pcm16(wav, parsed.rate)
+        try:
+            parsed = audio.parse_wav(wav)
+            plain = (parsed.format_tag, parsed.bits, parsed.channels) == (
+                audio.WAVE_FORMAT_PCM,
+                16,
+                1,
+            )
+            pcm = parsed.data if plain else audio.wav_to_pcm16(wav, parsed.rate)
+        except audio.AudioFormatError as exc:
+            raise SpeechError(f"{self.describe()} gave no usable WAV: {exc}") from None
         result = audio.to_codec(audio.trim_silence(pcm, parsed.rate), parsed.rate, codec)
         if path is not None:
             await asyncio.to_thread(_write_atomically, path, result)
@@ -223,6 +226,11 @@ async def _run(argv: list[str], stdin_text: str, timeout_s: float) -> bytes:
         proc.kill()
         await proc.wait()
         raise SpeechError(f"{argv[0]} took longer than {timeout_s:.0f} s") from None
+    except asyncio.CancelledError:
+        # The reply was cancelled mid-synthesis: the engine must not outlive it.
+        proc.kill()
+        await asyncio.shield(proc.wait())
+        raise
     if proc.returncode != 0:
         detail = err.decode(errors="replace").strip().splitlines()
         raise SpeechError(
