@@ -60,12 +60,14 @@ def _without_password(url: str) -> str:
     return f"postgresql://{user + '@' if user else ''}{where}/{dbname}"
 
 
-def realtime_of(settings: Settings, *, in_process_simulator: bool = False) -> str:
+def realtime_of(
+    settings: Settings, *, in_process_simulator: bool = False, voice: str = "synthetic voice"
+) -> str:
     """Which Realtime endpoint calls talk to, and why."""
     model = settings.openai_realtime_model
     if in_process_simulator:
         return (
-            f"local simulator at {settings.openai_base_url}: scripted, synthetic voice "
+            f"local simulator at {settings.openai_base_url}: scripted, {voice} "
             "(OPENAI_API_KEY unset)"
         )
     if settings.openai_api_key is None:

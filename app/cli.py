@@ -87,9 +87,19 @@ def _db_current(args: argparse.Namespace) -> int:
 
 
 def _simulator(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
     from telephony.sim.simulator import run_simulator
+    from telephony.sim.speech import speech_setup
 
-    return run_simulator(host=args.host, port=args.port, scenario=args.scenario)
+    settings = get_settings()
+    speech = speech_setup(
+        settings.sim_voice,
+        piper_model=settings.sim_piper_voice,
+        cache_dir=settings.speech_cache_path(),
+        recognition=settings.sim_recognition,
+        vad=settings.sim_vad,
+    )
+    return run_simulator(host=args.host, port=args.port, scenario=args.scenario, speech=speech)
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -193,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_call)
 
     p = sub.add_parser("demo", help="one scripted call end to end, offline, then its timeline")
-    p.add_argument("--out", default="demo-heard.wav", help="where to write what the caller heard")
+    p.add_argument(
+        "--out",
+        default="demo-call.wav",
+        help="where to write the call's recording (caller left, agent right)",
+    )
     p.add_argument("--wide", action="store_true", help="one line per timeline entry (no wrapping)")
     p.add_argument(
         "--leg",

@@ -7,7 +7,12 @@ answered inline from the system of record), interrupts the agent's long answer t
 booking, hears the readback and confirms; the booking is admitted and enqueued, a worker
 commits it at the system of record, and the confirmed outcome is announced in the call. Then
 the call's timeline (conversation, tool calls, policy decisions, operation transitions,
-delivery) is printed from the database and what the caller heard is written to a WAV file.
+delivery) is printed from the database and the call's two-leg recording (caller left, agent
+right, as the staff console plays it) is written to a WAV file.
+
+Both sides speak (eSpeak NG, see telephony/sim/speech.py) where it is installed, and the
+simulator recognises the caller's words from the audio (PocketSphinx) rather than the script;
+without them, synthetic tones, with a notice.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pydantic import SecretStr
 
 from app.call_store import find_by_sid
 from app.main import create_app
+from app.recording_store import get_recording
 from app.server import ServiceServer, prepare_database, uvicorn_config
 from app.settings import Settings, get_settings
 from app.timeline import format_table, load_timeline, terminal_width
@@ -33,6 +39,7 @@ from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario, Step, load_scenario
 from telephony.sim.simulator import RealtimeSimulator
+from telephony.sim.speech import speech_setup
 from tools.restaurant.sor import Faults, SystemOfRecord
 
 # The restaurant's system takes a moment, so the booking is visibly "requested, not yet
@@ -71,11 +78,11 @@ async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> Non
     say("  agent greets the caller")
     start = caller.heard_ms
     say(f'  caller: "{_transcript(steps[0])}"')
-    await caller.play_speech(1800)
+    await caller.say(_transcript(steps[0]), ms=1800)
     # The preamble, then ~1.5 s into the long answer (read from the system of record).
     await caller.wait_for(lambda c: c.heard_ms >= start + _spoken_ms(steps[0]) + 1500, WAIT_S)
     say(f'  caller interrupts the agent: "{_transcript(steps[2])}"')
-    await caller.play_speech(1600)
+    await caller.say(_transcript(steps[2]), ms=1600)
     await caller.wait_for(lambda c: len(c.clears) >= 1, WAIT_S)
     say(f"  agent was cut off: {caller.clears[0].dropped_ms:.0f} ms of its audio never played")
     after_clear = caller.heard_ms
@@ -83,7 +90,7 @@ async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> Non
     say("  agent read the booking back and asked for a yes")
     before_yes = caller.heard_ms
     say(f'  caller: "{_transcript(steps[4])}"')
-    await caller.play_speech(1000)
+    await caller.say(_transcript(steps[4]), ms=1000)
     # The announcement may queue right behind this answer, so no "nothing queued" here.
     told = before_yes + _spoken_ms(steps[4]) + _spoken_ms(steps[5])
     await caller.wait_for(lambda c: c.heard_ms >= told - 2 * FRAME_MS, WAIT_S)
@@ -93,7 +100,7 @@ async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> Non
     say("  agent announced the confirmed booking")
     before_bye = caller.heard_ms
     say(f'  caller: "{_transcript(steps[7])}"')
-    await caller.play_speech(1200)
+    await caller.say(_transcript(steps[7]), ms=1200)
     await _heard(caller, before_bye + _spoken_ms(steps[7]))
     await caller.hangup()
     say("  caller hung up")
@@ -135,6 +142,17 @@ async def _idempotency_keys(engine: Any, call_id: str) -> list[str]:
         return [str(key) for (key,) in rows]
 
 
+async def _recording(runtime: Any, call_id: str) -> bytes | None:
+    """The call's stored two-leg recording, or None (recording off, or it failed).
+
+    It is stored before the call leaves the registry, which the demo waited for."""
+    info = await get_recording(runtime.engine, call_id)
+    if info is None:
+        return None
+    data: bytes = await runtime.console.recordings.read(info, 0, info.bytes)
+    return data
+
+
 async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     began = time.monotonic()
     console_url = f"http://{settings.host}:{settings.port}/console/calls"
@@ -145,14 +163,30 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     print(f"- database: {where}")
     url = await prepare_database(settings)
     scenario = load_scenario(None)
+    speech = speech_setup(
+        settings.sim_voice,
+        piper_model=settings.sim_piper_voice,
+        cache_dir=settings.speech_cache_path(),
+        recognition=settings.sim_recognition,
+        vad=settings.sim_vad,
+    )
+    for notice in speech.notices:
+        print(f"- {notice}")
+    recording: bytes | None = None
     sock = _free_socket()
     port = sock.getsockname()[1]
     sor: SystemOfRecord | None = None
     timeline: dict[str, Any] | None = None
     failure: str | None = None
     effects: Any = None
-    async with RealtimeSimulator(scenario) as sim, FakeTwilioApi() as twilio_api:
+    async with (
+        RealtimeSimulator(
+            scenario, voice=speech.agent, recognize=speech.recognize, vad=speech.vad
+        ) as sim,
+        FakeTwilioApi() as twilio_api,
+    ):
         print(f"- Realtime simulator at {sim.base_url} (scenario {scenario.name!r})")
+        print(f"- {speech.describe()}")
         sor, sor_url = await start_demo_sor(settings, url)
         settings = settings.model_copy(
             update={
@@ -188,6 +222,7 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
                 settings.public_base_url,
                 auth_token=twilio_api.auth_token,
                 account_sid=twilio_api.account_sid,
+                voice=speech.caller,
             )
             twilio_api.attach(caller)
             try:
@@ -207,6 +242,7 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
                 print("the call was not recorded", file=sys.stderr)
                 return 1
             timeline = await load_timeline(runtime.engine, row.id)
+            recording = await _recording(runtime, row.id)
             if sor is not None:
                 # This call's effects only: the data directory keeps earlier demos' bookings.
                 keys = await _idempotency_keys(runtime.engine, row.id)
@@ -218,7 +254,10 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
             if sor is not None:
                 await sor.stop()
     assert timeline is not None and caller is not None
-    await caller.write_heard_wav(out)
+    if recording is not None:
+        await asyncio.to_thread(out.write_bytes, recording)
+    else:
+        await caller.write_heard_wav(out)
     call = timeline["call"]
     print()
     print(f"Timeline of call {call['id']} (Twilio CallSid {call['call_sid']})")
@@ -231,7 +270,12 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
     if effects is not None:
         made = effects.bookings_inserted
         print(f"System of record: {made} booking{'' if made == 1 else 's'} made by this call")
-    print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
+    for heard in sim.sessions[0].recognitions if sim.sessions else []:
+        print(f'Recognised from the caller\'s audio: "{heard.heard}" -> {heard.phrase!r}')
+    if recording is not None:
+        print(f"The call's recording (caller left, agent right): {out}; listen: aplay {out}")
+    else:
+        print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
     print(f"See it in the staff console: `voice-agent serve`, then {console_url}/{call['id']}")
     print(f"Done in {time.monotonic() - began:.1f} s.")
     if failure is not None:

@@ -280,11 +280,29 @@ async def serve(settings: Settings, with_worker: bool) -> int:
         if settings.openai_api_key is None and settings.openai_base_url is None:
             from telephony.sim.scenario import load_scenario
             from telephony.sim.simulator import RealtimeSimulator
+            from telephony.sim.speech import speech_setup
 
-            simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
+            speech = speech_setup(
+                settings.sim_voice,
+                piper_model=settings.sim_piper_voice,
+                cache_dir=settings.speech_cache_path(),
+                recognition=settings.sim_recognition,
+                vad=settings.sim_vad,
+            )
+            for notice in speech.notices:
+                log.warning("%s", notice)
+            simulator = RealtimeSimulator(
+                load_scenario(None),
+                host="127.0.0.1",
+                voice=speech.agent,
+                recognize=speech.recognize,
+                vad=speech.vad,
+            )
             await simulator.start()
             settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
-            realtime = banner.realtime_of(settings, in_process_simulator=True)
+            realtime = banner.realtime_of(
+                settings, in_process_simulator=True, voice=speech.describe()
+            )
         log.info("Realtime: %s", realtime)
         if demo_sor:
             from tools.restaurant.sor import SystemOfRecord

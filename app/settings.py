@@ -170,6 +170,17 @@ class Settings(BaseSettings):
     # Longer calls keep their first this-many seconds (and say so).
     recording_max_s: float = Field(default=4 * 3600, gt=0)
 
+    # The offline stand-ins' speech (the Realtime simulator without OPENAI_API_KEY, the demo's
+    # caller): `auto` speaks eSpeak NG where installed (Piper with SIM_PIPER_VOICE, a local
+    # .onnx voice), else the synthetic tones, saying so; `tones` always the tones. With speech,
+    # SIM_RECOGNITION decodes the caller's turns with PocketSphinx against the scenario's
+    # phrases; SIM_VAD `auto` detects speech with WebRTC's VAD where installed.
+    sim_voice: Literal["auto", "tones", "espeak", "piper"] = "auto"
+    sim_piper_voice: Path | None = None
+    sim_recognition: bool = True
+    sim_vad: Literal["auto", "energy", "webrtc"] = "auto"
+    speech_cache_dir: Path | None = None  # unset: DATA_DIR/speech-cache
+
     log_level: str = "INFO"
     worker_concurrency: int = Field(default=4, ge=1)
 
@@ -276,6 +287,10 @@ class Settings(BaseSettings):
     def recordings_path(self) -> Path:
         """The file store's directory."""
         return self.recording_dir or self.data_dir / "recordings"
+
+    def speech_cache_path(self) -> Path:
+        """Where synthesised lines are kept between runs."""
+        return self.speech_cache_dir or self.data_dir / "speech-cache"
 
     def queues(self) -> list[str]:
         """The worker queues, in order."""

@@ -215,6 +215,31 @@ def resample_24k_to_8k(pcm: bytes, state: ResampleState = None) -> tuple[bytes, 
     return resample_pcm16(pcm, REALTIME_PCM_RATE, TELEPHONY_RATE, state)
 
 
+def to_codec(pcm: bytes, rate: int, codec: Codec) -> bytes:
+    """Mono 16-bit PCM at `rate` as a call's audio: 8 kHz G.711 for `pcmu`/`pcma`, 24 kHz PCM
+    (the Realtime API's rate) for `pcm16`."""
+    target = REALTIME_PCM_RATE if codec == "pcm16" else TELEPHONY_RATE
+    resampled, _ = resample_pcm16(pcm, rate, target)
+    return encode(resampled, codec)
+
+
+def trim_silence(pcm: bytes, rate: int, *, floor_dbfs: float = -50.0, keep_ms: int = 30) -> bytes:
+    """Mono 16-bit PCM without its leading and trailing stretches below `floor_dbfs` (in
+    10 ms frames), keeping `keep_ms` either side so the first and last sounds are whole."""
+    _check_pcm16(pcm)
+    frame = rate // 100 * 2
+    floor = 32768 * 10 ** (floor_dbfs / 20)
+    loud = [
+        i
+        for i in range(0, len(pcm) - frame + 1, frame)
+        if audioop.rms(_native(pcm[i : i + frame]), 2) >= floor
+    ]
+    if not loud:
+        return b""
+    keep = rate * keep_ms // 1000 * 2
+    return pcm[max(0, loud[0] - keep) : min(len(pcm), loud[-1] + frame + keep)]
+
+
 # WAV.
 
 

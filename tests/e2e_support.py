@@ -234,11 +234,13 @@ async def call_stack(
     with_worker: bool = False,
     catalog: Catalog | None = None,
     gateway: ToolGateway | None = None,
+    simulator: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Stack]:
-    """Everything a simulated call needs, in this loop, torn down in order."""
+    """Everything a simulated call needs, in this loop, torn down in order (`simulator`:
+    options of the RealtimeSimulator, such as its voice)."""
     async with (
-        RealtimeSimulator(scenario) as sim,
+        RealtimeSimulator(scenario, **(simulator or {})) as sim,
         FakeTwilioApi() as api,
         running_service(
             engine,

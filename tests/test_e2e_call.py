@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+import wave
 from pathlib import Path
 
 import httpx
@@ -403,7 +404,11 @@ async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(
         "Please confirm: a table for 4 people on",
     ):
         assert said in flowing, said
-    assert out.stat().st_size > 44  # a WAV with audio in it
+    # The call's two-leg recording, as the console plays it: caller left, agent right.
+    with wave.open(str(out)) as recording:
+        assert (recording.getnchannels(), recording.getframerate()) == (2, 8000)
+        assert recording.getnframes() > 8000 * 20
+    assert f"The call's recording (caller left, agent right): {out}" in printed
 
 
 async def test_voice_agent_serve_answers_calls_with_the_local_simulator(

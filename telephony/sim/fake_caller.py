@@ -36,6 +36,12 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from telephony import audio
 from telephony.errors import MalformedFrame, TelephonyError
+from telephony.sim.speech import (
+    CALLER_ESPEAK_VOICE,
+    SpeechError,
+    SpeechSynthesizer,
+    espeak_available,
+)
 from telephony.twilio_events import OutClear, OutMark, OutMedia, parse_outbound
 
 BYTES_PER_SECOND = audio.TELEPHONY_RATE  # mu-law: one byte per sample
@@ -304,7 +310,9 @@ class FakeTwilioCaller:
         idle_audio: bool = True,
         timeout: float = 10.0,
         call_sid: str | None = None,
+        voice: SpeechSynthesizer | None = None,
     ) -> None:
+        """`voice` speaks what `say` is given (None: `say` sends speech-like noise)."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.server_url = server_url.rstrip("/")
@@ -321,6 +329,7 @@ class FakeTwilioCaller:
         self.timeout = timeout
         self.call_sid = call_sid or new_call_sid()
         self.stream_sid = new_stream_sid()
+        self.voice = voice
 
         self.state = CallerState.IDLE
         self.twiml_outcome: TwimlOutcome | None = None
@@ -586,6 +595,13 @@ class FakeTwilioCaller:
     async def play_speech(self, ms: float) -> float:
         """Stream `ms` of synthesized speech-like audio."""
         return await self.play_mulaw(audio.speech_like_mulaw(ms))
+
+    async def say(self, text: str, *, ms: float | None = None) -> float:
+        """The caller says `text`: spoken by `voice`, or without one `ms` of speech-like noise
+        (default: as long as the text takes to say, ~65 ms a character)."""
+        if self.voice is not None:
+            return await self.play_mulaw(await self.voice.speak(text, "pcmu"))
+        return await self.play_speech(ms if ms is not None else max(600, 65 * len(text)))
 
     async def play_silence(self, ms: float) -> float:
         """Stream `ms` of silence (the caller listening)."""
@@ -899,7 +915,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--account-sid", default=os.environ.get("TWILIO_ACCOUNT_SID", DEFAULT_ACCOUNT_SID)
     )
-    parser.add_argument("--wav", default=None, help="what the caller says (default: built in)")
+    says = parser.add_mutually_exclusive_group()
+    says.add_argument("--wav", default=None, help="what the caller says (default: built in)")
+    says.add_argument(
+        "--say", default=None, metavar="TEXT", help="the caller says TEXT (needs espeak-ng)"
+    )
     parser.add_argument("--out", default="heard.wav", help="where to write what was heard")
     parser.add_argument("--from", dest="from_number", default="+15551230000")
     parser.add_argument("--to", dest="to_number", default="+15550000000")
@@ -915,6 +935,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lead-ms", type=int, default=300, help="silence before speaking, after the greeting"
     )
+
+
+def spoken_caller_audio(text: str) -> bytes:
+    """`text` in the caller's eSpeak NG voice, as 8 kHz mu-law. Raises CallerError."""
+    if not text.strip():
+        raise CallerError("--say needs some words")
+    if not espeak_available():
+        raise CallerError("--say needs espeak-ng (apt-get install espeak-ng), or use --wav")
+    voice = SpeechSynthesizer("espeak", voice=CALLER_ESPEAK_VOICE)
+    try:
+        return asyncio.run(voice.speak(text, "pcmu"))
+    except SpeechError as exc:
+        raise CallerError(str(exc)) from exc
 
 
 def load_caller_audio(path: str | Path) -> bytes:
@@ -997,6 +1030,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         speech = load_caller_audio(args.wav) if args.wav else None
+        if getattr(args, "say", None) is not None:
+            speech = spoken_caller_audio(args.say)
         if not Path(args.out).resolve().parent.is_dir():
             raise CallerError(f"cannot write {args.out}: no such directory")
     except CallerError as exc:

@@ -9,10 +9,12 @@ connects to it unchanged::
             ...
 
 What it does, per connection: `session.created`; `session.update` validated against the GA
-shape (errors name the offending `param`) and answered with `session.updated`; energy-based
-speech detection on appended audio (`speech_started` / `speech_stopped` / `committed`, the user
-item, its scripted transcription); scripted responses (audio + transcript deltas, function
-calls) paced faster than real time; `response.cancel`, barge-in cancellation,
+shape (errors name the offending `param`) and answered with `session.updated`; speech
+detection on appended audio (`vad`: `speech_started` / `speech_stopped` / `committed`, the user
+item, its transcription: scripted, or with `recognize=True` recognised from the audio against
+the scenario's expected phrases, which then choose the next step); scripted responses (audio
+spoken by `voice` or synthetic tones, transcript deltas, function calls) paced faster than real
+time; `response.cancel`, barge-in cancellation,
 `conversation.item.truncate` and the error codes of the real server.
 
 Pace: `realtime_factor` scales every simulated wait. At 1.0 a response's first audio comes after
@@ -40,6 +42,7 @@ import math
 import secrets
 import signal
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -98,6 +101,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from telephony.sim.recognizer import PhraseRecognizer, Recognition
 from telephony.sim.scenario import (
     FunctionCallStep,
     Reply,
@@ -105,6 +109,7 @@ from telephony.sim.scenario import (
     load_scenario,
     render_reply_text,
 )
+from telephony.sim.speech import SpeechError, SpeechSetup, SpeechSynthesizer
 from telephony.sim.vad import (
     SAMPLE_RATES,
     AudioEncoding,
@@ -112,6 +117,7 @@ from telephony.sim.vad import (
     SpeechStarted,
     SpeechStopped,
     VadConfig,
+    VadKind,
     audio_ms,
 )
 
@@ -131,6 +137,8 @@ FIRST_AUDIO_DELAY_S = 0.25
 ARGUMENT_DELTA_DELAY_S = 0.04
 CANCEL_WAIT_S = 5.0
 MIN_COMMIT_MS = 100
+# Caller audio kept for recognition: one turn's worth (a longer turn keeps its end).
+MAX_TURN_AUDIO_MS = 30_000
 
 
 def new_id(prefix: str) -> str:
@@ -594,6 +602,9 @@ def _bytes_per_ms(encoding: AudioEncoding) -> int:
     return SAMPLE_RATES[encoding] // 1000 * (2 if encoding == "pcm16" else 1)
 
 
+_SILENCE: dict[AudioEncoding, int] = {"pcmu": 0xFF, "pcma": 0xD5, "pcm16": 0}
+
+
 # --------------------------------------------------------------------------------------------
 # Conversation state
 # --------------------------------------------------------------------------------------------
@@ -714,6 +725,9 @@ class SimulatedSession:
         realtime_factor: float,
         chunk_ms: int,
         record: bool = True,
+        voice: SpeechSynthesizer | None = None,
+        recognizer: Callable[[], PhraseRecognizer] | None = None,
+        vad: VadKind = "auto",
     ) -> None:
         self.id = new_id("sess")
         self.model = model
@@ -743,6 +757,12 @@ class SimulatedSession:
         self._next_step = 0
         self._latest_output: str | None = None
         self._latest_note: str | None = None  # text of the latest system message we got
+        self._voice = voice
+        self._recognizer = recognizer
+        self._vad_kind: VadKind = vad
+        self._turn_audio = bytearray()  # this turn's caller audio, when recognising
+        self._misheard = False  # the last turn matched no expected phrase: ask again
+        self.recognitions: list[Recognition] = []
         self._rebuild_vad()
 
     # ---- test helpers ------------------------------------------------------------------
@@ -845,6 +865,7 @@ class SimulatedSession:
                 await self._on_commit()
             case InputAudioClear():
                 self._buffer_ms = 0.0
+                self._turn_audio.clear()
                 self._speech_item_id = None
                 if self._vad is not None:
                     self._vad.reset()
@@ -922,7 +943,10 @@ class SimulatedSession:
             self._vad = None
             return
         self._vad = EnergyVad(
-            detection.vad, self._effective.input_encoding, offset_ms=int(self._stream_ms)
+            detection.vad,
+            self._effective.input_encoding,
+            offset_ms=int(self._stream_ms),
+            kind=self._vad_kind,
         )
 
     # ---- input audio -------------------------------------------------------------------
@@ -939,6 +963,11 @@ class SimulatedSession:
         ms = audio_ms(len(audio), self._effective.input_encoding)
         self._buffer_ms += ms
         self._stream_ms += ms
+        if self._recognizer is not None:
+            self._turn_audio += audio
+            keep = _bytes_per_ms(self._effective.input_encoding) * MAX_TURN_AUDIO_MS
+            if len(self._turn_audio) > keep:
+                del self._turn_audio[:-keep]
         if self._vad is None:
             return
         for vad_event in self._vad.feed(audio):
@@ -950,6 +979,11 @@ class SimulatedSession:
     async def _on_speech_started(self, event: SpeechStarted) -> None:
         self._speech_item_id = new_id("item")
         self._greeting_pending = False
+        if self._recognizer is not None:
+            # The turn starts at the VAD's start (prefix padding included), as the model hears it.
+            since = max(0.0, self._stream_ms - event.audio_start_ms)
+            keep = int(since) * _bytes_per_ms(self._effective.input_encoding)
+            del self._turn_audio[: max(0, len(self._turn_audio) - keep)]
         await self._send(
             InputAudioBufferSpeechStartedEvent(
                 type="input_audio_buffer.speech_started",
@@ -994,7 +1028,8 @@ class SimulatedSession:
         if self._vad is not None:
             self._vad.reset()
         previous = self._order[-1] if self._order else None
-        transcript = self._caller_transcript()
+        recognized = await self._recognized_transcript()
+        transcript = recognized if recognized is not None else self._caller_transcript()
         item = ConversationItemState(id=item_id, type="message", role="user")
         self._append_item(item)
         await self._send(
@@ -1020,6 +1055,32 @@ class SimulatedSession:
                     }
                 )
             )
+
+    async def _recognized_transcript(self) -> str | None:
+        """With a recogniser: what the caller said, matched to the scenario's expected phrases;
+        the step whose phrase it is plays next (None: no recogniser, use the script)."""
+        if self._recognizer is None:
+            return None
+        speech = bytes(self._turn_audio)
+        self._turn_audio.clear()
+        recognizer = self._recognizer
+        encoding = self._effective.input_encoding
+        # Decoding is CPU-bound: off the event loop (other calls' audio keeps flowing).
+        try:
+            result = await asyncio.to_thread(lambda: recognizer().recognize(speech, encoding))
+        except Exception as exc:  # the engine's own failure: this turn falls back to the script
+            log.warning("simulator: recognition failed (%s); the script says what was said", exc)
+            return None
+        self.recognitions.append(result)
+        steps = self._scenario.steps
+        for index in range(self._next_step, len(steps)):
+            if result.phrase is not None and steps[index].caller_transcript == result.phrase:
+                self._next_step = index
+                self._misheard = False
+                return result.phrase
+        # Nothing expected was said: the scripted model asks again, as a real one would.
+        self._misheard = True
+        return result.heard
 
     def _caller_transcript(self) -> str:
         steps = self._scenario.steps
@@ -1173,7 +1234,8 @@ class SimulatedSession:
             return _ResponsePlan(greeting, greeting.text, None)
         self._greeting_pending = False
         steps = self._scenario.steps
-        if self._next_step >= len(steps):
+        if self._misheard or self._next_step >= len(steps):
+            self._misheard = False
             fallback = self._scenario.fallback
             return _ResponsePlan(fallback, fallback.text, None)
         step = steps[self._next_step]
@@ -1409,8 +1471,8 @@ class SimulatedSession:
         )
         item.transcript = ""
         encoding = self._effective.output_encoding
-        total_ms = reply.duration_ms(text)
-        audio = synthesize_speech(total_ms, zlib.crc32(text.encode()), encoding)
+        audio = await self._speech(reply, text, encoding)
+        total_ms = max(1, len(audio) // _bytes_per_ms(encoding))
         step = _bytes_per_ms(encoding) * self._chunk_ms
         sent_ms = 0
         sent_chars = 0
@@ -1463,6 +1525,23 @@ class SimulatedSession:
             )
         )
         await self._finish_output_item(response, item, output_index)
+
+    async def _speech(self, reply: Reply, text: str, encoding: AudioEncoding) -> bytes:
+        """The reply's audio: spoken by the voice (padded with silence to the scripted
+        `audio_ms`, never cut), else synthetic tones of the reply's duration."""
+        if self._voice is not None and text.strip():
+            try:
+                spoken = await self._voice.speak(text, encoding)
+            except SpeechError as exc:
+                log.warning("simulator: %s; this reply is synthetic tones", exc)
+            else:
+                scripted = reply.audio_ms or 0
+                missing = scripted * _bytes_per_ms(encoding) - len(spoken)
+                if missing > 0:
+                    silence = b"\x00" if encoding == "pcm16" else bytes([_SILENCE[encoding]])
+                    spoken += silence * missing
+                return spoken
+        return synthesize_speech(reply.duration_ms(text), zlib.crc32(text.encode()), encoding)
 
     async def _send_audio_chunk(
         self, response: _ActiveResponse, ids: dict[str, Any], chunk: bytes, total_ms: int,
@@ -1574,9 +1653,22 @@ class RealtimeSimulator:
         realtime_factor: float = 1.0,
         chunk_ms: int = 150,
         record: bool = True,
+        voice: SpeechSynthesizer | None = None,
+        recognize: bool = False,
+        vad: VadKind = "auto",
     ) -> None:
-        """`record=False` keeps no event logs and forgets closed sessions (long-running use)."""
+        """`record=False` keeps no event logs and forgets closed sessions (long-running use).
+
+        `voice` speaks the replies (None: synthetic tones of the scripted durations);
+        `recognize` decodes the caller's turns with PocketSphinx against the scenario's
+        expected phrases instead of taking them from the script; `vad` chooses the speech
+        detector (`auto`: WebRTC's where installed)."""
         self.scenario = scenario if scenario is not None else load_scenario()
+        self.voice = voice
+        self.recognize = recognize
+        self.vad: VadKind = vad
+        self._recognizer: PhraseRecognizer | None = None
+        self._recognizer_lock = threading.Lock()
         self.record = record
         self.host = host
         self.realtime_factor = realtime_factor
@@ -1672,6 +1764,15 @@ class RealtimeSimulator:
                 await self._sessions_changed.wait()
             return self.sessions[index]
 
+    def _shared_recognizer(self) -> PhraseRecognizer:
+        """One recogniser for every session (its model loads once); built on first use, in
+        the recognising thread."""
+        with self._recognizer_lock:
+            if self._recognizer is None:
+                phrases = [s.caller_transcript for s in self.scenario.steps if s.caller_transcript]
+                self._recognizer = PhraseRecognizer(phrases)
+            return self._recognizer
+
     # ---- websockets plumbing -----------------------------------------------------------
 
     async def _process_request(
@@ -1703,6 +1804,9 @@ class RealtimeSimulator:
             realtime_factor=self.realtime_factor,
             chunk_ms=self.chunk_ms,
             record=self.record,
+            voice=self.voice,
+            recognizer=self._shared_recognizer if self.recognize else None,
+            vad=self.vad,
         )
         self.sessions.append(session)
         changed, self._sessions_changed = self._sessions_changed, asyncio.Event()
@@ -1716,17 +1820,31 @@ class RealtimeSimulator:
                 self.sessions.remove(session)
 
 
-def run_simulator(host: str, port: int, scenario: str | None) -> int:
+def run_simulator(
+    host: str, port: int, scenario: str | None, speech: SpeechSetup | None = None
+) -> int:
     """Blocking entry point of `voice-agent simulator`: serve until SIGINT/SIGTERM."""
     loaded = load_scenario(scenario)
+    speech = speech or SpeechSetup(None, None, recognize=False, vad="energy")
+    for notice in speech.notices:
+        print(notice, file=sys.stderr, flush=True)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with RealtimeSimulator(loaded, host=host, port=port, record=False) as sim:
+        async with RealtimeSimulator(
+            loaded,
+            host=host,
+            port=port,
+            record=False,
+            voice=speech.agent,
+            recognize=speech.recognize,
+            vad=speech.vad,
+        ) as sim:
             print(f"Realtime simulator ({loaded.name}) at {sim.base_url}", flush=True)
+            print(f"  {speech.describe()}", flush=True)
             print(f"  export OPENAI_BASE_URL={sim.base_url}", flush=True)
             await stop.wait()
 

@@ -1,7 +1,11 @@
-"""Energy-based speech detection on a stream of telephone audio (pure: bytes in, events out).
+"""Speech detection on a stream of telephone audio (bytes in, events out; no I/O).
 
-The detector cuts the stream into short frames, calls a frame voiced when its RMS level is at
-or above a threshold (dBFS), and runs a small state machine:
+The detector cuts the stream into short frames and calls a frame voiced when its RMS level is
+at or above a threshold (dBFS) and, where the `webrtcvad` module is installed (the
+`webrtcvad-wheels` package), when WebRTC's voice activity detector also calls it speech (it
+models speech rather than loudness: a line's constant offset, loud by level, ends its turn after
+a few frames instead of never; `server_vad`'s threshold still means what it says). Without the
+module the threshold alone decides (the fallback). Then a small state machine:
 
     silence --(voiced frame)--> pending --(activation_ms voiced in a row)--> speech
     pending --(unvoiced frame)--> silence
@@ -16,10 +20,11 @@ includes `silence_ms`.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 with warnings.catch_warnings():
     # audioop is deprecated on 3.11/3.12 and provided by `audioop-lts` from 3.13 on.
@@ -27,6 +32,7 @@ with warnings.catch_warnings():
     import audioop
 
 AudioEncoding = Literal["pcmu", "pcma", "pcm16"]
+VadKind = Literal["auto", "energy", "webrtc"]
 
 SAMPLE_RATES: dict[AudioEncoding, int] = {"pcmu": 8000, "pcma": 8000, "pcm16": 24000}
 _BYTES_PER_SAMPLE: dict[AudioEncoding, int] = {"pcmu": 1, "pcma": 1, "pcm16": 2}
@@ -41,6 +47,8 @@ class VadConfig:
     silence_ms: int = 500
     prefix_padding_ms: int = 300
     frame_ms: int = 10
+    # WebRTC VAD aggressiveness, 0 (calls most audio speech) to 3 (the strictest).
+    webrtc_mode: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +99,27 @@ def audio_ms(num_bytes: int, encoding: AudioEncoding) -> float:
     return num_bytes * 1000.0 / (SAMPLE_RATES[encoding] * _BYTES_PER_SAMPLE[encoding])
 
 
+def webrtcvad_available() -> bool:
+    return importlib.util.find_spec("webrtcvad") is not None
+
+
+# WebRTC's detector takes 10, 20 or 30 ms frames at 8, 16, 32 or 48 kHz.
+_WEBRTC_FRAME_MS = (10, 20, 30)
+_WEBRTC_RATE: dict[AudioEncoding, int] = {"pcmu": 8000, "pcma": 8000, "pcm16": 16000}
+
+
+def resolve_vad(kind: VadKind, frame_ms: int = 10) -> Literal["energy", "webrtc"]:
+    """What `kind` runs as here: `auto` and `webrtc` need the module (else energy)."""
+    if kind == "energy" or frame_ms not in _WEBRTC_FRAME_MS or not webrtcvad_available():
+        return "energy"
+    return "webrtc"
+
+
 class EnergyVad:
-    """Feed audio chunks of any size; get speech start/stop events with stream offsets."""
+    """Feed audio chunks of any size; get speech start/stop events with stream offsets.
+
+    `kind` chooses the frame classifier: the level threshold alone (`energy`), or the threshold
+    and WebRTC's detector (`webrtc`, and `auto` where the module is installed)."""
 
     def __init__(
         self,
@@ -100,9 +127,17 @@ class EnergyVad:
         encoding: AudioEncoding = "pcmu",
         *,
         offset_ms: int = 0,
+        kind: VadKind = "energy",
     ) -> None:
         """`offset_ms` is where this detector's stream starts (to keep counting across retunes)."""
         self.config = config or VadConfig()
+        self.kind = resolve_vad(kind, self.config.frame_ms)
+        self._webrtc: Any = None
+        self._resample_state: Any = None
+        if self.kind == "webrtc":
+            import webrtcvad
+
+            self._webrtc = webrtcvad.Vad(self.config.webrtc_mode)
         self._offset_ms = offset_ms
         self.encoding: AudioEncoding = encoding
         rate = SAMPLE_RATES[encoding]
@@ -137,11 +172,27 @@ class EnergyVad:
         step = self._linear_frame_bytes
         for start in range(0, len(linear), step):
             frame = linear[start : start + step]
-            event = self._step(level_dbfs(frame) >= self.config.threshold_dbfs)
+            event = self._step(self._voiced(frame))
             if event is not None:
                 events.append(event)
         self._pending_bytes = data[whole:]
         return events
+
+    def _voiced(self, frame: bytes) -> bool:
+        if level_dbfs(frame) < self.config.threshold_dbfs:
+            return False
+        if self._webrtc is None:
+            return True
+        rate = SAMPLE_RATES[self.encoding]
+        target = _WEBRTC_RATE[self.encoding]
+        if rate != target:
+            frame, self._resample_state = audioop.ratecv(
+                frame, 2, 1, rate, target, self._resample_state
+            )
+            # ratecv may hand back a sample more or less than a whole frame: pad or cut.
+            want = target * self.config.frame_ms // 1000 * 2
+            frame = frame[:want].ljust(want, b"\x00")
+        return bool(self._webrtc.is_speech(frame, target))
 
     def _step(self, voiced: bool) -> VadEvent | None:
         cfg = self.config
