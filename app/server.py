@@ -29,6 +29,7 @@ from app.errors import StartupError
 from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.media_ws import MediaWebSocketProtocol
+from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
 from tools.catalog import Catalog
@@ -253,6 +254,7 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     """Run the service until SIGTERM or SIGINT, then stop cleanly. A catalog that cannot run
     refuses to start (`tools.catalog.CatalogError`), before the database when it does not need
     the demo SOR."""
+    plan = plan_realtime(settings)  # StartupError: calls would reach the wrong model
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     try:
@@ -273,18 +275,24 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             settings = settings.model_copy(
                 update={"public_base_url": f"http://{banner.url_host(host)}:{port}"}
             )
+        if plan.check_key:
+            warning = await check_api_key(settings)  # StartupError: the key is refused
+            if warning is not None:
+                log.warning("%s", warning)
+            else:
+                log.info("OPENAI_API_KEY checked: %s answers", settings.openai_realtime_model)
         url = await prepare_database(settings)
         embedded = settings.database_url is None
         settings = settings.model_copy(update={"database_url": url})
-        realtime = banner.realtime_of(settings)
-        if settings.openai_api_key is None and settings.openai_base_url is None:
+        realtime = banner.realtime_of(settings, reason=plan.reason)
+        if plan.in_process_simulator:
             from telephony.sim.scenario import load_scenario
             from telephony.sim.simulator import RealtimeSimulator
 
             simulator = RealtimeSimulator(load_scenario(None), host="127.0.0.1")
             await simulator.start()
             settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
-            realtime = banner.realtime_of(settings, in_process_simulator=True)
+            realtime = banner.realtime_of(settings, in_process_simulator=True, reason=plan.reason)
         log.info("Realtime: %s", realtime)
         if demo_sor:
             from tools.restaurant.sor import SystemOfRecord
