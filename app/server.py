@@ -30,7 +30,7 @@ from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.media_ws import MediaWebSocketProtocol
 from app.realtime_check import check_api_key, plan_realtime
-from app.settings import Settings
+from app.settings import Settings, host_port
 from app.tool_wiring import load_configured_catalog, runs_demo_sor
 from tools.catalog import Catalog
 
@@ -250,11 +250,42 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_sip_bind(spec: str) -> None:
+    """SIP_BIND can be bound for UDP and TCP, so a wrong address or a taken port is a one-line
+    error before anything starts (the SIP listener binds it for real once the app starts)."""
+    host, port = host_port(spec, "0.0.0.0:5060")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        probe = socket.socket(family, kind)
+        try:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(
+                    f"SIP port {port} on {host} is already in use (another voice-agent serve, "
+                    "or a PBX?): stop that process or choose another port in SIP_BIND"
+                ) from exc
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise StartupError(
+                    f"cannot listen for SIP on {host}: not an address of this machine: set "
+                    f"SIP_BIND to one of its addresses, or 0.0.0.0:{port} for all of them"
+                ) from exc
+            raise StartupError(
+                f"cannot listen for SIP on {host}:{port} ({exc.strerror or exc}): check SIP_BIND"
+            ) from exc
+        finally:
+            probe.close()
+
+
 async def serve(settings: Settings, with_worker: bool) -> int:
     """Run the service until SIGTERM or SIGINT, then stop cleanly. A catalog that cannot run
     refuses to start (`tools.catalog.CatalogError`), before the database when it does not need
     the demo SOR."""
     plan = plan_realtime(settings)  # StartupError: calls would reach the wrong model
+    if settings.sip_bind:
+        check_sip_bind(settings.sip_bind)
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     try:

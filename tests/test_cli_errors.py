@@ -385,6 +385,22 @@ async def test_every_bad_setting_is_reported_at_once_one_line_each(tmp_path: Pat
     assert "'notahost' is not host:port" in named["SIP_BIND"]
 
 
+async def test_a_sip_bind_that_cannot_be_bound_is_one_line(tmp_path: Path) -> None:
+    # An address of another machine (TEST-NET-1), then a SIP port another process holds.
+    env = clean_env(DATABASE_URL=NO_DATABASE, SIP_BIND="192.0.2.1:5060")
+    code, _, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2
+    assert "192.0.2.1: not an address of this machine" in _one_line(err, "serve")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        env = clean_env(DATABASE_URL=NO_DATABASE, SIP_BIND=f"127.0.0.1:{port}")
+        code, _, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2
+    line = _one_line(err, "serve")
+    assert f"SIP port {port} on 127.0.0.1 is already in use" in line and "SIP_BIND" in line
+
+
 # --- which Realtime the calls reach ----------------------------------------------------------
 
 
