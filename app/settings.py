@@ -16,7 +16,6 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from telephony.sip.access import parse_networks
-from telephony.sip.digest import parse_users
 from telephony.sip.ports import parse_range
 
 
@@ -300,6 +299,8 @@ class Settings(BaseSettings):
     @classmethod
     def _digest_users(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
+            from telephony.sip.digest import parse_users  # aiosipua: only when set
+
             try:
                 parse_users(value.get_secret_value())
             except ValueError:
