@@ -549,3 +549,27 @@ async def test_serve_checks_the_key_at_start_and_an_unreachable_api_is_a_warning
     else:
         (line,) = [x for x in logged.splitlines() if "OPENAI_API_KEY not checked" in x]
         assert " WARNING " in line and warning in line and "starting anyway" in line
+
+
+async def test_sor_takes_its_database_from_sor_database_url(
+    database_url: str, tmp_path: Path
+) -> None:
+    # DATABASE_URL leads nowhere: only SOR_DATABASE_URL can make it start.
+    env = clean_env(DATABASE_URL=NO_DATABASE, SOR_DATABASE_URL=database_url)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app.cli", "sor", "--port", str(free_port()),
+        env=env, cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            line = (await proc.stdout.readline()).decode()
+        assert line.startswith("system of record listening on "), line
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0
