@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from telephony.sip.access import parse_networks
@@ -98,8 +105,8 @@ class Settings(BaseSettings):
     sip_allow_from: str | None = None
     # Digest authentication of INVITEs: `user:password,user2:password2`; unset: none.
     sip_digest_users: SecretStr | None = None
-    # New INVITEs per second per source address (a scanner gets 503 beyond it).
-    sip_rate_per_source: float = Field(default=10.0, gt=0)
+    # New INVITEs per second per source address (a scanner gets 503 beyond it); 0: no limit.
+    sip_rate_per_source: float = Field(default=10.0, ge=0)
     # SIP calls per process (default MAX_LIVE_CALLS); beyond it INVITEs get 503.
     sip_max_calls: int | None = Field(default=None, ge=1)
     # How long the Realtime session may take to open before the INVITE gets 503.
@@ -237,7 +244,7 @@ class Settings(BaseSettings):
 
     # ---- validation: a bad value stops the command with one line naming it and the fix, not
     # a traceback from deep inside (or, worse, a service that starts and fails every call).
-    # Messages start with the fix's shape; `setting_problems` adds the variable's name.
+    # Each message says what is wrong and how to write it; `setting_problems` adds the name.
 
     @field_validator("public_base_url")
     @classmethod
@@ -246,8 +253,8 @@ class Settings(BaseSettings):
 
     @field_validator("openai_base_url", "twilio_api_base_url", "sor_base_url")
     @classmethod
-    def _base_url(cls, value: str | None) -> str | None:
-        return None if value is None else _http_url(value, "http://127.0.0.1:8765/v1")
+    def _base_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _http_url(value, _URL_EXAMPLES[info.field_name or ""])
 
     @field_validator("sip_bind")
     @classmethod
@@ -398,6 +405,13 @@ class Settings(BaseSettings):
         if base.startswith("http://"):
             return "ws://" + base.removeprefix("http://")
         return base
+
+
+_URL_EXAMPLES = {
+    "openai_base_url": "http://127.0.0.1:8765/v1",
+    "twilio_api_base_url": "http://127.0.0.1:8780",
+    "sor_base_url": "http://127.0.0.1:8766",
+}
 
 
 def host_port(value: str, example: str) -> tuple[str, int]:
