@@ -31,7 +31,7 @@ from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.media_ws import MediaWebSocketProtocol
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
-from app.tool_wiring import load_configured_catalog, runs_demo_sor
+from app.tool_wiring import load_configured_catalog, read_accounts, runs_demo_sor
 from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -286,6 +286,9 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     plan = plan_realtime(settings)  # StartupError: calls would reach the wrong model
     if settings.sip_bind:
         check_sip_bind(settings.sip_bind)
+    if settings.accounts_file is not None:
+        # Read again when the app starts; a bad file stops here, before anything started.
+        read_accounts(settings.accounts_file, settings.tenant_id)
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     try:

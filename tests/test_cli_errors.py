@@ -401,6 +401,27 @@ async def test_a_sip_bind_that_cannot_be_bound_is_one_line(tmp_path: Path) -> No
     assert f"SIP port {port} on 127.0.0.1 is already in use" in line and "SIP_BIND" in line
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "cannot read it (No such file or directory): check the path"),
+        ("{not json", "not JSON (Expecting property name"),
+        ('[{"phones": ["+15551230000"]}]', 'each with "account_id"'),
+    ],
+)
+async def test_an_accounts_file_that_cannot_be_used_is_one_line(
+    tmp_path: Path, content: str | None, expected: str
+) -> None:
+    path = tmp_path / "accounts.json"
+    if content is not None:
+        path.write_text(content)
+    env = clean_env(DATABASE_URL=NO_DATABASE, ACCOUNTS_FILE=str(path))
+    code, _, err = await run_cli("serve", env=env, cwd=tmp_path)
+    assert code == 2
+    line = _one_line(err, "serve")
+    assert f"ACCOUNTS_FILE {path}: " in line and expected in line, line
+
+
 # --- which Realtime the calls reach ----------------------------------------------------------
 
 
