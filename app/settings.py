@@ -314,6 +314,17 @@ class Settings(BaseSettings):
                 raise ValueError("write it as user:password,user2:password2") from None
         return value
 
+    @field_validator("console_user")
+    @classmethod
+    def _console_user(cls, value: str) -> str:
+        from app.staff import StaffError, check_username  # only when CONSOLE_USER is set
+
+        try:
+            check_username(value)
+        except StaffError as exc:
+            raise ValueError(f"{exc}: e.g. admin") from None
+        return value
+
     @field_validator("console_password")
     @classmethod
     def _console_password(cls, value: SecretStr | None) -> SecretStr | None:

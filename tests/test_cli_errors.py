@@ -348,6 +348,7 @@ NO_DATABASE = "postgresql://nobody@127.0.0.1:9/none"
         ("LOG_LEVEL", "loud", "use DEBUG, INFO, WARNING or ERROR"),
         ("WEBHOOKS", "[{", "not JSON"),
         ("CONSOLE_PASSWORD", "pw", "at least 10 characters"),
+        ("CONSOLE_USER", "bad name!", "a staff name is 1-48 characters"),
         ("CALL_DEAD_AFTER_S", "5", "must be above CALL_HEARTBEAT_S"),
         ("WORKER_STALLED_AFTER_S", "1", "must be above WORKER_HEARTBEAT_S"),
     ],
