@@ -61,17 +61,22 @@ def _without_password(url: str) -> str:
 
 
 def realtime_of(
-    settings: Settings, *, in_process_simulator: bool = False, voice: str = "synthetic voice"
+    settings: Settings,
+    *,
+    in_process_simulator: bool = False,
+    voice: str = "synthetic voice",
+    reason: str = "",
 ) -> str:
-    """Which Realtime endpoint calls talk to, and why."""
+    """Which Realtime endpoint calls talk to, and why (`reason`: why a simulator)."""
     model = settings.openai_realtime_model
     if in_process_simulator:
         return (
             f"local simulator at {settings.openai_base_url}: scripted, {voice} "
-            "(OPENAI_API_KEY unset)"
+            f"({reason or 'OPENAI_API_KEY unset'})"
         )
-    if settings.openai_api_key is None:
-        return f"{settings.openai_base_url} (OPENAI_BASE_URL; no OPENAI_API_KEY), model {model}"
+    if settings.openai_api_key is None or settings.realtime_simulator:
+        why = reason or "no OPENAI_API_KEY"
+        return f"{settings.openai_base_url} (OPENAI_BASE_URL; {why}), model {model}"
     if settings.openai_base_url:
         return f"{settings.openai_base_url} (OPENAI_BASE_URL), model {model}"
     return f"the OpenAI Realtime API, model {model}"

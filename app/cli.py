@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,8 +18,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = get_settings()
     if args.host:
         settings.host = args.host
-    if args.port:
+    if args.port is not None:
         settings.port = args.port
+    if args.simulator:
+        settings.realtime_simulator = True
     return run_server(settings, with_worker=not args.no_worker)
 
 
@@ -115,14 +118,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sor(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
     from tools.restaurant.sor import run_sor
 
-    url = args.database_url
+    settings = get_settings()
+    url = args.database_url or settings.sor_database_url
     if url is None:
         from app.db import resolve_database_url
-        from app.settings import get_settings
 
-        settings = get_settings()
         url = resolve_database_url(settings.database_url, settings.data_dir)
     return run_sor(host=args.host, port=args.port, database_url=url)
 
@@ -163,25 +166,113 @@ def _tools_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed package's version (`voice-agent --version`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("voice-agent")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help that names each option's default unless its text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        default = action.default
+        if (
+            text
+            and "default" not in text
+            and default not in (None, False, argparse.SUPPRESS)
+            and (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Subcommands(argparse._SubParsersAction):
+    """Subcommands whose own --help opens with the line the command list shows."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", kwargs.get("help"))
+        return super().add_parser(name, **kwargs)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser, so every --help shows defaults the same way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
+
+
+def _port(text: str) -> int:
+    """A TCP port for --port (0: any free one)."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return int(text)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="voice-agent", description=__doc__)
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING…")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="voice-agent", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=None,
+        help="log level of this command (default: LOG_LEVEL, else INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("serve", help="HTTP + WebSocket server (with an in-process worker)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--no-worker", action="store_true", help="do not run a worker in-process")
+    p.add_argument(
+        "--host", default=None, help="address to listen on (default: HOST, else 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        help="port to listen on, 0 for any free one (default: PORT, else 8000)",
+    )
+    p.add_argument(
+        "--no-worker",
+        action="store_true",
+        help="run no operation worker in this process (run `voice-agent worker` instead)",
+    )
+    p.add_argument(
+        "--simulator",
+        action="store_true",
+        help="calls talk to the local Realtime simulator, even in production or with "
+        "OPENAI_API_KEY (as REALTIME_SIMULATOR=true)",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("worker", help="run operation workers only")
-    p.add_argument("--concurrency", type=int, default=None)
+    p.add_argument(
+        "--concurrency",
+        type=_positive,
+        default=None,
+        help="jobs run at once (default: WORKER_CONCURRENCY, else 4)",
+    )
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("db", help="database commands")
     dbsub = p.add_subparsers(dest="db_command", required=True)
     up = dbsub.add_parser("upgrade", help="apply migrations (never goes back)")
-    up.add_argument("revision", nargs="?", default="head")
+    up.add_argument("revision", nargs="?", default="head", help="the revision to go forward to")
     up.set_defaults(func=_db_upgrade)
     down = dbsub.add_parser("downgrade", help="undo migrations (drops their tables)")
     down.add_argument("revision", help="the revision to go back to (`base`: nothing)")
@@ -191,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     cur.set_defaults(func=_db_current)
 
     p = sub.add_parser("simulator", help="local stand-in for the OpenAI Realtime API")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8765, help="port to listen on")
     p.add_argument("--scenario", default=None, help="scenario JSON file (default: built-in)")
     p.set_defaults(func=_simulator)
 
@@ -230,9 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_staff_commands(sub)
 
     p = sub.add_parser("sor", help="the demo system of record (restaurant bookings)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8766)
-    p.add_argument("--database-url", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8766, help="port to listen on")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="its database (default: SOR_DATABASE_URL, else DATABASE_URL, else the embedded "
+        "PostgreSQL in DATA_DIR)",
+    )
     p.set_defaults(func=_sor)
     return parser
 
@@ -252,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from app.errors import StartupError
     from app.logging import configure_logging
-    from app.settings import get_settings
+    from app.settings import get_settings, setting_problems
     from tools.catalog import CatalogError
 
     # Commands that stop cleanly on their own (serve, worker, simulator) replace this
@@ -269,10 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"voice-agent {args.command}: {exc}", file=sys.stderr)
         return exc.exit_status
     except ValidationError as exc:
-        bad = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
-        )
-        print(f"voice-agent {args.command}: bad setting: {bad}", file=sys.stderr)
+        if exc.title != "Settings":
+            raise
+        # Every bad setting at once, one line each, so a user fixes them in one go.
+        for problem in setting_problems(exc):
+            print(f"voice-agent {args.command}: bad setting: {problem}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, DateTime, ForeignKey, Index, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
+
+
+class LegKind(StrEnum):
+    """How a call reached us: the values `calls.leg` holds (and the console filters by)."""
+
+    TWILIO = "twilio"  # a Twilio Media Stream
+    SIP = "sip"  # our SIP user agent
+    OPENAI_SIP = "openai_sip"  # OpenAI's SIP interconnect (a sideband, no media here)
 
 
 class Call(SQLModel, table=True):

@@ -18,6 +18,7 @@ from app.auth import AdminPageDep, OperatorPageDep, Principal, ViewerPageDep
 from app.console_schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
 from app.deps import EngineDep, RuntimeDep
 from app.errors import Conflict, Forbidden, NotFound, TooManyAttempts
+from app.models import LegKind
 from app.operation_actions import TITLES, Action
 from app.operation_query import ConsoleState
 from app.routes_console_api import (
@@ -46,7 +47,8 @@ STATUSES = [
     "canceled",
     "rejected",
 ]
-LEGS = ["twilio", "sip", "openai"]
+# The stored values, so a filter always matches what the legs write.
+LEGS = [leg.value for leg in LegKind]
 STATE_TITLES = {
     ConsoleState.AWAITING_PERSON: "Awaiting a person",
     ConsoleState.UNKNOWN: "Unknown outcome",

@@ -29,8 +29,9 @@ from app.errors import StartupError
 from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.media_ws import MediaWebSocketProtocol
-from app.settings import Settings
-from app.tool_wiring import load_configured_catalog, runs_demo_sor
+from app.realtime_check import check_api_key, plan_realtime
+from app.settings import Settings, host_port
+from app.tool_wiring import load_configured_catalog, read_accounts, runs_demo_sor
 from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -249,10 +250,45 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_sip_bind(spec: str) -> None:
+    """SIP_BIND can be bound for UDP and TCP, so a wrong address or a taken port is a one-line
+    error before anything starts (the SIP listener binds it for real once the app starts)."""
+    host, port = host_port(spec, "0.0.0.0:5060")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        probe = socket.socket(family, kind)
+        try:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(
+                    f"SIP port {port} on {host} is already in use (another voice-agent serve, "
+                    "or a PBX?): stop that process or choose another port in SIP_BIND"
+                ) from exc
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise StartupError(
+                    f"cannot listen for SIP on {host}: not an address of this machine: set "
+                    f"SIP_BIND to one of its addresses, or 0.0.0.0:{port} for all of them"
+                ) from exc
+            raise StartupError(
+                f"cannot listen for SIP on {host}:{port} ({exc.strerror or exc}): check SIP_BIND"
+            ) from exc
+        finally:
+            probe.close()
+
+
 async def serve(settings: Settings, with_worker: bool) -> int:
     """Run the service until SIGTERM or SIGINT, then stop cleanly. A catalog that cannot run
     refuses to start (`tools.catalog.CatalogError`), before the database when it does not need
     the demo SOR."""
+    plan = plan_realtime(settings)  # StartupError: calls would reach the wrong model
+    if settings.sip_bind:
+        check_sip_bind(settings.sip_bind)
+    if settings.accounts_file is not None:
+        # Read again when the app starts; a bad file stops here, before anything started.
+        read_accounts(settings.accounts_file, settings.tenant_id)
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     try:
@@ -273,11 +309,17 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             settings = settings.model_copy(
                 update={"public_base_url": f"http://{banner.url_host(host)}:{port}"}
             )
+        if plan.check_key:
+            warning = await check_api_key(settings)  # StartupError: the key is refused
+            if warning is not None:
+                log.warning("%s", warning)
+            else:
+                log.info("OPENAI_API_KEY checked: %s answers", settings.openai_realtime_model)
         url = await prepare_database(settings)
         embedded = settings.database_url is None
         settings = settings.model_copy(update={"database_url": url})
-        realtime = banner.realtime_of(settings)
-        if settings.openai_api_key is None and settings.openai_base_url is None:
+        realtime = banner.realtime_of(settings, reason=plan.reason)
+        if plan.in_process_simulator:
             from telephony.sim.scenario import load_scenario
             from telephony.sim.simulator import RealtimeSimulator
             from telephony.sim.speech import speech_setup
@@ -301,7 +343,7 @@ async def serve(settings: Settings, with_worker: bool) -> int:
             await simulator.start()
             settings = settings.model_copy(update={"openai_base_url": simulator.base_url})
             realtime = banner.realtime_of(
-                settings, in_process_simulator=True, voice=speech.describe()
+                settings, in_process_simulator=True, voice=speech.describe(), reason=plan.reason
             )
         log.info("Realtime: %s", realtime)
         if demo_sor:

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import json
+import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from telephony.sip.access import parse_networks
+from telephony.sip.ports import parse_range
 
 
 class Settings(BaseSettings):
@@ -24,16 +38,23 @@ class Settings(BaseSettings):
     database_url: str | None = None
     data_dir: Path = Path(".voice-agent")
 
-    # OpenAI. No OPENAI_API_KEY means: the offline demo against the local simulator.
+    # OpenAI. No OPENAI_API_KEY means: the offline demo against the local simulator, but only
+    # where nothing looks like production (see app/realtime_check.py).
     openai_api_key: SecretStr | None = None
     openai_base_url: str | None = None
     openai_realtime_model: str = "gpt-realtime"
     openai_webhook_secret: SecretStr | None = None
     realtime_voice: str = "marin"
+    # Calls talk to a simulator: true always (even with a key), false never (no key: `serve`
+    # refuses), unset: when OPENAI_API_KEY is unset and nothing looks like production.
+    realtime_simulator: bool | None = None
+    # `serve` checks OPENAI_API_KEY with one models request; after this long it starts anyway
+    # (with a warning: the API may be briefly unreachable).
+    openai_check_timeout_s: float = Field(default=5.0, gt=0)
     # semantic_vad eagerness; "low" suits callers who give long narrative answers.
     vad_eagerness: Literal["auto", "low", "medium", "high"] = "auto"
     # How long the bridge may spend re-opening a dropped Realtime session.
-    realtime_reconnect_budget_s: float = 5.0
+    realtime_reconnect_budget_s: float = Field(default=5.0, ge=0)
     # Function calls one model response may make, and calls of one call running at once;
     # the excess is refused to the model (speakable) and never reaches a provider.
     max_tool_calls_per_response: int = Field(default=8, ge=1, le=128)
@@ -48,15 +69,17 @@ class Settings(BaseSettings):
     # Where Twilio reaches us; TLS usually ends at a proxy, so signatures use this, not the
     # Host header.
     public_base_url: str = "http://127.0.0.1:8000"
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field(default="127.0.0.1", min_length=1)
+    # 0: any free port (tests).
+    port: int = Field(default=8000, ge=0, le=65535)
 
     # Media stream tokens (signed, bound to a CallSid, short-lived, single use).
     stream_token_secret: SecretStr | None = None
-    stream_token_ttl_s: float = 60.0
+    stream_token_ttl_s: float = Field(default=60.0, gt=0)
 
-    # Capacity: calls beyond this per process hear a busy message instead.
-    max_live_calls: int = 50
+    # Capacity: calls beyond this per process hear a busy message instead (0 would make every
+    # call hear busy, so it is refused).
+    max_live_calls: int = Field(default=50, ge=1)
     # On SIGTERM/SIGINT, live calls may go on for this long (new calls hear busy, /readyz
     # fails); the rest are then ended. Keep it under the orchestrator's grace period.
     drain_timeout_s: float = Field(default=30.0, ge=0)
@@ -67,8 +90,9 @@ class Settings(BaseSettings):
     # measured the truncation error against the audio heard the same at 60 and 100 ms (p99
     # 5-7 ms at 50 calls, within the spread between runs).
     twilio_media_chunk_ms: int = Field(default=100, ge=20, multiple_of=20)
-    # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes.
-    max_ws_frame_bytes: int = 64 * 1024
+    # Largest WebSocket frame accepted from Twilio; a 20 ms media frame is ~250 bytes, a
+    # `start` with its parameters and stream token about 1 KiB.
+    max_ws_frame_bytes: int = Field(default=64 * 1024, ge=4096)
     # permessage-deflate on the media socket. Off: compressing every 20 ms base64 frame costs
     # more CPU than the bytes it saves are worth (bench/bridge.py echo, target service-deflate).
     ws_deflate: bool = False
@@ -101,10 +125,10 @@ class Settings(BaseSettings):
     # closed (one carrying a call is kept while the call lives).
     sip_tcp_max_per_source: int = Field(default=16, ge=1)
     sip_tcp_idle_s: float = Field(default=180.0, gt=0)
-    # New INVITEs per second per source address (a scanner gets 503 beyond it).
+    # New INVITEs per second per source address (a scanner gets 503 beyond it); 0: no limit.
     sip_rate_per_source: float = Field(default=10.0, ge=0)
     # SIP calls per process (default MAX_LIVE_CALLS); beyond it INVITEs get 503.
-    sip_max_calls: int | None = Field(default=None, ge=0)
+    sip_max_calls: int | None = Field(default=None, ge=1)
     # How long the Realtime session may take to open before the INVITE gets 503.
     sip_answer_timeout_s: float = Field(default=5.0, gt=0)
     # RFC 3261 T1 (round-trip estimate): retransmissions start at T1, give up after 64*T1.
@@ -129,7 +153,7 @@ class Settings(BaseSettings):
     tools: str | None = None
     tools_file: Path | None = None
 
-    tenant_id: str = "default"
+    tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
     accounts_file: Path | None = None
 
@@ -189,6 +213,8 @@ class Settings(BaseSettings):
     # the restaurant catalog: `serve` and `demo` run the demo one in-process.
     sor_base_url: str | None = None
     sor_callback_secret: SecretStr | None = None
+    # The database of `voice-agent sor` (default: DATABASE_URL, else the embedded one).
+    sor_database_url: str | None = None
     # How often each worker's sweeper looks for stuck, unknown and expired operations (and
     # for deliveries, SMS and webhooks that need another look).
     sweep_interval_s: float = Field(default=5.0, gt=0)
@@ -270,6 +296,138 @@ class Settings(BaseSettings):
     # bearer token; unset: a random one per start, so nothing else can drive them.
     sor_control_token: SecretStr | None = None
 
+    # ---- validation: a bad value stops the command with one line naming it and the fix, not
+    # a traceback from deep inside (or, worse, a service that starts and fails every call).
+    # Each message says what is wrong and how to write it; `setting_problems` adds the name.
+
+    @field_validator("public_base_url")
+    @classmethod
+    def _public_url(cls, value: str) -> str:
+        return _http_url(value, "https://voice.example.com (the URL Twilio calls)")
+
+    @field_validator("openai_base_url", "twilio_api_base_url", "sor_base_url")
+    @classmethod
+    def _base_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _http_url(value, _URL_EXAMPLES[info.field_name or ""])
+
+    @field_validator("sip_bind")
+    @classmethod
+    def _sip_bind(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _ = host_port(value, "0.0.0.0:5060")
+            _ip_literal(host, "the address to listen on, e.g. 0.0.0.0:5060")
+        return value
+
+    @field_validator("metrics_bind")
+    @classmethod
+    def _metrics_bind(cls, value: str | None) -> str | None:
+        if value is not None:
+            host_port(value, "10.0.0.5:9100")
+        return value
+
+    @field_validator("sip_advertised_address")
+    @classmethod
+    def _advertised(cls, value: str | None) -> str | None:
+        if value is not None:
+            _ip_literal(value.strip("[]"), "the public IP address SDP and Contact carry")
+        return value
+
+    @field_validator("sip_rtp_ports")
+    @classmethod
+    def _rtp_ports(cls, value: str) -> str:
+        try:
+            bounds = parse_range(value)
+        except ValueError as exc:
+            fix = "set e.g. 20000-20999 (or 0: any free port)"
+            raise ValueError(f"{_unprefixed(exc)}: {fix}") from None
+        if bounds is not None and bounds[0] == bounds[1] and bounds[0] % 2:
+            # RTP takes even ports (RTCP the odd one above): this range has none.
+            raise ValueError(f"{value!r} holds no even port: set e.g. 20000-20999")
+        return value
+
+    @field_validator("sip_allow_from")
+    @classmethod
+    def _allow_from(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_networks(value)
+            except ValueError as exc:
+                fix = "list CIDRs, e.g. 203.0.113.0/24,10.0.0.5"
+                raise ValueError(f"{_unprefixed(exc)}: {fix}") from None
+        return value
+
+    @field_validator("sip_digest_users")
+    @classmethod
+    def _digest_users(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            from telephony.sip.digest import parse_users  # aiosipua: only when set
+
+            try:
+                parse_users(value.get_secret_value())
+            except ValueError:
+                raise ValueError("write it as user:password,user2:password2") from None
+        return value
+
+    @field_validator("console_user")
+    @classmethod
+    def _console_user(cls, value: str) -> str:
+        from app.staff import StaffError, check_username  # only when CONSOLE_USER is set
+
+        try:
+            check_username(value)
+        except StaffError as exc:
+            raise ValueError(f"{exc}: e.g. admin") from None
+        return value
+
+    @field_validator("console_password")
+    @classmethod
+    def _console_password(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            from app.passwords import WeakPassword, check_strength  # argon2: only when set
+
+            try:
+                check_strength(value.get_secret_value())
+            except WeakPassword as exc:
+                fix = "choose another (or unset it: one is generated)"
+                raise ValueError(f"{exc}: {fix}") from None
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.upper() not in logging.getLevelNamesMapping():
+            raise ValueError(f"{value!r} is not a level: use DEBUG, INFO, WARNING or ERROR")
+        return value
+
+    @field_validator("webhooks")
+    @classmethod
+    def _webhooks(cls, value: str | None) -> str | None:
+        if value:
+            _webhook_list(value)
+        return value
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> Self:
+        # A liveness limit at or under its heartbeat declares healthy calls (or workers) dead.
+        if self.call_dead_after_s <= self.call_heartbeat_s:
+            raise ValueError(
+                f"CALL_DEAD_AFTER_S ({self.call_dead_after_s:g}) must be above "
+                f"CALL_HEARTBEAT_S ({self.call_heartbeat_s:g}), or live calls are ended as dead: "
+                "keep it several heartbeats long (default 30 and 5)"
+            )
+        if self.worker_stalled_after_s <= self.worker_heartbeat_s:
+            raise ValueError(
+                f"WORKER_STALLED_AFTER_S ({self.worker_stalled_after_s:g}) must be above "
+                f"WORKER_HEARTBEAT_S ({self.worker_heartbeat_s:g}), or running jobs count as "
+                "lost: keep it several heartbeats long (default 30 and 5)"
+            )
+        if self.console_session_idle_s > self.console_session_max_s:
+            raise ValueError(
+                "CONSOLE_SESSION_IDLE_S must not be above CONSOLE_SESSION_MAX_S: lower it or "
+                "raise the maximum"
+            )
+        return self
+
     def stream_secret(self) -> bytes:
         """Key for stream tokens: explicit, else derived from the Twilio auth token."""
         if self.stream_token_secret is not None:
@@ -300,14 +458,7 @@ class Settings(BaseSettings):
         """WEBHOOKS as a list of {url, secret, description}; a malformed value is an error."""
         if not self.webhooks:
             return []
-        import json
-
-        data = json.loads(self.webhooks)
-        if not isinstance(data, list) or not all(
-            isinstance(d, dict) and "url" in d and "secret" in d for d in data
-        ):
-            raise ValueError("WEBHOOKS must be a JSON list of {url, secret} objects")
-        return data
+        return _webhook_list(self.webhooks)
 
     def openai_sip_number_set(self) -> frozenset[str] | None:
         """OPENAI_SIP_NUMBERS as a set (None: every To number is ours)."""
@@ -323,6 +474,87 @@ class Settings(BaseSettings):
         if base.startswith("http://"):
             return "ws://" + base.removeprefix("http://")
         return base
+
+
+_URL_EXAMPLES = {
+    "openai_base_url": "http://127.0.0.1:8765/v1",
+    "twilio_api_base_url": "http://127.0.0.1:8780",
+    "sor_base_url": "http://127.0.0.1:8766",
+}
+
+
+def host_port(value: str, example: str) -> tuple[str, int]:
+    """`127.0.0.1:5060`, `[::1]:5060` -> (host, port); ValueError with the fix otherwise."""
+    spec = value.strip()
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = spec.rpartition(":")
+    if not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{value!r} is not host:port: write it as {example}")
+    return host, int(port_text)
+
+
+def _ip_literal(host: str, what: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address: give {what}") from None
+
+
+def _http_url(value: str, example: str) -> str:
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"{value!r} is not an http(s) URL: write it with its scheme, e.g. {example}"
+        )
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise ValueError(f"{value!r} has a bad port: write it as e.g. {example}") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"{value!r} carries a query or fragment: give the base URL alone")
+    return value.strip()
+
+
+def _webhook_list(text: str) -> list[dict[str, str]]:
+    fix = 'write a JSON list such as [{"url": "https://...", "secret": "whsec_..."}]'
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ValueError(f"not JSON: {fix}") from None
+    if not isinstance(data, list) or not all(
+        isinstance(d, dict) and "url" in d and "secret" in d for d in data
+    ):
+        raise ValueError(f"not a list of {{url, secret}} objects: {fix}")
+    return data
+
+
+def _unprefixed(exc: ValueError) -> str:
+    """A parser's message without its own `NAME: ` prefix (the report adds the name)."""
+    text = str(exc)
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.isupper() else text
+
+
+def setting_problems(exc: ValidationError) -> list[str]:
+    """One line per bad setting: `NAME: what is wrong: the fix` (values of secrets not shown)."""
+    out = []
+    for error in exc.errors(include_url=False, include_input=False):
+        field = str(error["loc"][0]) if error["loc"] else ""
+        message = str(error["msg"])
+        if message.startswith("Value error, "):
+            message = message.removeprefix("Value error, ")  # ours: it names the fix
+        elif field in Settings.model_fields:
+            # pydantic's own ("Input should be greater than or equal to 1"): the default
+            # shows a value that works.
+            default = Settings.model_fields[field].default
+            message = message.removeprefix("Input ")
+            if default is not None and not isinstance(default, SecretStr):
+                message += f" (default {default})"
+        out.append(f"{field.upper()}: {message}" if field else message)
+    return out
 
 
 @lru_cache

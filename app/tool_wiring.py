@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.errors import StartupError
 from app.settings import Settings
 from tools.catalog import Catalog, CatalogContext
 from tools.executor import make_app, make_enqueue
@@ -85,22 +86,42 @@ def load_configured_catalog(
     )
 
 
+def read_accounts(path: Path, tenant_id: str) -> list[Account]:
+    """The accounts of an ACCOUNTS_FILE; StartupError (one line, with the fix) when it cannot
+    be read, is not JSON, or an entry lacks what an account needs."""
+    where = f"ACCOUNTS_FILE {path}"
+    try:
+        raw = json.loads(path.read_text("utf-8"))
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot read it ({exc.strerror}): check the path") from None
+    except ValueError as exc:
+        raise StartupError(f"{where}: not JSON ({exc}): correct it") from None
+    try:
+        if not isinstance(raw, list):
+            raise TypeError("not a list")
+        return [
+            Account(
+                account_id=str(item["account_id"]),
+                tenant_id=str(item.get("tenant_id", tenant_id)),
+                phones=frozenset(str(p) for p in item.get("phones", [])),
+                pin=str(item["pin"]) if item.get("pin") is not None else None,
+                name=item.get("name"),
+                role=str(item.get("role", "customer")),
+            )
+            for item in raw
+        ]
+    except (KeyError, TypeError, AttributeError):
+        raise StartupError(
+            f'{where}: write a JSON list of accounts, each with "account_id" (and "phones", '
+            '"pin", "name", "role")'
+        ) from None
+
+
 def load_accounts(path: Path | None, tenant_id: str) -> StaticIdentityStore:
     """Customer accounts from a JSON file: [{"account_id", "phones": [...], "pin", "name"}]."""
     if path is None:
         return StaticIdentityStore()
-    raw = json.loads(path.read_text("utf-8"))
-    accounts = [
-        Account(
-            account_id=str(item["account_id"]),
-            tenant_id=str(item.get("tenant_id", tenant_id)),
-            phones=frozenset(str(p) for p in item.get("phones", [])),
-            pin=str(item["pin"]) if item.get("pin") is not None else None,
-            name=item.get("name"),
-            role=str(item.get("role", "customer")),
-        )
-        for item in raw
-    ]
+    accounts = read_accounts(path, tenant_id)
     log.info("loaded %d customer accounts", len(accounts))
     return StaticIdentityStore(accounts)
 

@@ -80,7 +80,7 @@ async def service(engine: AsyncEngine, **values: Any) -> AsyncIterator[Any]:
         public_base_url=f"http://127.0.0.1:{port}",
         twilio_auth_token=DEFAULT_AUTH_TOKEN,
         stream_token_secret="bench",
-        console_password="bench",
+        console_password="bench-console-password",
         max_live_calls=200,
         log_level="WARNING",
         **values,

@@ -52,7 +52,9 @@ async def _deliver_jobs(engine: AsyncEngine, delivery_id: uuid.UUID) -> int:
 async def test_a_live_call_is_held_and_heartbeated_by_the_process_running_its_stream(
     engine: AsyncEngine,
 ) -> None:
-    async with call_stack(engine, scenario(), call_heartbeat_s=3600) as stack:
+    async with call_stack(
+        engine, scenario(), call_heartbeat_s=3600, call_dead_after_s=7200
+    ) as stack:
         caller = stack.caller()
         await caller.dial()
         await hear_greeting(caller)
@@ -131,7 +133,9 @@ async def test_rows_whose_stream_was_rejected_or_never_came_are_ended(
 async def test_a_holder_ends_its_call_when_another_process_ended_the_row(
     engine: AsyncEngine,
 ) -> None:
-    async with call_stack(engine, scenario(), call_heartbeat_s=3600) as stack:
+    async with call_stack(
+        engine, scenario(), call_heartbeat_s=3600, call_dead_after_s=7200
+    ) as stack:
         caller = stack.caller()
         await caller.dial()
         await hear_greeting(caller)

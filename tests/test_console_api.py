@@ -189,6 +189,33 @@ async def test_calls_list_filters_by_phone_time_range_status_leg_and_unsettled_o
     assert (listed["operations"], listed["unsettled"]) == (1, 1)
 
 
+async def test_the_leg_filter_offers_the_stored_legs_and_each_finds_only_its_calls(
+    service: Service, engine: AsyncEngine
+) -> None:
+    from app import openai_sip
+    from app.models import LegKind
+
+    # What the legs write (the SIP leg writes the literal; the interconnect its constant).
+    assert openai_sip.LEG == LegKind.OPENAI_SIP
+    by_leg = {leg: await seed_call(engine, leg=leg) for leg in ("twilio", "sip", openai_sip.LEG)}
+    await add_staff(engine, "olive", Role.OPERATOR)
+    async with logged_in(service.url, "olive") as (client, _):
+        page = (await client.get("/console/calls")).text
+        select = page[page.index('<select name="leg">') :]
+        select = select[: select.index("</select>")]
+        offered = [v for v in re.findall(r'<option value="([^"]*)"', select) if v]
+        assert sorted(offered) == sorted(by_leg)
+        for leg in offered:
+            listed = (await client.get("/console/calls", params={"leg": leg})).text
+            shown = set(re.findall(r'href="/console/calls/([0-9a-f-]{36})"', listed))
+            assert shown == {by_leg[leg]}, (leg, shown)
+    headers = await bearer(engine, Role.VIEWER)
+    async with httpx.AsyncClient(base_url=service.url, headers=headers) as http:
+        for leg, call_id in by_leg.items():
+            response = await http.get("/api/calls", params={"leg": leg})
+            assert [c["id"] for c in response.json()["calls"]] == [call_id], leg
+
+
 async def test_calls_list_pages_by_keyset_without_gaps_or_repeats_while_calls_arrive(
     service: Service, engine: AsyncEngine
 ) -> None:

@@ -100,7 +100,10 @@ async def test_a_real_database_error_carrying_phone_numbers_is_logged_redacted(
 async def test_a_voice_webhook_at_capacity_with_a_104_character_to_logs_no_number(
     engine: AsyncEngine, service_log: io.StringIO
 ) -> None:
-    async with running_service(engine, max_live_calls=0) as service:
+    async with running_service(engine, max_live_calls=1) as service:
+        # The one slot, held by a call answered whose stream has not started yet.
+        held = await post_signed(service, "/twilio/voice", _voice("CAhold"))
+        assert "<Stream" in held.text
         response = await post_signed(service, "/twilio/voice", _voice("CAcap", To=LONG_TO))
     text = service_log.getvalue()
     assert response.status_code == 200 and "<Say" in response.text  # the busy answer
@@ -115,18 +118,19 @@ async def test_serve_at_capacity_writes_no_phone_number_to_its_log_stream(
     104-character To, then the whole log stream grepped."""
     stderr = tmp_path / "serve.log"
     server = ServerProcess(
-        {"DATABASE_URL": clean_db, "MAX_LIVE_CALLS": "0", "LOG_LEVEL": "INFO"},
+        {"DATABASE_URL": clean_db, "MAX_LIVE_CALLS": "1", "LOG_LEVEL": "INFO"},
         stderr_path=stderr,
     )
     await server.start()
     try:
-        params = _voice("CAserve", To=LONG_TO)
         public = server.url + "/twilio/voice"
-        signature = RequestValidator(AUTH_TOKEN).compute_signature(public, params)
         async with httpx.AsyncClient(timeout=10) as http:
-            response = await http.post(
-                public, data=params, headers={"X-Twilio-Signature": signature}
-            )
+            # The one slot, held by a call answered whose stream has not started yet.
+            for params in (_voice("CAhold"), _voice("CAserve", To=LONG_TO)):
+                signature = RequestValidator(AUTH_TOKEN).compute_signature(public, params)
+                response = await http.post(
+                    public, data=params, headers={"X-Twilio-Signature": signature}
+                )
     finally:
         await server.stop()
     text = stderr.read_text("utf-8", "replace")

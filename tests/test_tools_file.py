@@ -129,9 +129,20 @@ def _mistake(old: str, new: str, *more: tuple[str, str]) -> tuple[str, int]:
 
 
 MISTAKES: dict[str, tuple[Any, ...]] = {
-    "yaml-syntax": (
+    # PyYAML notices these at the next token, a line below; the mistake is where they begin.
+    "yaml-unclosed-list": (
         "      required: [order_id]\n    request:",
-        "      required: [order_id\n    request:  #<",
+        "      required: [order_id  #<\n    request:",
+        "not valid YAML",
+    ),
+    "yaml-key-without-colon": (
+        "    kind: read\n",
+        "    kind read  #<\n",
+        "could not find expected ':'",
+    ),
+    "yaml-bad-indent": (
+        "    kind: read\n",
+        "   kind: read  #<\n",
         "not valid YAML",
     ),
     "duplicate-key": (

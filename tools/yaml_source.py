@@ -71,9 +71,7 @@ def load(text: str) -> Located:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = mark.line + 1 if mark is not None else None
-        raise YamlProblem(f"not valid YAML: {exc.problem or exc}", where) from None
+        raise YamlProblem(f"not valid YAML: {exc.problem or exc}", _line_of(exc)) from None
     except yaml.YAMLError as exc:
         raise YamlProblem(f"not valid YAML: {exc}", None) from None
     lines: dict[Path, int] = {}
@@ -82,6 +80,27 @@ def load(text: str) -> Located:
     constructor = _Constructor()
     data = _build(node, (), lines, constructor)
     return Located(data, lines)
+
+
+# Constructs that PyYAML notices are broken only at the next token, often on a later line (or
+# the end of the file): a key without its `:`, an unclosed quote or flow collection. The
+# mistake is where the construct began, which the error's context mark names.
+_OPENED_AT_CONTEXT = (
+    "while scanning a simple key",
+    "while scanning a quoted scalar",
+    "while parsing a flow sequence",
+    "while parsing a flow mapping",
+)
+
+
+def _line_of(exc: yaml.MarkedYAMLError) -> int | None:
+    """The 1-based line a user should look at (PyYAML's marks are 0-based)."""
+    problem, context = exc.problem_mark, exc.context_mark
+    if problem is None:
+        return context.line + 1 if context is not None else None
+    if context is not None and context.line < problem.line and exc.context in _OPENED_AT_CONTEXT:
+        return context.line + 1
+    return problem.line + 1
 
 
 def _build(node: Node, path: Path, lines: dict[Path, int], c: _Constructor) -> Any:

@@ -913,7 +913,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Twilio auth token used to sign the webhook (default: $TWILIO_AUTH_TOKEN)",
     )
     parser.add_argument(
-        "--account-sid", default=os.environ.get("TWILIO_ACCOUNT_SID", DEFAULT_ACCOUNT_SID)
+        "--account-sid",
+        default=os.environ.get("TWILIO_ACCOUNT_SID", DEFAULT_ACCOUNT_SID),
+        help="AccountSid the webhook carries (default: $TWILIO_ACCOUNT_SID, else a dev one)",
     )
     says = parser.add_mutually_exclusive_group()
     says.add_argument("--wav", default=None, help="what the caller says (default: built in)")
@@ -921,8 +923,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--say", default=None, metavar="TEXT", help="the caller says TEXT (needs espeak-ng)"
     )
     parser.add_argument("--out", default="heard.wav", help="where to write what was heard")
-    parser.add_argument("--from", dest="from_number", default="+15551230000")
-    parser.add_argument("--to", dest="to_number", default="+15550000000")
+    parser.add_argument(
+        "--from", dest="from_number", default="+15551230000", help="the caller's number"
+    )
+    parser.add_argument("--to", dest="to_number", default="+15550000000", help="the number called")
     parser.add_argument(
         "--tail-ms", type=int, default=8000, help="how long to stay on after speaking"
     )

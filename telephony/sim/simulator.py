@@ -129,6 +129,7 @@ with warnings.catch_warnings():
 log = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
+MODELS_PATH = "/v1/models"
 DEFAULT_MODEL = "gpt-realtime"
 DEFAULT_INSTRUCTIONS = "You are a helpful, concise voice assistant."
 # Speech-like audio is generated this much faster than real time at realtime_factor=1.0.
@@ -1778,10 +1779,12 @@ class RealtimeSimulator:
     async def _process_request(
         self, connection: ServerConnection, request: Request
     ) -> Response | None:
+        url = urlsplit(request.path)
+        if url.path.rstrip("/").startswith(MODELS_PATH):
+            return self._models(connection, request, url.path.rstrip("/"))
         self.connect_attempts += 1
         if self.handshake_delay_s > 0:
             await asyncio.sleep(self.handshake_delay_s)
-        url = urlsplit(request.path)
         if url.path.rstrip("/") != REALTIME_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "Not Found\n")
         if self._refuse > 0:
@@ -1791,6 +1794,20 @@ class RealtimeSimulator:
         if not auth.startswith("Bearer ") or not auth.removeprefix("Bearer ").strip():
             return connection.respond(HTTPStatus.UNAUTHORIZED, "Missing bearer authentication\n")
         return None
+
+    def _models(self, connection: ServerConnection, request: Request, path: str) -> Response:
+        """GET /v1/models[/{id}] as the API answers it (`serve` checks its key this way)."""
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer ") or not auth.removeprefix("Bearer ").strip():
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "Missing bearer authentication\n")
+        model_id = path.removeprefix(MODELS_PATH).strip("/")
+        model = {"id": model_id or DEFAULT_MODEL, "object": "model", "created": 0, "owned_by": ""}
+        body = model if model_id else {"object": "list", "data": [model]}
+        response = connection.respond(HTTPStatus.OK, json.dumps(body))
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = "application/json"
+        response.headers["Connection"] = "close"  # websockets serves one request a connection
+        return response
 
     async def _handle(self, ws: ServerConnection) -> None:
         assert ws.request is not None  # set once the handshake completed
