@@ -176,34 +176,45 @@ def _token_revoke(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     """Add `staff` and `token` to the CLI's subcommands."""
     roles = [r.value for r in Role]
-    p = sub.add_parser("staff", help="console staff accounts")
+    role_help = (
+        "viewer (reads calls, numbers masked), operator (also acts on operations) or admin "
+        "(also manages staff and tokens) (default: %(default)s)"
+    )
+
+    def parser(parent: Any, name: str, help_text: str) -> Any:
+        # The one-line help doubles as the subcommand's description (`--help`).
+        return parent.add_parser(
+            name, help=help_text, description=help_text[:1].upper() + help_text[1:] + "."
+        )
+
+    p = parser(sub, "staff", "console staff accounts")
     ssub = p.add_subparsers(dest="staff_command", required=True)
-    add = ssub.add_parser("add", help="add an account")
-    add.add_argument("name")
-    add.add_argument("--role", choices=roles, default=Role.VIEWER.value)
+    add = parser(ssub, "add", "add an account")
+    add.add_argument("name", help="the account's login name")
+    add.add_argument("--role", choices=roles, default=Role.VIEWER.value, help=role_help)
     add.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     add.set_defaults(func=_staff_add)
-    ssub.add_parser("list", help="list accounts").set_defaults(func=_staff_list)
+    parser(ssub, "list", "list accounts").set_defaults(func=_staff_list)
     for name, func, help_text in (
         ("disable", _staff_disable, "disable an account (ends its sessions)"),
         ("enable", _staff_enable, "enable a disabled account"),
         ("unlock", _staff_unlock, "clear an account's failed logins from every source"),
     ):
-        cmd = ssub.add_parser(name, help=help_text)
-        cmd.add_argument("name")
+        cmd = parser(ssub, name, help_text)
+        cmd.add_argument("name", help="the account's login name")
         cmd.set_defaults(func=func)
-    pw = ssub.add_parser("password", help="set an account's password")
-    pw.add_argument("name")
+    pw = parser(ssub, "password", "set an account's password")
+    pw.add_argument("name", help="the account's login name")
     pw.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     pw.set_defaults(func=_staff_password)
 
-    p = sub.add_parser("token", help="API tokens for integrations")
+    p = parser(sub, "token", "API tokens for integrations")
     tsub = p.add_subparsers(dest="token_command", required=True)
-    tadd = tsub.add_parser("add", help="make a token (its secret is shown once)")
-    tadd.add_argument("name")
-    tadd.add_argument("--role", choices=roles, default=Role.VIEWER.value)
+    tadd = parser(tsub, "add", "make a token (its secret is shown once)")
+    tadd.add_argument("name", help="a name that says who uses the token")
+    tadd.add_argument("--role", choices=roles, default=Role.VIEWER.value, help=role_help)
     tadd.set_defaults(func=_token_add)
-    tsub.add_parser("list", help="list tokens").set_defaults(func=_token_list)
-    rev = tsub.add_parser("revoke", help="revoke a token")
-    rev.add_argument("id", type=int)
+    parser(tsub, "list", "list tokens").set_defaults(func=_token_list)
+    rev = parser(tsub, "revoke", "revoke a token")
+    rev.add_argument("id", type=int, help="the token's id (voice-agent token list)")
     rev.set_defaults(func=_token_revoke)

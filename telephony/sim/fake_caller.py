@@ -920,7 +920,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     says = parser.add_mutually_exclusive_group()
     says.add_argument("--wav", default=None, help="what the caller says (default: built in)")
     says.add_argument(
-        "--say", default=None, metavar="TEXT", help="the caller says TEXT (needs espeak-ng)"
+        "--say",
+        default=None,
+        metavar="TEXT",
+        help="the caller says TEXT (needs espeak-ng; default: --wav or the built-in lines)",
     )
     parser.add_argument("--out", default="heard.wav", help="where to write what was heard")
     parser.add_argument(
