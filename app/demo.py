@@ -49,6 +49,8 @@ SOR_LATENCY_S = 1.0
 SOR_SEATS_PER_SLOT = 100_000
 WAIT_S = 20.0
 FRAME_MS = 20
+# How long the agent must send nothing before the caller takes its turn.
+QUIET_S = 0.5
 
 Say = Callable[[str], None]
 
@@ -63,10 +65,20 @@ def _transcript(step: Step) -> str:
 
 
 async def _heard(caller: FakeTwilioCaller, at_least_ms: float, timeout: float = WAIT_S) -> None:  # noqa: ASYNC109
-    """Until the caller has heard `at_least_ms` of agent audio and nothing more is queued."""
-    await caller.wait_for(
-        lambda c: c.heard_ms >= at_least_ms - 2 * FRAME_MS and c.buffered_ms == 0, timeout
-    )
+    """Until the caller has heard `at_least_ms` of agent audio and the agent has gone quiet.
+
+    A spoken line is often longer than the script's `audio_ms` (a minimum), and the playout
+    buffer runs dry between two deltas of one line, so "nothing queued" alone can come in the
+    middle of the readback; the caller's yes must come after the readback was heard to its end,
+    or it is not the caller's answer to it (and the confirmation is refused)."""
+    async with asyncio.timeout(timeout):
+        await caller.wait_for(lambda c: c.heard_ms >= at_least_ms - 2 * FRAME_MS, timeout)
+        while True:
+            await caller.wait_for(lambda c: c.buffered_ms == 0, timeout)
+            received = caller.media_received_bytes
+            await asyncio.sleep(QUIET_S)
+            if caller.media_received_bytes == received and caller.buffered_ms == 0:
+                return
 
 
 async def _script(caller: FakeTwilioCaller, scenario: Scenario, say: Say) -> None:

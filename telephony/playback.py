@@ -67,12 +67,18 @@ class PlaybackTracker:
             return False
         now = self._clock()
         if upto_ms > item.played_ms:
+            if item.started_at is None:
+                # Its first confirmation came before the one that ended the item ahead of it
+                # (marks of two items echoed in one read): it began this much before now.
+                item.started_at = now - min(upto_ms, item.queued_ms) / 1000.0
             item.played_ms = min(upto_ms, item.queued_ms)
             item.confirmed_at = now
         # Earlier items are finished once a later item plays.
         for position in range(self._head, item.index):
             other = self._items[self._order[position]]
             if other.played_ms < other.queued_ms:
+                if other.started_at is None:
+                    other.started_at = now - other.queued_ms / 1000.0
                 other.played_ms = other.queued_ms
                 other.confirmed_at = now  # its end was heard by now
         if item.played_ms >= item.queued_ms:

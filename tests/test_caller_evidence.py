@@ -96,3 +96,23 @@ def test_the_tracker_knows_when_an_item_was_heard_to_its_end_not_when_it_was_sen
     clock.now += 1.0
     tracker.played(epoch, "item_b", 600)
     assert tracker.ended_at("item_a") == clock.now
+
+
+def test_an_item_confirmed_before_the_item_ahead_of_it_ended_still_has_a_start() -> None:
+    """The second item's first mark can be read before the first item's last one: it was heard
+    from about (now - its confirmed audio) on, never "not started" (which made the caller's
+    yes to a heard readback count as spoken before it)."""
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    epoch, _ = tracker.queued("item_a", 1000)
+    tracker.queued("item_rb", 2000)
+    clock.now += 1.0
+    tracker.played(epoch, "item_a", 900)
+    clock.now += 0.3
+    tracker.played(epoch, "item_rb", 200)  # item_a's last mark never came first
+    started = tracker.started_at("item_rb")
+    assert started is not None and abs(started - (clock.now - 0.2)) < 1e-9
+    clock.now += 1.8
+    tracker.played(epoch, "item_rb", 2000)
+    assert tracker.ended_at("item_rb") == clock.now
+    assert tracker.started_at("item_a") == 100.0

@@ -127,7 +127,14 @@ async def test_64_mib_unauthenticated_posts_are_refused_413_after_about_the_limi
 ) -> None:
     """The attack as reported, against `voice-agent serve`: 64 MiB posts, streamed without a
     length, to the OpenAI webhook and to POST /api/tokens (no credentials)."""
-    server = ServerProcess({"DATABASE_URL": clean_db, "OPENAI_WEBHOOK_SECRET": "whsec_" + "A" * 32})
+    server = ServerProcess(
+        {
+            "DATABASE_URL": clean_db,
+            "OPENAI_WEBHOOK_SECRET": "whsec_" + "A" * 32,
+            # No key with a webhook secret looks like production: the simulator on purpose.
+            "REALTIME_SIMULATOR": "true",
+        }
+    )
     await server.start()
     try:
         assert server.proc is not None
