@@ -574,7 +574,7 @@ async def record_tool_call(
     conn: AsyncConnection,
     *,
     call_id: str,
-    provider_call_id: str,
+    function_call_id: str,
     tenant_id: str,
     tool: str,
     raw_arguments: str,
@@ -582,13 +582,14 @@ async def record_tool_call(
     response_id: str | None = None,
     item_id: str | None = None,
 ) -> tuple[ToolCallRecord, bool]:
-    """Record a provider function call; returns (row, created). A duplicate delivery of the
-    same provider `call_id` in the same call returns the first row and False."""
+    """Record the model's function call `function_call_id` in our call `call_id` (the
+    column `provider_call_id`); returns (row, created). A duplicate delivery of the same
+    function call in the same call returns the first row and False."""
     stmt = (
         pg_insert(calls_t)
         .values(
             call_id=call_id,
-            provider_call_id=provider_call_id,
+            provider_call_id=function_call_id,
             tenant_id=tenant_id,
             turn_id=turn_id,
             response_id=response_id,
@@ -602,7 +603,7 @@ async def record_tool_call(
     row = (await conn.execute(stmt)).first()
     if row is not None:
         return ToolCallRecord.from_row(row), True
-    existing = await get_tool_call(conn, call_id, provider_call_id)
+    existing = await get_tool_call(conn, call_id, function_call_id)
     assert existing is not None
     return existing, False
 
@@ -633,12 +634,13 @@ async def complete_tool_call(
 
 
 async def get_tool_call(
-    conn: AsyncConnection, call_id: str, provider_call_id: str
+    conn: AsyncConnection, call_id: str, function_call_id: str
 ) -> ToolCallRecord | None:
+    """The `tool_calls` row of the model's function call `function_call_id` in our call."""
     row = (
         await conn.execute(
             sa.select(calls_t).where(
-                calls_t.c.call_id == call_id, calls_t.c.provider_call_id == provider_call_id
+                calls_t.c.call_id == call_id, calls_t.c.provider_call_id == function_call_id
             )
         )
     ).first()

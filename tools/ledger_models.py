@@ -36,7 +36,8 @@ def _ts(nullable: bool = True, default_now: bool = False) -> Any:
 
 
 class ToolCallRow(SQLModel, table=True):
-    """Every provider function call (`call_id`) the model made, and what became of it."""
+    """Every function call the model made (its `function_call_id`, the column
+    `provider_call_id`) in our call `call_id`, and what became of it."""
 
     __tablename__ = "tool_calls"
     __table_args__ = (
@@ -46,7 +47,7 @@ class ToolCallRow(SQLModel, table=True):
 
     id: int | None = Field(default=None, sa_column=Column(BigInteger, primary_key=True))
     call_id: str = Field(max_length=128)  # our call (CallContext.call_id)
-    provider_call_id: str = Field(max_length=128)  # the Realtime function call's call_id
+    provider_call_id: str = Field(max_length=128)  # the model's function_call_id
     tenant_id: str = Field(max_length=64)
     turn_id: int | None = None
     response_id: str | None = Field(default=None, max_length=128)
