@@ -135,7 +135,7 @@ async def evaluate(
             if other_spec is not None
             else other.tool.replace("_", " ")
         )
-        newer.append(Newer(str(other.operation_id), other.status, what, other.held_by_this))
+        newer.append(Newer(other.operation_id, other.status, what, other.held_by_this))
         texts.append(what)
     facts = GateFacts(
         outcome=op.status,

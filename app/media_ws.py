@@ -32,6 +32,7 @@ settings) is uvicorn's.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,11 +40,13 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
+from telephony.fast_paths import FastPath
 from telephony.ws_frames import (
     NO_LIMIT,
     PONG,
     TEXT,
     OwnFrameReader,
+    message_limit,
     offer_to_lane,
     server_text_frame,
     state_reader,
@@ -89,7 +92,7 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
                 and not conn.reader.buffer
                 and conn.state is State.OPEN
             )
-            self._max_size = conn.max_size
+            self._max_size = message_limit(conn)
             self._fast_limits()
 
     def handle_connect(self, event: Any) -> None:
@@ -254,3 +257,85 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
             self._linger.cancel()
             self._linger = None
         super().connection_lost(exc)
+
+
+# What MediaWebSocketProtocol overrides or calls on uvicorn's protocol, and the state it reads
+# there (and on websockets' ServerProtocol, `conn`): all of it private to uvicorn.
+_UVICORN_HOOKS = (
+    "send",
+    "handle_connect",
+    "send_receive_event_to_app",
+    "pause_writing",
+    "resume_writing",
+    "handle_pong",
+    "data_received",
+    "handle_parser_exception",
+    "connection_lost",
+)
+_UVICORN_STATE = (
+    "conn",
+    "queue",
+    "frames",
+    "curr_msg_data_type",
+    "handshake_initiated",
+    "handshake_complete",
+    "close_sent",
+    "disconnected",
+    "initial_response",
+    "read_paused",
+    "transport",
+)
+
+
+def missing_hooks() -> list[str]:
+    """The methods of uvicorn's sans-I/O protocol the media lane overrides or calls that this
+    uvicorn lacks (empty: it fits). Without them the service uses uvicorn's protocol as is."""
+    return [
+        name
+        for name in _UVICORN_HOOKS
+        if not callable(getattr(WebSocketsSansIOProtocol, name, None))
+    ]
+
+
+def media_fast_paths(*, deflate: bool) -> list[FastPath]:
+    """The media socket's fast paths, probed on a protocol built as uvicorn builds one per
+    connection (no socket); call in the event loop (uvicorn's protocol binds to it)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    missing = missing_hooks()
+    waiting = False
+    if not missing:
+        try:
+            config = uvicorn.Config(_no_app, ws=MediaWebSocketProtocol, log_config=None)
+            probe = MediaWebSocketProtocol(config, ServerState(), {})
+            missing = [name for name in _UVICORN_STATE if not hasattr(probe, name)]
+            conn = probe.conn
+            missing += [
+                f"conn.{name}"
+                for name in ("reader", "extensions", "state", "data_to_send")
+                if not hasattr(conn, name)
+            ]
+            waiting = isinstance(waiting_items(probe.queue, "_queue"), collections.deque)
+        except Exception as exc:
+            missing = [f"probe failed: {type(exc).__name__}"]
+    if missing:
+        why = f"uvicorn lacks {', '.join(missing)}"
+        return [
+            FastPath("media socket lane", False, why),
+            FastPath("media socket own-frame reader", False, why),
+            FastPath("uvicorn nowait sender", False, why),
+        ]
+    return [
+        FastPath("media socket lane", True, "" if waiting else "its ASGI queue asked per frame"),
+        FastPath(
+            "media socket own-frame reader",
+            True,
+            "not where WS_DEFLATE negotiates compression" if deflate else "",
+        ),
+        FastPath("uvicorn nowait sender", True),
+    ]
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover - never run
+    """The probe's ASGI app (uvicorn's config wants one)."""

@@ -28,10 +28,11 @@ from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
 from app.http_guard import HttpLimits, base_protocol, guarded_protocol
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
-from app.media_ws import MediaWebSocketProtocol
+from app.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
 from app.tool_wiring import load_configured_catalog, read_accounts, runs_demo_sor
+from telephony.fast_paths import FastPath, realtime_fast_paths, summary
 from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class ServiceServer(uvicorn.Server):
             )
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info("%s", summary(fast_paths(self.config)))
         await super().startup(sockets)
         if self._freeze_heap:
             # What is loaded by now (modules, models, the app) lives as long as the process. A
@@ -168,6 +170,18 @@ class ServiceServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def fast_paths(config: uvicorn.Config) -> list[FastPath]:
+    """The media path's shortcuts into uvicorn, websockets and the OpenAI SDK, and whether
+    each is on in this process (said at start-up: a library release can turn one off)."""
+    if config.ws is MediaWebSocketProtocol:
+        media = media_fast_paths(deflate=bool(config.ws_per_message_deflate))
+    else:
+        media = [
+            FastPath("media socket lane", False, f"uvicorn lacks {', '.join(missing_hooks())}")
+        ]
+    return media + realtime_fast_paths()
+
+
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn settings for the service (also used by the demo and the tests)."""
     limits = HttpLimits(
@@ -184,7 +198,8 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "host": settings.host,
         "port": settings.port,
         # uvicorn's sans-I/O WebSocket protocol plus the media lane (app/media_ws.py).
-        "ws": MediaWebSocketProtocol,
+        # (uvicorn's own where this uvicorn lacks what the lane overrides: no lane, no crash)
+        "ws": MediaWebSocketProtocol if not missing_hooks() else "websockets-sansio",
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
         "ws_per_message_deflate": settings.ws_deflate,
         "log_config": None,  # keep our redacting handlers

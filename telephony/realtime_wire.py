@@ -19,6 +19,7 @@ same step). Each falls back to the SDK's awaited path whenever it cannot act at 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from telephony.ws_frames import (
     OwnFrameReader,
     apply_mask,
     client_pong_frame,
+    message_limit,
     offer_to_lane,
     state_reader,
     text_frame_header,
@@ -144,7 +146,7 @@ class LaneConnection(OwnFrameReader, ClientConnection):
         super().data_received(data)
         if self.lane is not None and between_frames(self.protocol):
             self._own = True
-            self._max_size = self.protocol.max_size
+            self._max_size = message_limit(self.protocol)
             self._fast_max = self._max_size if self._max_size is not None else NO_LIMIT
             self._waiting = waiting_items(self.recv_messages.frames, "queue")
 
@@ -201,6 +203,9 @@ class LaneConnection(OwnFrameReader, ClientConnection):
         super().process_event(event)
 
 
+_UNKNOWN = object()
+
+
 def between_frames(protocol: Any) -> bool:
     """websockets' parser waits for the first byte of a frame, with nothing buffered, no
     fragmented message open and no extension: frames can be read elsewhere from here on.
@@ -208,9 +213,14 @@ def between_frames(protocol: Any) -> bool:
     Told from its parser's innermost generator being `StreamReader.at_eof`, where
     `Protocol.parse` waits between frames; any other shape (another websockets version) is
     simply "no", and websockets keeps reading."""
+    # The size of the message being assembled: `cur_size` in websockets 15, `current_size`
+    # later (None: no fragmented message open; missing: a shape we do not know, so "no").
+    size = getattr(protocol, "current_size", getattr(protocol, "cur_size", _UNKNOWN))
+    reader = getattr(protocol, "reader", None)
     if (
-        protocol.reader.buffer
-        or protocol.cur_size is not None
+        size is not None
+        or reader is None
+        or getattr(reader, "buffer", True)
         or protocol.extensions
         or protocol.state is not State.OPEN
     ):
@@ -239,9 +249,12 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
     inner = lane_of(conn)
     if inner is None or raw_sender(conn) != inner.send:
         return None
+    sending = send_in_progress(inner)
+    if sending is None:
+        return None  # a websockets we do not know: the awaited send
     protocol = inner.protocol
     if protocol.extensions:  # compression negotiated: websockets builds the frames
-        return _framed_sender(inner)
+        return _framed_sender(inner, sending)
     state_of = state_reader(protocol)
     # Masks as MaskSource draws them (os.urandom, 1,024 at a time), kept here per frame.
     pool = b""
@@ -252,7 +265,7 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
         transport = inner.transport
         if (
             state_of(protocol) is not State.OPEN
-            or inner.fragmented_send_waiter is not None
+            or sending(inner) is not None
             or transport.is_closing()
             or transport.get_write_buffer_size()
         ):
@@ -282,7 +295,17 @@ def nowait_sender(conn: Any) -> Callable[[str], bool] | None:
 _MASKED_TEXT_126 = bytes((TEXT, 0x80 | 126))
 
 
-def _framed_sender(inner: ClientConnection) -> Callable[[str], bool]:
+def send_in_progress(inner: Any) -> Callable[[Any], Any] | None:
+    """How to read whether websockets' connection is sending a fragmented message (a frame
+    written now would land inside it): `fragmented_send_waiter` in websockets 15,
+    `send_in_progress` later; None where neither is there."""
+    for name in ("send_in_progress", "fragmented_send_waiter"):
+        if hasattr(inner, name):
+            return operator.attrgetter(name)
+    return None
+
+
+def _framed_sender(inner: ClientConnection, sending: Callable[[Any], Any]) -> Callable[[str], bool]:
     """`nowait_sender` where websockets must build the frame (an extension negotiated)."""
     protocol = inner.protocol
 
@@ -290,7 +313,7 @@ def _framed_sender(inner: ClientConnection) -> Callable[[str], bool]:
         transport = inner.transport
         if (
             protocol.state is not State.OPEN
-            or inner.fragmented_send_waiter is not None
+            or sending(inner) is not None
             or transport.is_closing()
             or transport.get_write_buffer_size()
         ):

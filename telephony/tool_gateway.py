@@ -74,6 +74,12 @@ class FunctionCallRequest:
     # What the call can attest of the caller (None: nothing, so no confirmation counts).
     evidence: CallerEvidence | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def function_call_id(self) -> str:
+        """The model's id of this function call (`call_id` on the wire), by the name the
+        tool layer uses: there `call_id` is always our call row's id."""
+        return self.call_id
+
 
 @dataclass(frozen=True, slots=True)
 class ToolReply:

@@ -301,6 +301,16 @@ def waiting_items(queue: Any, attribute: str) -> Any:
     return items if isinstance(items, collections.deque) else _Sized(queue)
 
 
+def message_limit(protocol: Any) -> int | None:
+    """The largest message websockets' `protocol` takes (None: no limit). websockets 15 keeps
+    it as `max_size`, later releases as `max_message_size` (beside a fragment limit)."""
+    if hasattr(protocol, "max_message_size"):
+        limit: int | None = protocol.max_message_size
+        return limit
+    limit = protocol.max_size
+    return limit
+
+
 def state_reader(protocol: Any) -> Callable[[Any], Any]:
     """How to read `protocol.state` per frame: websockets' `state` is a property over
     `_state`; where that holds, `_state` is read without the property's call."""

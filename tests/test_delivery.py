@@ -277,7 +277,7 @@ async def test_an_outcome_the_tool_reply_already_carried_is_not_told_again(
         tc, _ = await ledger.record_tool_call(
             conn,
             call_id=call_id,
-            provider_call_id="call_dup",
+            function_call_id="call_dup",
             tenant_id="default",
             tool="confirm_operation",
             raw_arguments="{}",

@@ -179,3 +179,68 @@ def test_the_check_catches_a_planted_import(
     found = violations(tmp_path)
     assert found and all(expected in v or "engine" in v for v in found), found
     assert any(expected in v for v in found), found
+
+
+def circles(root: Path, package: str) -> list[list[str]]:
+    """The import circles among `package`'s modules (strongly connected parts of more than
+    one module), counting imports inside functions and under TYPE_CHECKING: such an import
+    holds a circle apart at run time, it does not open it."""
+    adjacent: dict[str, set[str]] = {}
+    for e in graph(root):
+        if within(e.importer, package) and within(e.imported, package):
+            if e.importer != e.imported:
+                adjacent.setdefault(e.importer, set()).add(e.imported)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(adjacent.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part: list[str] = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(adjacent):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_among_the_tools_modules() -> None:
+    # tools.ledger imports tools.deliveries and tools.webhooks; the records they pass live in
+    # tools.ledger_models, so nothing imports back, not even under TYPE_CHECKING.
+    assert circles(ROOT, "tools") == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tools.ledger import OperationRecord\n",
+        "def f():\n    from tools import ledger\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tools.ledger import X\n",
+    ],
+)
+def test_the_circle_check_catches_a_planted_circle(tmp_path: Path, source: str) -> None:
+    for path in (ROOT / "tools").rglob("*.py"):
+        target = tmp_path / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text("utf-8"))
+    for package in ("app", "telephony"):
+        (tmp_path / package).mkdir()
+    planted = tmp_path / "tools" / "deliveries.py"
+    planted.write_text(planted.read_text("utf-8") + "\n" + source)
+    assert any({"tools.ledger", "tools.deliveries"} <= set(c) for c in circles(tmp_path, "tools"))

@@ -334,7 +334,7 @@ async def test_tool_call_duplicate_delivery_returns_the_first_row(engine: AsyncE
         row, created = await ledger.record_tool_call(
             conn,
             call_id="c",
-            provider_call_id="fc_1",
+            function_call_id="fc_1",
             tenant_id="t1",
             tool="x",
             raw_arguments="{}",
@@ -345,7 +345,7 @@ async def test_tool_call_duplicate_delivery_returns_the_first_row(engine: AsyncE
         again, created2 = await ledger.record_tool_call(
             conn,
             call_id="c",
-            provider_call_id="fc_1",
+            function_call_id="fc_1",
             tenant_id="t1",
             tool="x",
             raw_arguments="{}",

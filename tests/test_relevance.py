@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from tools.relevance import Action, CallState, GateFacts, Newer, decide, sms_capable
@@ -60,10 +62,11 @@ def test_a_compensation_in_flight_holds_the_outcome_until_it_settles() -> None:
 
 
 def test_a_newer_request_on_the_same_key_makes_it_told_with_the_conflict() -> None:
-    newer = Newer("op-2", S.AWAITING_CONFIRMATION, "a table at 21:30", held=True)
+    other = uuid.UUID("00000000-0000-4000-8000-000000000002")
+    newer = Newer(other, S.AWAITING_CONFIRMATION, "a table at 21:30", held=True)
     d = decide(facts(newer=(newer,)))
     assert d.action is Action.ANNOUNCE and d.contradicted
-    assert d.checks["current"] == "contradicted by op-2 (awaiting_confirmation, held)"
+    assert d.checks["current"] == f"contradicted by {other} (awaiting_confirmation, held)"
     assert d.reason == "announce in the call with the conflict"
     by_sms = decide(facts(newer=(newer,), call=CallState.ENDED))
     assert by_sms.action is Action.TEXT and by_sms.contradicted

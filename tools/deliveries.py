@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -35,12 +35,10 @@ from tools.delivery_states import (
     check_delivery_move,
     sms_advances,
 )
+from tools.ledger_models import OperationRecord
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as calls_t
 from tools.states import IN_FLIGHT, OperationStatus
-
-if TYPE_CHECKING:
-    from tools.ledger import OperationRecord
 
 D = DeliveryState
 M = SmsStatus

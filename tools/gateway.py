@@ -145,7 +145,7 @@ class ToolPipeline:
                 return await self._handle(ctx, request)
         except Exception:
             # The call must survive any bug here; the model hears an honest non-answer.
-            log.exception("tool call %s (%s) failed", request.call_id, request.name)
+            log.exception("tool call %s (%s) failed", request.function_call_id, request.name)
             out = error_output(
                 "Something went wrong on our side with that request, so don't tell the "
                 "caller it was done. Offer to try again.",
@@ -166,7 +166,7 @@ class ToolPipeline:
                         conn, tc.id, decision="error", reason="internal error", output=out
                     )
         except Exception:
-            log.exception("could not record failed tool call %s", request.call_id)
+            log.exception("could not record failed tool call %s", request.function_call_id)
 
     def _spec(self, name: str) -> ToolSpec | None:
         return self._registry.get(name) if name in self._registry else None
@@ -183,7 +183,7 @@ class ToolPipeline:
         return await ledger.record_tool_call(
             conn,
             call_id=ctx.call_id,
-            provider_call_id=_storable(request.call_id, 128),
+            function_call_id=_storable(request.function_call_id, 128),
             tenant_id=ctx.tenant_id,
             tool=_storable(request.name, 64),
             raw_arguments=_storable(raw),
@@ -456,7 +456,7 @@ class ToolPipeline:
                 held_by_operation_id=held_by.operation_id if held_by else None,
                 actor="policy",
                 reason=reason,
-                data={"rule": decision.rule, "provider_call_id": request.call_id},
+                data={"rule": decision.rule, "provider_call_id": request.function_call_id},
                 enqueue=None if awaiting else self._enqueue,
             )
         except IdempotencyConflict as exc:

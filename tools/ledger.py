@@ -3,7 +3,9 @@
 Every function runs inside a transaction the caller owns (`async with engine.begin() as
 conn`), so admission + enqueue, or a transition + its event + its notification + its
 webhook outbox rows + (when terminal) its delivery, commit or roll back together.
-`transition` is the only code that changes an operation's status.
+`transition` is the only code that changes an operation's status. The records of a row
+(`OperationRecord`, ...) live in `tools.ledger_models`, where deliveries and webhooks take them
+from without importing this module; they are named here too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,6 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tools import deliveries, webhooks
 from tools.errors import IdempotencyConflict, OperationNotFound
+from tools.ledger_models import EventRecord as EventRecord
+from tools.ledger_models import OperationRecord as OperationRecord
+from tools.ledger_models import ToolCallRecord as ToolCallRecord  # (as callers know them)
 from tools.ledger_models import operation_events_table as events_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as calls_t
@@ -55,103 +60,6 @@ SETTABLE_FIELDS = frozenset(
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-@dataclass(frozen=True, slots=True)
-class OperationRecord:
-    """One row of `operations`."""
-
-    operation_id: uuid.UUID
-    tenant_id: str
-    idempotency_key: str
-    key_source: str
-    call_id: str | None
-    caller: str | None
-    turn_id: int | None
-    tool: str
-    args: dict[str, Any]
-    args_hash: str
-    resource: str | None
-    status: OperationStatus
-    cancel_requested: bool
-    attempts: int
-    deadline: datetime | None
-    expires_at: datetime | None
-    next_attempt_at: datetime | None
-    result: dict[str, Any] | None
-    error: str | None
-    provider_ref: str | None
-    compensates_operation_id: uuid.UUID | None
-    readback: str | None
-    confirm_by: datetime | None
-    overflow: str | None
-    created_at: datetime
-    updated_at: datetime
-    committed_at: datetime | None
-    finished_at: datetime | None
-    conflict_key: str | None = None
-    held_by_operation_id: uuid.UUID | None = None
-    # Who confirmed it ("caller": the call observed their answer) and that evidence.
-    confirmed_by: str | None = None
-    confirmation: dict[str, Any] | None = None
-
-    @classmethod
-    def from_row(cls, row: Any) -> OperationRecord:
-        m = row._mapping
-        values = {f.name: m[f.name] for f in fields(cls)}
-        values["status"] = OperationStatus(values["status"])
-        return cls(**values)
-
-
-@dataclass(frozen=True, slots=True)
-class EventRecord:
-    """One row of `operation_events`."""
-
-    id: int
-    operation_id: uuid.UUID
-    at: datetime
-    from_status: OperationStatus | None
-    to_status: OperationStatus | None
-    kind: str
-    actor: str
-    reason: str | None
-    data: dict[str, Any]
-
-    @classmethod
-    def from_row(cls, row: Any) -> EventRecord:
-        m = row._mapping
-        values = {f.name: m[f.name] for f in fields(cls)}
-        for k in ("from_status", "to_status"):
-            if values[k] is not None:
-                values[k] = OperationStatus(values[k])
-        return cls(**values)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallRecord:
-    """One row of `tool_calls`."""
-
-    id: int
-    call_id: str
-    provider_call_id: str
-    tenant_id: str
-    turn_id: int | None
-    response_id: str | None
-    item_id: str | None
-    tool: str
-    raw_arguments: str
-    arguments: dict[str, Any] | None
-    decision: str
-    decision_reason: str | None
-    operation_id: uuid.UUID | None
-    output: dict[str, Any] | None
-    created_at: datetime
-    completed_at: datetime | None
-
-    @classmethod
-    def from_row(cls, row: Any) -> ToolCallRecord:
-        m = row._mapping
-        return cls(**{f.name: m[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -666,7 +574,7 @@ async def record_tool_call(
     conn: AsyncConnection,
     *,
     call_id: str,
-    provider_call_id: str,
+    function_call_id: str,
     tenant_id: str,
     tool: str,
     raw_arguments: str,
@@ -674,13 +582,14 @@ async def record_tool_call(
     response_id: str | None = None,
     item_id: str | None = None,
 ) -> tuple[ToolCallRecord, bool]:
-    """Record a provider function call; returns (row, created). A duplicate delivery of the
-    same provider `call_id` in the same call returns the first row and False."""
+    """Record the model's function call `function_call_id` in our call `call_id` (the
+    column `provider_call_id`); returns (row, created). A duplicate delivery of the same
+    function call in the same call returns the first row and False."""
     stmt = (
         pg_insert(calls_t)
         .values(
             call_id=call_id,
-            provider_call_id=provider_call_id,
+            provider_call_id=function_call_id,
             tenant_id=tenant_id,
             turn_id=turn_id,
             response_id=response_id,
@@ -694,7 +603,7 @@ async def record_tool_call(
     row = (await conn.execute(stmt)).first()
     if row is not None:
         return ToolCallRecord.from_row(row), True
-    existing = await get_tool_call(conn, call_id, provider_call_id)
+    existing = await get_tool_call(conn, call_id, function_call_id)
     assert existing is not None
     return existing, False
 
@@ -725,12 +634,13 @@ async def complete_tool_call(
 
 
 async def get_tool_call(
-    conn: AsyncConnection, call_id: str, provider_call_id: str
+    conn: AsyncConnection, call_id: str, function_call_id: str
 ) -> ToolCallRecord | None:
+    """The `tool_calls` row of the model's function call `function_call_id` in our call."""
     row = (
         await conn.execute(
             sa.select(calls_t).where(
-                calls_t.c.call_id == call_id, calls_t.c.provider_call_id == provider_call_id
+                calls_t.c.call_id == call_id, calls_t.c.provider_call_id == function_call_id
             )
         )
     ).first()

@@ -1,4 +1,9 @@
-"""Tables of the operations ledger: tool_calls, operations, operation_events.
+"""Tables of the operations ledger (tool_calls, operations, operation_events) and the
+records one row of each reads as (`OperationRecord`, `ToolCallRecord`, `EventRecord`).
+
+The records live here, beside their tables, because the ledger, deliveries and webhooks all
+pass them: the ledger imports deliveries and webhooks (a terminal transition writes their
+rows), so they take the records from here and no import runs back to the ledger.
 
 The migration (app/migrations/versions/0002_operations.py) is the source of truth for the
 schema; these models mirror it for typed access and for Alembic's metadata.
@@ -7,6 +12,7 @@ schema; these models mirror it for typed access and for Alembic's metadata.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -14,6 +20,8 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Column, DateTime, ForeignKey, Index, Text, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
+
+from tools.states import OperationStatus
 
 
 def _ts(nullable: bool = True, default_now: bool = False) -> Any:
@@ -28,7 +36,8 @@ def _ts(nullable: bool = True, default_now: bool = False) -> Any:
 
 
 class ToolCallRow(SQLModel, table=True):
-    """Every provider function call (`call_id`) the model made, and what became of it."""
+    """Every function call the model made (its `function_call_id`, the column
+    `provider_call_id`) in our call `call_id`, and what became of it."""
 
     __tablename__ = "tool_calls"
     __table_args__ = (
@@ -38,7 +47,7 @@ class ToolCallRow(SQLModel, table=True):
 
     id: int | None = Field(default=None, sa_column=Column(BigInteger, primary_key=True))
     call_id: str = Field(max_length=128)  # our call (CallContext.call_id)
-    provider_call_id: str = Field(max_length=128)  # the Realtime function call's call_id
+    provider_call_id: str = Field(max_length=128)  # the model's function_call_id
     tenant_id: str = Field(max_length=64)
     turn_id: int | None = None
     response_id: str | None = Field(default=None, max_length=128)
@@ -136,3 +145,103 @@ class OperationEventRow(SQLModel, table=True):
 tool_calls_table: sa.Table = SQLModel.metadata.tables["tool_calls"]
 operations_table: sa.Table = SQLModel.metadata.tables["operations"]
 operation_events_table: sa.Table = SQLModel.metadata.tables["operation_events"]
+
+
+# --- the records a row reads as ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OperationRecord:
+    """One row of `operations`."""
+
+    operation_id: uuid.UUID
+    tenant_id: str
+    idempotency_key: str
+    key_source: str
+    call_id: str | None
+    caller: str | None
+    turn_id: int | None
+    tool: str
+    args: dict[str, Any]
+    args_hash: str
+    resource: str | None
+    status: OperationStatus
+    cancel_requested: bool
+    attempts: int
+    deadline: datetime | None
+    expires_at: datetime | None
+    next_attempt_at: datetime | None
+    result: dict[str, Any] | None
+    error: str | None
+    provider_ref: str | None
+    compensates_operation_id: uuid.UUID | None
+    readback: str | None
+    confirm_by: datetime | None
+    overflow: str | None
+    created_at: datetime
+    updated_at: datetime
+    committed_at: datetime | None
+    finished_at: datetime | None
+    conflict_key: str | None = None
+    held_by_operation_id: uuid.UUID | None = None
+    # Who confirmed it ("caller": the call observed their answer) and that evidence.
+    confirmed_by: str | None = None
+    confirmation: dict[str, Any] | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> OperationRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        values["status"] = OperationStatus(values["status"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """One row of `operation_events`."""
+
+    id: int
+    operation_id: uuid.UUID
+    at: datetime
+    from_status: OperationStatus | None
+    to_status: OperationStatus | None
+    kind: str
+    actor: str
+    reason: str | None
+    data: dict[str, Any]
+
+    @classmethod
+    def from_row(cls, row: Any) -> EventRecord:
+        m = row._mapping
+        values = {f.name: m[f.name] for f in fields(cls)}
+        for k in ("from_status", "to_status"):
+            if values[k] is not None:
+                values[k] = OperationStatus(values[k])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    """One row of `tool_calls`."""
+
+    id: int
+    call_id: str
+    provider_call_id: str
+    tenant_id: str
+    turn_id: int | None
+    response_id: str | None
+    item_id: str | None
+    tool: str
+    raw_arguments: str
+    arguments: dict[str, Any] | None
+    decision: str
+    decision_reason: str | None
+    operation_id: uuid.UUID | None
+    output: dict[str, Any] | None
+    created_at: datetime
+    completed_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> ToolCallRecord:
+        m = row._mapping
+        return cls(**{f.name: m[f.name] for f in fields(cls)})

@@ -11,6 +11,7 @@ newer request.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -45,7 +46,7 @@ class CallState(StrEnum):
 class Newer:
     """A newer operation of the same caller on the same conflict key."""
 
-    operation_id: str
+    operation_id: uuid.UUID
     status: OperationStatus
     description: str
     held: bool  # waiting for this outcome to settle before it may run

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,13 +36,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import jobs
 from tools.callback import sign_standard
+from tools.ledger_models import OperationRecord
+from tools.states import OperationStatus
 from tools.webhook_models import webhook_attempts_table as att_t
 from tools.webhook_models import webhook_deliveries_table as whd_t
 from tools.webhook_models import webhook_subscriptions_table as sub_t
-
-if TYPE_CHECKING:
-    from tools.ledger import OperationRecord
-    from tools.states import OperationStatus
 
 log = logging.getLogger(__name__)
 

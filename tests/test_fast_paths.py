@@ -1,0 +1,101 @@
+"""The media path's fast paths say at start-up whether they are on, and say the truth.
+
+They read into uvicorn, websockets and the OpenAI SDK (`telephony/fast_paths.py`). On the
+releases `pyproject.toml` admits every one is on; `.ci/run` runs this file on the newest
+releases too, where a test here failing is the early word that a bound may not be raised.
+The off cases take a library apart (never our code) and check the report and the fallback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from app.media_ws import MediaWebSocketProtocol, missing_hooks
+from app.server import fast_paths, uvicorn_config
+from app.settings import Settings
+from telephony.fast_paths import open_client_protocol, summary
+from telephony.realtime_wire import LaneConnection, between_frames, nowait_sender
+from tests.server_proc import ServerProcess
+
+NAMES = [
+    "media socket lane",
+    "media socket own-frame reader",
+    "uvicorn nowait sender",
+    "realtime socket own-frame reader",
+    "realtime direct send",
+    "realtime nowait sender",
+]
+
+
+def _config(**values: Any) -> Any:
+    return uvicorn_config(lambda *a: None, Settings(**values))
+
+
+async def test_every_fast_path_is_on_with_the_releases_we_admit() -> None:
+    paths = fast_paths(_config())
+    assert [p.name for p in paths] == NAMES
+    assert [p.name for p in paths if not p.active] == []
+    line = summary(paths)
+    assert line.startswith("fast paths (uvicorn ") and "websockets " in line
+    assert " off" not in line
+
+
+async def test_the_realtime_probe_is_the_decision_a_call_makes() -> None:
+    # The probe's protocol is as the Realtime socket's is after its handshake: between frames.
+    protocol: Any = open_client_protocol()
+    assert between_frames(protocol)
+    # Half a frame in: websockets' parser is inside it, so the connection must not read.
+    protocol.receive_data(b"\x81\x7e\x01")
+    assert not between_frames(protocol)
+
+
+async def test_an_sdk_that_reconnects_by_itself_turns_the_direct_send_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if a release gave every connection a reconnect handler: frames must then go through
+    # the SDK's queue (send_raw), and the report says the direct sends are off.
+    original = AsyncRealtimeConnection.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self._on_reconnecting = lambda event: None
+
+    monkeypatch.setattr(AsyncRealtimeConnection, "__init__", init)
+    conn = AsyncRealtimeConnection(LaneConnection(open_client_protocol()))  # type: ignore[arg-type]
+    assert nowait_sender(conn) is None
+    report = {p.name: p for p in fast_paths(_config())}
+    assert report["realtime socket own-frame reader"].active
+    assert not report["realtime direct send"].active
+    assert not report["realtime nowait sender"].active
+    assert "realtime direct send off (" in summary(report.values())
+
+
+async def test_a_uvicorn_without_a_hook_of_the_lane_gets_its_own_protocol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _config().ws is MediaWebSocketProtocol
+    monkeypatch.delattr(WebSocketsSansIOProtocol, "send_receive_event_to_app")
+    assert missing_hooks() == ["send_receive_event_to_app"]
+    config = _config()
+    # No lane and no crash: uvicorn's protocol as it is (routes_twilio finds no lane in the
+    # scope and the leg takes the ASGI path).
+    assert config.ws == "websockets-sansio"
+    media = fast_paths(config)[0]
+    assert media.name == "media socket lane" and not media.active
+    assert "send_receive_event_to_app" in media.note
+
+
+async def test_serve_says_which_fast_paths_are_on(clean_db: str, tmp_path: Path) -> None:
+    stderr = tmp_path / "serve.log"
+    server = ServerProcess({"DATABASE_URL": clean_db, "LOG_LEVEL": "INFO"}, stderr_path=stderr)
+    await server.start()
+    await server.stop()
+    lines = [x for x in stderr.read_text("utf-8", "replace").splitlines() if "fast paths (" in x]
+    assert len(lines) == 1, lines
+    for name in NAMES:
+        assert f"{name} on" in lines[0]
