@@ -785,7 +785,7 @@ async def test_reconnect_failure_plays_the_apology_then_calls_on_fatal(make_call
 async def test_end_from_outside_closes_the_leg_and_the_session(make_call):
     call = await make_call()
     conn = await call.server.connection()
-    st = (call.bridge.state, call.bridge._session is not None)
+    st = (call.bridge.state, call.bridge.utterances.session is not None)
     await call.bridge.end("status callback: completed")
     st2 = (conn.ws.state,)
     assert call.run.done(), (st, st2)

@@ -1,0 +1,371 @@
+"""The OpenAI Realtime model link: connect and configure, reconnect within a budget, read.
+
+Owns the Realtime socket and nothing above it: opening a session (our own, configured with one
+`session.update` and confirmed by `session.updated`; or attached to OpenAI's call over the
+sideband, configured by the accept), retrying with backoff within the reconnect budget, the
+read loop (audio deltas parsed without the SDK's models; everything else parsed by the SDK),
+the audio-delta lane in the socket's callback, and each client event the parts send
+(`RealtimeSession`), bounded by the send timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from openai import AsyncOpenAI
+from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from openai.types.realtime import RealtimeErrorEvent
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from telephony.bridge.model_link import DeltaHandler, DeltaLane, EventHandler
+from telephony.bridge.port import Port
+from telephony.bridge.slot import ResponseSlot
+from telephony.call_events import CallEventKind
+from telephony.errors import TelephonyError
+from telephony.leg import AudioFormat
+from telephony.realtime_wire import (
+    APPEND_HEAD,
+    APPEND_TAIL,
+    LaneConnection,
+    append_frame,
+    audio_delta,
+    audio_delta_fields,
+    lane_of,
+    nowait_sender,
+    raw_sender,
+)
+from telephony.session_config import BridgeConfig, session_update
+from telephony.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+SESSION_UPDATE_EVENT_ID = "bridge_session_update"
+TIMEOUT_S = 10.0  # bound for closing a socket at the end
+
+# The Realtime socket: base64 audio both ways, 50 frames a second, so compression costs CPU
+# per frame and saves little (stated, so an SDK default cannot change it); and the lane for
+# audio deltas (realtime_wire.LaneConnection), which the SDK passes on to websockets.
+REALTIME_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": LaneConnection}
+
+
+class SessionRejected(TelephonyError):
+    """The server refused the session configuration."""
+
+
+class SidebandRefused(TelephonyError):
+    """OpenAI refused to (re-)attach the sideband: the call is over on its side."""
+
+
+async def close_quietly(conn: AsyncRealtimeConnection) -> None:
+    """Close a Realtime socket we are giving up on, within a second, whatever state it is in."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await conn.close()
+
+
+def _system_note(text: str) -> Any:
+    return {
+        "type": "message",
+        "role": "system",
+        "content": [{"type": "input_text", "text": text}],
+    }
+
+
+class RealtimeSession:
+    """One Realtime connection: the client events the parts send, each bounded."""
+
+    __slots__ = (
+        "_append_watch",
+        "_call_id",
+        "_send_frame",
+        "_send_now",
+        "_timeout_s",
+        "conn",
+        "generation",
+        "items",
+        "slot",
+    )
+
+    def __init__(
+        self, conn: AsyncRealtimeConnection, generation: int, call_id: str, timeout_s: float
+    ) -> None:
+        self.conn = conn
+        self.generation = generation
+        self.items: set[str] = set()
+        self.slot = ResponseSlot()
+        self._call_id = call_id
+        self._timeout_s = timeout_s
+        # How a preformatted audio frame goes out on `conn` (realtime_wire.raw_sender), and
+        # the same, synchronous, for the lanes (False when the socket cannot take it now).
+        self._send_frame = raw_sender(conn)
+        self._send_now = nowait_sender(conn)
+        # Bounds each append (sent one at a time by the audio path) with one timer.
+        self._append_watch = Watchdog(timeout_s)
+
+    async def append(self, payload: str) -> bool:
+        # The hot path: the leg's base64 spliced into a preformatted frame, sent raw.
+        return await self._send(self._send_frame(append_frame(payload)), self._append_watch)
+
+    def append_now(self, payload: str) -> bool:
+        send_now = self._send_now
+        return send_now is not None and send_now(APPEND_HEAD + payload + APPEND_TAIL)
+
+    async def truncate(self, item_id: str, audio_end_ms: int) -> bool:
+        return await self._send(
+            self.conn.conversation.item.truncate(
+                item_id=item_id, content_index=0, audio_end_ms=audio_end_ms
+            )
+        )
+
+    async def cancel_response(self) -> bool:
+        return await self._send(self.conn.response.cancel())
+
+    async def clear_output(self) -> bool:
+        return await self._send(self.conn.output_audio_buffer.clear())
+
+    async def add_function_output(self, function_call_id: str, output: str) -> bool:
+        # The Realtime field `call_id` is the model's function call id.
+        item: Any = {"type": "function_call_output", "call_id": function_call_id, "output": output}
+        return await self._send(self.conn.conversation.item.create(item=item))
+
+    async def add_note(self, text: str) -> bool:
+        return await self._send(self.conn.conversation.item.create(item=_system_note(text)))
+
+    async def create_response(self, event_id: str, instructions: str | None) -> bool:
+        if instructions is not None:
+            send = self.conn.response.create(
+                event_id=event_id, response={"instructions": instructions}
+            )
+        else:
+            send = self.conn.response.create(event_id=event_id)
+        return await self._send(send)
+
+    async def close(self) -> None:
+        lane = lane_of(self.conn)
+        if lane is not None:
+            lane.lane = None
+        self._append_watch.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(TIMEOUT_S):
+                await self.conn.close()
+
+    async def _send(self, send: Awaitable[None], watch: Watchdog | None = None) -> bool:
+        """Run one send; a dead or stuck socket is closed so the reader reconnects.
+
+        Bounded by `config.send_timeout_s`: by `watch` on the audio path, else a timeout.
+        """
+        try:
+            if watch is not None:
+                with watch:
+                    await send
+            else:
+                async with asyncio.timeout(self._timeout_s):
+                    await send
+        except (ConnectionClosed, TimeoutError, OSError) as exc:
+            log.info("call %s: send to Realtime failed: %r", self._call_id, exc)
+            await close_quietly(self.conn)
+            return False
+        except Exception as exc:  # the SDK wraps some socket errors in its own
+            log.info("call %s: send to Realtime failed: %r", self._call_id, exc)
+            return False
+        return True
+
+
+class RealtimeLink:
+    """`ModelLink` for the OpenAI Realtime API, own socket or sideband (`openai_call_sid`)."""
+
+    def __init__(
+        self,
+        port: Port,
+        config: BridgeConfig,
+        client: AsyncOpenAI,
+        audio_format: AudioFormat,
+        tools: Callable[[], list[dict[str, Any]]],
+        history: deque[str],
+        openai_call_sid: str | None = None,
+    ) -> None:
+        self._port = port
+        self._config = config
+        self._client = client
+        self._audio_format = audio_format
+        self._tools = tools
+        self._history = history
+        # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
+        self._openai_call_sid = openai_call_sid
+        self.keeps_conversation = openai_call_sid is not None
+        self.ended_remotely = False
+        self._generation = 0
+        self._reader_waiting: RealtimeSession | None = None  # `read` awaits its next message
+        self.deltas_by_lane = 0
+
+    async def connect(self, *, resumed: bool) -> tuple[RealtimeSession | None, int, str | None]:
+        """Open a session and configure it, retrying with backoff within the budget."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._config.reconnect_budget_s
+        delay = 0.1
+        attempts = 0
+        error: str | None = None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None, attempts, error
+            attempts += 1
+            conn: AsyncRealtimeConnection | None = None
+            try:
+                async with asyncio.timeout(min(self._config.connect_timeout_s, remaining)):
+                    if self._openai_call_sid is not None:
+                        conn = await self._attach_sideband(self._openai_call_sid)
+                    else:
+                        conn = await self._client.realtime.connect(
+                            model=self._config.model,
+                            websocket_connection_options=REALTIME_SOCKET_OPTIONS,
+                        ).enter()
+                        history = list(self._history) if resumed else []
+                        await conn.session.update(
+                            event_id=SESSION_UPDATE_EVENT_ID,
+                            session=session_update(
+                                self._config, self._audio_format, self._tools(), history
+                            ),
+                        )
+                        await self._await_session_updated(conn)
+            except asyncio.CancelledError:
+                # The call ended while the session was still being configured: the socket is
+                # not the bridge's session yet, so nothing else would ever close it.
+                if conn is not None:
+                    await close_quietly(conn)
+                raise
+            except SidebandRefused as exc:
+                self.ended_remotely = True
+                return None, attempts, str(exc)
+            except SessionRejected as exc:
+                # The server refuses our configuration: retrying cannot help.
+                if conn is not None:
+                    await close_quietly(conn)
+                return None, attempts, str(exc)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:200]
+                log.info(
+                    "call %s: Realtime connect attempt %d failed: %s",
+                    self._port.call_id,
+                    attempts,
+                    error,
+                )
+                if conn is not None:
+                    await close_quietly(conn)
+            else:
+                self._generation += 1
+                session = RealtimeSession(
+                    conn, self._generation, self._port.call_id, self._config.send_timeout_s
+                )
+                return session, attempts, None
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            delay = min(delay * 2, 2.0)
+
+    async def _attach_sideband(self, openai_call_sid: str) -> AsyncRealtimeConnection:
+        """Join OpenAI's call over the sideband: the session was set by the accept."""
+        try:
+            return await self._client.realtime.connect(
+                call_id=openai_call_sid, websocket_connection_options={"compression": None}
+            ).enter()
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if 400 <= status < 500 and status not in (401, 408, 429):
+                # 404/410: the call is gone. A network drop never gets an HTTP answer.
+                raise SidebandRefused(f"sideband refused ({status})") from exc
+            raise
+
+    async def _await_session_updated(self, conn: AsyncRealtimeConnection) -> None:
+        """Until the server confirms the configuration: audio in another codec is noise."""
+        while True:
+            event = await conn.recv()
+            if event.type == "session.updated":
+                return
+            if isinstance(event, RealtimeErrorEvent) and event.type == "error":
+                error = event.error
+                self._port.emit(
+                    CallEventKind.REALTIME_ERROR,
+                    code=error.code,
+                    type=error.type,
+                    message=error.message[:200],
+                    param=error.param,
+                    event_id=error.event_id,
+                )
+                if error.event_id == SESSION_UPDATE_EVENT_ID:
+                    raise SessionRejected(f"session.update rejected: {error.message}"[:200])
+
+    def open_lane(self, session: Any, lane: DeltaLane) -> bool:
+        conn_lane = lane_of(session.conn)
+        if conn_lane is None:
+            return False
+        conn_lane.lane = functools.partial(self._lane, session, lane)
+        return True
+
+    def _lane(self, session: RealtimeSession, take: DeltaLane, raw: bytes) -> bool:
+        """A server message as the Realtime socket receives it, while `read` waits on this
+        session: an audio delta is taken here and then; anything else goes to `read`."""
+        if self._reader_waiting is not session:
+            return False
+        fields = audio_delta_fields(raw)
+        if fields is None:
+            return False
+        self.deltas_by_lane += 1
+        take(session, *fields)
+        return True
+
+    async def read(self, session: Any, on_delta: DeltaHandler, on_event: EventHandler) -> str:
+        """Handle server events until the socket drops; returns why it dropped."""
+        conn = session.conn
+        call_id = self._port.call_id
+        while True:
+            try:
+                self._reader_waiting = session
+                try:
+                    raw = await conn.recv_bytes()
+                finally:
+                    self._reader_waiting = None
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else 1006
+                return f"socket closed ({code})"
+            except Exception as exc:
+                return f"receive failed: {type(exc).__name__}"
+            # Audio deltas (most frames) skip the SDK's model parse; nothing else does.
+            delta = audio_delta(raw)
+            if delta is not None:
+                try:
+                    await on_delta(session, delta)
+                except Exception as exc:  # one odd delta must not end the call
+                    log.exception("call %s: could not play an audio delta", call_id)
+                    self._port.emit(
+                        CallEventKind.ERROR,
+                        where="realtime:response.output_audio.delta",
+                        error=repr(exc)[:200],
+                    )
+                continue
+            try:
+                event = conn.parse_event(raw)
+            except ValueError as exc:  # a frame that is not JSON; skip it
+                log.warning("call %s: unparsable Realtime frame: %s", call_id, exc)
+                continue
+            try:
+                fatal = await on_event(session, event)
+            except Exception as exc:  # one odd event must not end the call
+                log.exception("call %s: could not handle %s", call_id, event.type)
+                self._port.emit(
+                    CallEventKind.ERROR, where=f"realtime:{event.type}", error=repr(exc)[:200]
+                )
+                continue
+            if fatal is not None:
+                await close_quietly(conn)
+                return fatal
+
+    async def close(self, session: Any) -> None:
+        await session.close()
+
+
+__all__ = ["RealtimeLink", "RealtimeSession"]

@@ -1,0 +1,215 @@
+"""Tool dispatch: the model's function calls to the tool gateway, and their answers back.
+
+Owns which function calls were seen (a call is acted on once, and only when its item is
+completed), the caps (per response, in flight), the tool tasks, the answer sent back to the
+model (as a function call output on the session that asked, or as a note on a new one), the
+decision whether that answer wants a response now, and the caller's evidence the gateway asks
+for when a confirmation rests on it (`CallerEvidence`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from telephony.bridge.model_link import ModelLink, ModelSession
+from telephony.bridge.playout import Playout
+from telephony.bridge.port import Port
+from telephony.bridge.slot import CreateRequest
+from telephony.bridge.turns import Turns
+from telephony.bridge.utterance import Utterances
+from telephony.call_events import CallEventKind
+from telephony.caller_evidence import EvidenceLog
+from telephony.session_config import BridgeConfig
+from telephony.tool_gateway import (
+    CallContext,
+    ConfirmationEvidence,
+    FunctionCallRequest,
+    ToolGateway,
+    ToolReply,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ToolDispatch:
+    """Function calls of one call, from the model to the gateway and back."""
+
+    def __init__(
+        self,
+        port: Port,
+        ctx: CallContext,
+        gateway: ToolGateway,
+        config: BridgeConfig,
+        link: ModelLink,
+        turns: Turns,
+        utterances: Utterances,
+        playout: Playout,
+        evidence: EvidenceLog,
+        current: Callable[[], ModelSession | None],
+    ) -> None:
+        self._port = port
+        self._ctx = ctx
+        self._gateway = gateway
+        self._config = config
+        self._link = link
+        self._turns = turns
+        self._utterances = utterances
+        self._playout = playout
+        self._evidence = evidence
+        self._current = current  # the bridge's session now (None between sessions)
+        self._seen: set[str] = set()  # function_call_ids acted on
+        # Function calls per response, and those running now (bounded by the config).
+        self._calls_per_response: dict[str, int] = {}
+        self._running = 0
+
+    def function_call(
+        self,
+        session: ModelSession,
+        function_call_id: str | None,
+        name: str,
+        arguments: str,
+        item_id: str,
+        status: str | None,
+        response_id: str,
+    ) -> None:
+        """A function call item from the model (`response.output_item.done`, `response.done`)."""
+        # Only a completed item is proof: a cancelled response's arguments are not a request.
+        if status != "completed" or not function_call_id or function_call_id in self._seen:
+            return
+        self._seen.add(function_call_id)
+        request = FunctionCallRequest(
+            call_id=function_call_id,
+            name=name,
+            arguments=arguments,
+            item_id=item_id,
+            response_id=response_id,
+            turn_id=self._utterances.turn_of(response_id),
+            evidence=self,
+        )
+        redacts = getattr(self._gateway, "redacts_arguments", None)
+        secret = redacts is not None and redacts(request.name)
+        self._port.emit(
+            CallEventKind.FUNCTION_CALL,
+            call_id=function_call_id,
+            name=request.name,
+            # A tool that declares `redact_arguments` (a spoken PIN): never stored.
+            arguments={"redacted": True} if secret else request.arguments[:500],
+            turn_id=request.turn_id,
+            response_id=response_id,
+        )
+        refusal = self._over_limits(response_id)
+        if refusal is None:
+            self._running += 1
+        self._port.spawn(
+            self._run(request, session.generation, refusal),
+            f"tool-{function_call_id}",
+            tool=True,
+        )
+
+    def response_done(self, response_id: str) -> None:
+        """The response makes no more calls."""
+        self._calls_per_response.pop(response_id, None)
+
+    def _over_limits(self, response_id: str) -> ToolReply | None:
+        """A refusal when this call may not reach the tool layer now, else None.
+
+        A model that asks for dozens of calls at once must not turn into dozens of requests
+        at a provider: past the caps, each call is answered at once and goes nowhere.
+        """
+        count = self._calls_per_response.get(response_id, 0) + 1
+        self._calls_per_response[response_id] = count
+        if count > self._config.max_tool_calls_per_response:
+            why = (
+                f"Too many requests at once: at most {self._config.max_tool_calls_per_response} "
+                "per turn."
+            )
+        elif self._running >= self._config.max_tool_calls_in_flight:
+            why = (
+                f"Too many requests at once: at most {self._config.max_tool_calls_in_flight} "
+                "can run together."
+            )
+        else:
+            return None
+        log.info("call %s: function call refused (%s)", self._port.call_id, why)
+        return ToolReply(
+            {
+                "status": "error",
+                "message": f"{why} This one was not run, so nothing was done. Make one "
+                "request at a time and wait for its answer.",
+                "retryable": True,
+            }
+        )
+
+    def confirmation_evidence(self, operation_id: str) -> ConfirmationEvidence:
+        """`CallerEvidence`: the caller's answer to `operation_id`'s readback, as observed."""
+        session = self._current()
+        active = session.slot.active_response_id if session is not None else None
+        return self._evidence.judge(operation_id, self._playout.spoken(active))
+
+    async def _run(
+        self, request: FunctionCallRequest, generation: int, refusal: ToolReply | None = None
+    ) -> None:
+        function_call_id = request.call_id
+        if refusal is not None:
+            reply = refusal
+        else:
+            try:
+                reply = await self._gateway.handle(self._ctx, request)
+            except Exception as exc:
+                log.exception(
+                    "call %s: tool gateway failed on %s", self._port.call_id, request.name
+                )
+                self._port.emit(CallEventKind.ERROR, where="tool_gateway", error=repr(exc)[:200])
+                reply = ToolReply({"error": "The request could not be completed right now."})
+            finally:
+                self._running -= 1
+        if reply.awaiting_confirmation and reply.operation_id is not None:
+            # What the model says after this output is the readback the caller must hear.
+            self._evidence.readback_asked(reply.operation_id)
+        session = self._current()
+        if self._port.ended() or session is None:
+            self._port.emit(
+                CallEventKind.FUNCTION_OUTPUT,
+                call_id=function_call_id,
+                operation_id=reply.operation_id,
+                sent=False,
+                response="call_ended",
+            )
+            return
+        output = json.dumps(reply.output, separators=(",", ":"), default=str)
+        # A re-attached sideband joins the same conversation: the function call is still there.
+        if session.generation == generation or self._link.keeps_conversation:
+            sent = await session.add_function_output(function_call_id, output)
+        else:
+            # The session that asked is gone; tell the new one what came back.
+            sent = await session.add_note(
+                f"Result of the earlier request ({request.name}): {output}"
+            )
+        decision = self._decide(request, reply)
+        extra: dict[str, Any] = {"limited": True} if refusal is not None else {}
+        self._port.emit(
+            CallEventKind.FUNCTION_OUTPUT,
+            call_id=function_call_id,
+            operation_id=reply.operation_id,
+            sent=sent,
+            response=decision,
+            turn_id=request.turn_id,
+            # Refused by the per-response / in-flight caps: it reached no tool or provider.
+            **extra,
+        )
+        await self._utterances.drain()
+
+    def _decide(self, request: FunctionCallRequest, reply: ToolReply) -> str:
+        """Whether the answer is spoken now: only for the current turn, caller not speaking."""
+        if not reply.wants_response:
+            return "not_wanted"
+        if request.turn_id != self._turns.turn_id:
+            return "deferred_stale_turn"
+        if self._turns.caller_speaking:
+            return "deferred_caller_speaking"
+        # If the response that asked is still finishing, this waits for its response.done.
+        self._utterances.queue(CreateRequest("function_output", turn_id=request.turn_id))
+        return "requested"
