@@ -284,8 +284,9 @@ class CallSession:
         )
         recordings = runtime.console.recordings if runtime.console is not None else None
         if carries_audio and recordings is not None:
-            self._recorder = recordings.start(leg.audio_format)
-            leg = RecordingLeg(leg, self._recorder)
+            self._recorder = recordings.start(leg.audio_format)  # None: recording is off
+            if self._recorder is not None:
+                leg = RecordingLeg(leg, self._recorder)
         bridge = Bridge(
             leg,
             ctx,

@@ -84,7 +84,6 @@ class _Pending:
     leg: SipLeg | None = None
     bridge: Bridge | None = None
     cancel_reason: str = ""
-    session: CallSession | None = None
 
 
 class SipService:
@@ -218,8 +217,6 @@ class SipService:
         session = CallSession(
             self.runtime, LegKind.SIP, Caller(call_sid, incoming.from_user, incoming.to_user)
         )
-        pending.session = session
-        status, reason = CallStatus.FAILED, EndReason.INTERNAL_ERROR
         try:
             await self._call(pending, session)
         except Exception:
@@ -231,7 +228,7 @@ class SipService:
         finally:
             self._calls.pop(incoming.key, None)
             # Every way out ends an admitted call here (once: the usual ways ended it already).
-            await session.end(status, reason)
+            await session.end(CallStatus.FAILED, EndReason.INTERNAL_ERROR)
 
     async def _call(self, pending: _Pending, session: CallSession) -> None:
         incoming = pending.incoming
