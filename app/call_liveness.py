@@ -3,8 +3,8 @@
 The process running a call's media stream writes itself into the row (`holder`) when the
 stream starts and heartbeats its live calls every few seconds (`CallHeartbeat`); a call
 attached but still in set-up (its row `ringing`, see `CallPhase`) is heartbeated too, and
-moves to live through `go_live`, the one step every leg uses. Any
-process then finds the calls whose holder stopped (no heartbeat for `dead_after_s`, by
+moves to live through `CallSession.go_live` (app.call_session), the one step every leg
+uses. Any process then finds the calls whose holder stopped (no heartbeat for `dead_after_s`, by
 default 30 s: the process died, or the call's media went quiet long enough that its holder
 let it go) and ends them, with the reason on the call's timeline, handing their pending
 outcomes to out-of-call delivery. Rows whose stream was rejected or never came are ended
@@ -26,15 +26,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app import call_store
-from app.call_store import CallRow, CallStatus, call_events, calls, sources_of
-from app.calls import CallPhase, CallRegistry, LiveCallEntry
+from app.call_store import CallStatus, EndSource, call_ended_data, call_events, calls, sources_of
+from app.calls import CallPhase, CallRegistry
 from telephony.call_events import CallEventKind
 from tools import deliveries
 
 log = logging.getLogger(__name__)
 
-ACTOR = "call-liveness"
+ACTOR = EndSource.LIVENESS.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +94,7 @@ async def end_row(
     ).first()
     if row is None:
         return None
-    await append_call_event(
-        conn, row.id, CallEventKind.CALL_ENDED, {"reason": reason, "source": source}
-    )
+    await append_call_event(conn, row.id, CallEventKind.CALL_ENDED, call_ended_data(reason, source))
     await deliveries.redrive_for_call(conn, call_id, actor=source, reason=reason)
     return EndedCall(call_id, row.call_sid, target, reason)
 
@@ -174,30 +171,6 @@ async def end_unstreamed_calls(
             if done is not None:
                 ended.append(done)
     return ended
-
-
-async def go_live(
-    engine: AsyncEngine,
-    registry: CallRegistry,
-    entry: LiveCallEntry,
-    *,
-    holder: str,
-    stream_sid: str | None = None,
-) -> CallRow | None:
-    """Move a call attached in set-up to in_progress, held by `holder`, then mark it live
-    for the heartbeat. None (and the entry stays in set-up) when the row was ended
-    meanwhile (staff, a sweep): the caller then ends the call."""
-    row = await call_store.transition(
-        engine,
-        entry.call_id,
-        CallStatus.IN_PROGRESS,
-        stream_sid=stream_sid,
-        holder=holder,
-        heartbeat_at=datetime.now(UTC),
-    )
-    if row is not None:
-        registry.went_live(entry)
-    return row
 
 
 # What a call's row may be in, by its phase here, for the call still to be going.

@@ -60,6 +60,20 @@ TWILIO_TERMINAL: dict[str, CallStatus] = {
 }
 
 
+class EndSource(StrEnum):
+    """Who wrote a call's `call_ended` event (one writer per end, see app.call_session)."""
+
+    CALL = "call"  # the process holding the call, as its session ends (app.call_session)
+    STATUS = "status"  # Twilio's status callback, for a call no process here runs
+    LIVENESS = "call-liveness"  # the sweep, for a call whose holder is gone
+
+
+def call_ended_data(reason: str, source: str, duration_ms: int | None = None) -> dict[str, Any]:
+    """The one shape of a `call_ended` event's data, whoever writes it: why, who, and how
+    long the call ran here (None when the writer did not hold the call)."""
+    return {"reason": reason, "source": source, "duration_ms": duration_ms}
+
+
 def sources_of(target: CallStatus) -> list[str]:
     """The statuses a call may move to `target` from."""
     return [str(s) for s, targets in _TRANSITIONS.items() if target in targets]

@@ -30,23 +30,20 @@ from openai.types.webhooks.realtime_call_incoming_webhook_event import (
     RealtimeCallIncomingWebhookEvent,
 )
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError
 
-from app import call_store, openai_webhooks
-from app.call_liveness import go_live
+from app import openai_webhooks
+from app.call_session import Admission, Caller, CallSession, EndReason, sip_refusal
 from app.call_store import CallStatus
-from app.media_session import CallSink
+from app.models import LegKind
 from app.runtime import Runtime
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.session_config import BridgeConfig, session_update
 from telephony.sideband_leg import SidebandLeg
-from telephony.tool_gateway import CallContext
 
 log = logging.getLogger(__name__)
 
 LEG = "openai_sip"
-FLUSH_TIMEOUT_S = 5.0
 _SIP_USER = re.compile(r"<?\s*(?:sips?|tel):([^@;>\s]+)", re.IGNORECASE)
 _TARGET = re.compile(r"^(tel:\+[1-9][0-9]{6,14}|sips?:[^\s@]+@[^\s]+)$")
 
@@ -97,11 +94,8 @@ def transfer_target(target: str) -> str:
 class _Call:
     """One interconnect call in this process."""
 
-    openai_call_id: str
-    row_id: str
-    from_number: str | None
+    session: CallSession
     caller_id: str | None
-    to_number: str | None
     received_at: float  # monotonic, the webhook's arrival
     bridge: Bridge | None = None
     leg: SidebandLeg | None = None
@@ -173,9 +167,8 @@ class OpenAISipService:
             raise
 
     async def _incoming(self, event: RealtimeCallIncomingWebhookEvent, received_at: float) -> str:
-        runtime = self.runtime
         settings = self._settings
-        call_id = event.data.call_id
+        call_sid = event.data.call_id  # OpenAI's call id: the carrier's id on this leg
         headers = event.data.sip_headers
         from_number = sip_user(header(headers, "From"))
         to_number = sip_user(header(headers, "To"))
@@ -184,73 +177,49 @@ class OpenAISipService:
             "asserted": sip_user(header(headers, "P-Asserted-Identity")),
             "none": None,
         }[settings.openai_sip_caller_id]
-        fields: dict[str, Any] = {
-            "call_sid": call_id,
-            "tenant_id": settings.tenant_id,
-            "from_number": from_number,
-            "to_number": to_number,
-            "leg": LEG,
-        }
+        session = CallSession(
+            self.runtime, LegKind.OPENAI_SIP, Caller(call_sid, from_number, to_number)
+        )
         ours = settings.openai_sip_number_set()
         if ours is not None and to_number not in ours:
-            await self._refuse(fields, 403, "not our number", CallStatus.REJECTED)
-            return "rejected 403"
-        if not runtime.registry.try_reserve(call_id):
-            if runtime.registry.draining:  # this process is stopping: the trunk may retry
-                await self._refuse(fields, 503, "draining", CallStatus.BUSY)
-                return "rejected 503"
-            await self._refuse(fields, 486, "capacity", CallStatus.BUSY)
-            return "rejected 486"
-        try:
-            row, created = await call_store.create_call(runtime.engine, **fields)
-        except DBAPIError:
-            runtime.registry.release_reservation(call_id)
-            raise
-        if not created:
-            return "duplicate call"  # another delivery (new webhook-id) of a call we have
-        runtime.events.emit(
-            CallEvent(
-                row.id,
-                CallEventKind.CALL_STARTED,
-                {
-                    "call_sid": call_id,
-                    "from": from_number,
-                    "to": to_number,
-                    "direction": "inbound",
-                    "leg": LEG,
-                    "caller_id": caller_id,
-                    "caller_id_source": settings.openai_sip_caller_id,
-                    "sip_media_security": event.data.sip_media_security,
-                },
+            self._refused(call_sid, 403, "not our number")
+            await session.refuse(
+                CallStatus.REJECTED, {"reason": "not our number", "status_code": 403}
             )
+            return "rejected 403"
+        admission = await session.admit(
+            {
+                "caller_id": caller_id,
+                "caller_id_source": settings.openai_sip_caller_id,
+                "sip_media_security": event.data.sip_media_security,
+            },
+            rejected={"status_code": 503 if self.runtime.registry.draining else 486},
         )
-        call = _Call(call_id, row.id, from_number, caller_id, to_number, received_at)
-        self._calls[call_id] = call
-        self._spawn(self._run_call(call), f"openai-sip-{row.id}")
+        if admission in (Admission.BUSY, Admission.DRAINING):
+            # Stopping: 503, the trunk may retry elsewhere; full: 486.
+            code = sip_refusal(admission)
+            self._refused(call_sid, code, str(admission))
+            return f"rejected {code}"
+        if admission is not Admission.ADMITTED:
+            return "duplicate call"  # another delivery (new webhook-id) of a call we have
+        call = _Call(session, caller_id, received_at)
+        self._calls[call_sid] = call
+        self._spawn(self._run_call(call), f"openai-sip-{session.call_id}")
         return "accepting"
 
-    async def _refuse(
-        self, fields: dict[str, Any], status: int, reason: str, row_status: CallStatus
-    ) -> None:
-        runtime = self.runtime
+    def _refused(self, call_sid: str, status: int, reason: str) -> None:
+        """Tell OpenAI the call is refused (off the request) and count it."""
         self.rejected[status] = self.rejected.get(status, 0) + 1
-        log.warning("OpenAI SIP call %s refused with %d (%s)", fields["call_sid"], status, reason)
-        self._spawn(self._send_reject(str(fields["call_sid"]), status), "openai-sip-reject")
-        with contextlib.suppress(DBAPIError):
-            row, created = await call_store.create_call(runtime.engine, status=row_status, **fields)
-            if created:
-                data: dict[str, Any] = {"reason": reason, "status_code": status}
-                if status == 486:
-                    data["max_live_calls"] = self._settings.max_live_calls
-                runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, data))
+        log.warning("OpenAI SIP call %s refused with %d (%s)", call_sid, status, reason)
+        self._spawn(self._send_reject(call_sid, status), "openai-sip-reject")
 
-    async def _send_reject(self, call_id: str, status: int) -> None:
+    async def _send_reject(self, call_sid: str, status: int) -> None:
         try:
             await self.runtime.openai.realtime.calls.reject(
-                call_id, status_code=status, timeout=self._settings.openai_sip_api_timeout_s
+                call_sid, status_code=status, timeout=self._settings.openai_sip_api_timeout_s
             )
         except Exception as exc:
-            log.warning("reject of OpenAI SIP call %s failed: %r", call_id, exc)
+            log.warning("reject of OpenAI SIP call %s failed: %r", call_sid, exc)
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -269,94 +238,67 @@ class OpenAISipService:
         return body
 
     async def _run_call(self, call: _Call) -> None:
-        runtime = self.runtime
+        session = call.session
         try:
             await self._accept_and_bridge(call)
         except Exception:
-            log.exception("OpenAI SIP call %s failed", call.openai_call_id)
-            with contextlib.suppress(Exception):
-                await self._finish(call.row_id, CallStatus.FAILED, "internal error")
+            log.exception("OpenAI SIP call %s failed", session.call_sid)
         finally:
-            self._calls.pop(call.openai_call_id, None)
-            runtime.registry.release_reservation(call.openai_call_id)
+            self._calls.pop(session.call_sid, None)
+            # Every way out ends the call here (once: the usual ways ended it already).
+            await session.end(CallStatus.FAILED, EndReason.INTERNAL_ERROR)
 
     async def _accept_and_bridge(self, call: _Call) -> None:
+        session = call.session
         runtime = self.runtime
         settings = self._settings
         body = self.session()
         self.accept_latencies.append(time.monotonic() - call.received_at)  # accept sent now
         try:
             await runtime.openai.realtime.calls.accept(
-                call.openai_call_id, **body, timeout=settings.openai_sip_api_timeout_s
+                session.call_sid, **body, timeout=settings.openai_sip_api_timeout_s
             )
         except Exception as exc:
-            log.warning("accept of OpenAI SIP call %s failed: %r", call.openai_call_id, exc)
+            log.warning("accept of OpenAI SIP call %s failed: %r", session.call_sid, exc)
             error = {"where": "accept", "error": repr(exc)[:200]}
-            runtime.events.emit(CallEvent(call.row_id, CallEventKind.ERROR, error))
-            await self._finish(call.row_id, CallStatus.FAILED, "accept failed")
+            runtime.events.emit(CallEvent(session.call_id, CallEventKind.ERROR, error))
+            await session.end(CallStatus.FAILED, EndReason.ACCEPT_FAILED)
             return
         accept_s = time.monotonic() - call.received_at
         self.accepted += 1
         call.accepted.set()
-        sink = CallSink(runtime.events)
-        ctx = CallContext(
-            call_id=call.row_id,
-            call_sid=call.openai_call_id,
-            tenant_id=settings.tenant_id,
-            from_number=call.caller_id,
-            to_number=call.to_number,
-        )
         leg = SidebandLeg(
-            call.openai_call_id,
+            session.call_sid,
             "audio/pcmu",
             on_close=lambda reason: self._on_leg_close(call, reason),
         )
-        config = _sideband_config(runtime.bridge_config, settings.openai_sip_reattach_budget_s)
 
         async def on_fatal(reason: str) -> None:
             await self._hangup(call, f"sideband lost: {reason}")
 
-        bridge = Bridge(
+        bridge = session.build_bridge(
             leg,
-            ctx,
-            runtime.gateway,
-            sink,
-            config,
-            runtime.openai,
+            carries_audio=False,  # OpenAI carries the audio: nothing here to record
+            caller_id=call.caller_id,
+            config=_sideband_config(runtime.bridge_config, settings.openai_sip_reattach_budget_s),
             on_fatal=on_fatal,
-            announcements=runtime.delivery,
         )
         call.bridge = bridge
         call.leg = leg
-        entry = runtime.registry.attach(call.openai_call_id, call.row_id, bridge, call.from_number)
         try:
-            row = await go_live(runtime.engine, runtime.registry, entry, holder=runtime.holder)
-            if row is None:
+            if not await session.go_live(
+                {"encoding": "audio/pcmu", "accept_ms": round(accept_s * 1000, 3)}
+            ):
                 # Ended elsewhere (staff, a sweep) while it was being accepted.
-                entry.end_reason = entry.end_reason or "the call was ended by another process"
-                await self._hangup(call, entry.end_reason)
+                session.ended_by(EndReason.ENDED_ELSEWHERE)
+                await self._hangup(call, EndReason.ENDED_ELSEWHERE)
                 return
-            sink.emit(
-                CallEvent(
-                    call.row_id,
-                    CallEventKind.STREAM_STARTED,
-                    {"leg": LEG, "openai_call_id": call.openai_call_id,
-                     "encoding": "audio/pcmu", "accept_ms": round(accept_s * 1000, 3)},
-                )
-            )  # fmt: skip
             await bridge.run()
         finally:
-            try:
-                if runtime.delivery is not None:
-                    await runtime.delivery.flush(call.row_id)
-                reason = entry.end_reason or sink.end_reason or "ended"
-                if bridge.ended_remotely and not call.hung_up and call.transferred_to is None:
-                    reason = "caller hung up (the call ended on OpenAI's side)"
-                await self._finish(
-                    call.row_id, CallStatus.COMPLETED, reason, emit_end=sink.end_reason is None
-                )
-            finally:
-                runtime.registry.detach(entry)
+            override = None
+            if bridge.ended_remotely and not call.hung_up and call.transferred_to is None:
+                override = EndReason.REMOTE_HANGUP
+            await session.end(CallStatus.COMPLETED, override=override)
 
     async def _on_leg_close(self, call: _Call, reason: str) -> None:
         """The bridge is done with the call: unless OpenAI's side ended it, hang up."""
@@ -375,7 +317,7 @@ class OpenAISipService:
         error: str | None = None
         try:
             await self.runtime.openai.realtime.calls.hangup(
-                call.openai_call_id, timeout=self._settings.openai_sip_api_timeout_s
+                call.session.call_sid, timeout=self._settings.openai_sip_api_timeout_s
             )
         except APIStatusError as exc:
             ok = exc.status_code == 404  # already over on OpenAI's side
@@ -386,26 +328,15 @@ class OpenAISipService:
         data: dict[str, Any] = {"reason": reason[:200], "sent": True, "ok": ok}
         if error is not None:
             data["error"] = error
-        self.runtime.events.emit(CallEvent(call.row_id, CallEventKind.CALL_HANGUP, data))
+        self.runtime.events.emit(CallEvent(call.session.call_id, CallEventKind.CALL_HANGUP, data))
         return ok
-
-    async def _finish(
-        self, call_id: str, status: CallStatus, reason: str, *, emit_end: bool = True
-    ) -> None:
-        runtime = self.runtime
-        try:
-            await call_store.transition(runtime.engine, call_id, status, end_reason=reason[:128])
-        except DBAPIError:
-            log.exception("could not persist the end of OpenAI SIP call %s", call_id)
-        if emit_end:
-            runtime.events.emit(CallEvent(call_id, CallEventKind.CALL_ENDED, {"reason": reason}))
-        await runtime.events.flush(FLUSH_TIMEOUT_S)
 
     # ---- call control from the application ----------------------------------------------
 
     def _find(self, call: str) -> _Call:
+        """A live call by its `call_sid` (OpenAI's id) or its `call_id` (ours)."""
         found = self._calls.get(call) or next(
-            (c for c in self._calls.values() if c.row_id == call), None
+            (c for c in self._calls.values() if c.session.call_id == call), None
         )
         if found is None or found.bridge is None:
             raise LookupError(f"no live OpenAI SIP call {call!r} in this process")
@@ -419,7 +350,9 @@ class OpenAISipService:
         error: str | None = None
         try:
             await self.runtime.openai.realtime.calls.refer(
-                live.openai_call_id, target_uri=uri, timeout=self._settings.openai_sip_api_timeout_s
+                live.session.call_sid,
+                target_uri=uri,
+                timeout=self._settings.openai_sip_api_timeout_s,
             )
         except Exception as exc:
             error = repr(exc)[:200]
@@ -428,7 +361,9 @@ class OpenAISipService:
             data["by"] = by[:128]
         if error is not None:
             data["error"] = error
-        self.runtime.events.emit(CallEvent(live.row_id, CallEventKind.CALL_TRANSFERRED, data))
+        self.runtime.events.emit(
+            CallEvent(live.session.call_id, CallEventKind.CALL_TRANSFERRED, data)
+        )
         if error is not None:
             raise RuntimeError(f"transfer failed: {error}")
         live.transferred_to = uri
@@ -438,9 +373,7 @@ class OpenAISipService:
     async def hangup(self, call: str, reason: str = "ended by the application") -> None:
         """End a live call from our side: `hangup` (through the bridge's end)."""
         live = self._find(call)
-        entry = self.runtime.registry.get(live.openai_call_id)
-        if entry is not None and entry.end_reason is None:
-            entry.end_reason = reason[:128]
+        live.session.ended_by(reason)
         assert live.bridge is not None
         await live.bridge.end(reason)
 
@@ -452,7 +385,7 @@ class OpenAISipService:
         for call in list(self._calls.values()):
             if call.bridge is not None:
                 with contextlib.suppress(Exception):
-                    await call.bridge.end("server shutdown")
+                    await call.bridge.end(EndReason.SHUTDOWN)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10.0)
         for task in list(self._tasks):

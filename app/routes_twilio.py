@@ -6,8 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Request, WebSocket
@@ -18,7 +16,8 @@ from twilio.request_validator import RequestValidator
 
 from app import call_store, twiml
 from app.call_control import publish_end
-from app.call_store import CallStatus
+from app.call_session import Admission, Caller, CallSession, start_stream
+from app.call_store import CallStatus, EndSource, call_ended_data
 from app.deps import RuntimeDep
 from app.errors import (
     WS_POLICY_VIOLATION,
@@ -33,6 +32,7 @@ from app.errors import (
 from app.logging import RateLimitedLog
 from app.media_session import run_media_session
 from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
+from app.models import LegKind
 from app.runtime import Runtime
 from app.settings import Settings
 from app.slots import Slot
@@ -102,12 +102,11 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
     call_sid = params.get("CallSid", "")
     if not call_sid:
         raise BadRequest("no CallSid")
-    fields: dict[str, Any] = {
-        "call_sid": call_sid,
-        "tenant_id": settings.tenant_id,
-        "from_number": params.get("From") or None,
-        "to_number": params.get("To") or None,
-    }
+    session = CallSession(
+        runtime,
+        LegKind.TWILIO,
+        Caller(call_sid, params.get("From") or None, params.get("To") or None),
+    )
     # A call that has ended stays ended: a replayed webhook gets no stream (and no capacity).
     try:
         known = await call_store.find_by_sid(runtime.engine, call_sid)
@@ -117,52 +116,24 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         raise DatabaseUnavailable("calls lookup failed") from exc
     if known is not None and known.status in call_store.TERMINAL:
         return _ended(known.status)
-    if not runtime.registry.try_reserve(call_sid):
-        draining = runtime.registry.draining
-        why = (
-            {"reason": "draining"}
-            if draining
-            else {"reason": "capacity", "max_live_calls": settings.max_live_calls}
-        )
-        try:
-            row, created = await call_store.create_call(
-                runtime.engine, status=CallStatus.BUSY, **fields
-            )
-        except DBAPIError:
-            log.exception("could not record a busy call")
-        else:
-            if created:
-                runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, why))
-        if draining:
-            log.warning("stopping: call %s hears busy", call_sid)
-        else:
-            log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
-        return _xml(twiml.busy())
     try:
-        row, created = await call_store.create_call(runtime.engine, **fields)
+        admission = await session.admit({"direction": params.get("Direction", "inbound")})
     except DataError as exc:
         # Fields the columns cannot hold (over-long, NUL): the request is bad, not the database.
-        runtime.registry.release_reservation(call_sid)
         raise BadRequest("unstorable call fields") from exc
     except DBAPIError as exc:
-        runtime.registry.release_reservation(call_sid)
         raise DatabaseUnavailable("calls insert failed") from exc
-    if not created and row.status in call_store.TERMINAL:
-        runtime.registry.release_reservation(call_sid)
+    if admission is Admission.DRAINING:
+        log.warning("stopping: call %s hears busy", call_sid)
+        return _xml(twiml.busy())
+    if admission is Admission.BUSY:
+        log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
+        return _xml(twiml.busy())
+    row = session.row
+    assert row is not None
+    if admission is Admission.ENDED:
         return _ended(row.status)
-    if created:
-        runtime.events.emit(
-            CallEvent(
-                row.id,
-                CallEventKind.CALL_STARTED,
-                {
-                    "call_sid": call_sid,
-                    "from": fields["from_number"],
-                    "to": fields["to_number"],
-                    "direction": params.get("Direction", "inbound"),
-                },
-            )
-        )
+    # ADMITTED, or EXISTING: Twilio retrying the webhook of a call not over gets its stream.
     token = runtime.tokens.issue(call_sid, row.id)
     stream_url = settings.public_ws_base() + "/twilio/media"
     return _xml(twiml.connect_stream(stream_url, {"token": token, "call_id": row.id}))
@@ -194,11 +165,8 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
                 # on the timeline (one writer per call keeps its events in order).
                 await publish_end(runtime.engine, call_sid, reason)
             elif ended is not None:
-                runtime.events.emit(
-                    CallEvent(
-                        row.id, CallEventKind.CALL_ENDED, {"reason": reason, "source": "status"}
-                    )
-                )
+                data = call_ended_data(reason, EndSource.STATUS)
+                runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_ENDED, data))
     except DataError as exc:
         # A CallSid no column can hold (NUL, over-long) names no call of ours.
         raise BadRequest("unstorable CallSid") from exc
@@ -292,13 +260,8 @@ async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
     """Verify and spend the stream token; move the call to in_progress exactly once."""
     claims = runtime.tokens.verify(start.custom_parameters.get("token"), start.call_sid)
     # Across processes: only a ringing call can start its stream, so a replayed token fails here.
-    row = await call_store.transition(
-        runtime.engine,
-        claims.call_id,
-        CallStatus.IN_PROGRESS,
-        stream_sid=start.stream_sid,
-        holder=runtime.holder,
-        heartbeat_at=datetime.now(UTC),
+    row = await start_stream(
+        runtime.engine, claims.call_id, holder=runtime.holder, stream_sid=start.stream_sid
     )
     if row is None:
         raise TokenRejected("reused")

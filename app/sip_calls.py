@@ -21,16 +21,13 @@ from typing import Any
 
 from sqlalchemy.exc import DataError, DBAPIError
 
-from app import call_store
-from app.call_liveness import go_live
+from app.call_session import Admission, Caller, CallSession, EndReason, sip_refusal
 from app.call_store import CallStatus
-from app.media_session import CallSink
-from app.recording import RecordingLeg
+from app.models import LegKind
 from app.runtime import Runtime
 from app.settings import Settings
 from telephony.bridge import Bridge
-from telephony.call_events import CallEvent, CallEventKind, CallEventSink
-from telephony.leg import CallLeg
+from telephony.call_events import CallEvent, CallEventKind
 from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
 from telephony.sip.dialog import CallKey
 from telephony.sip.digest import DigestAuth, parse_users
@@ -51,11 +48,9 @@ from telephony.sip.uas import (
     UasConfig,
     UserAgentServer,
 )
-from telephony.tool_gateway import CallContext
 
 log = logging.getLogger(__name__)
 
-FLUSH_TIMEOUT_S = 5.0
 RTP_SWITCH_INTERVAL_S = 0.001
 
 
@@ -78,22 +73,6 @@ def _outward_address() -> str:
         s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is consulted
         return str(s.getsockname()[0])
     return "127.0.0.1"
-
-
-class SessionWatch(CallSink):
-    """The call's sink, also noticing when the Realtime session is up or gone for good."""
-
-    def __init__(self, inner: CallEventSink) -> None:
-        super().__init__(inner)
-        self.connected = asyncio.Event()
-        self.failed = asyncio.Event()
-
-    def emit(self, event: CallEvent) -> None:
-        if event.kind is CallEventKind.REALTIME_CONNECTED:
-            self.connected.set()
-        elif event.kind in (CallEventKind.REALTIME_FAILED, CallEventKind.CALL_ENDED):
-            self.failed.set()
-        super().emit(event)
 
 
 @dataclass(eq=False)
@@ -183,9 +162,9 @@ class SipService:
         for pending in list(self._calls.values()):
             if pending.bridge is not None:
                 with contextlib.suppress(Exception):
-                    await pending.bridge.end("server shutdown")
+                    await pending.bridge.end(EndReason.SHUTDOWN)
             else:
-                pending.cancel_reason = "server shutdown"
+                pending.cancel_reason = EndReason.SHUTDOWN
                 pending.cancelled.set()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10.0)
@@ -233,58 +212,29 @@ class SipService:
         self.transport.act(lambda now: self.core.reject(key, status, now, retry_after=retry_after))
 
     async def _run_call(self, pending: _Pending) -> None:
-        key = pending.incoming.key
+        incoming = pending.incoming
+        call_sid = incoming.key.call_id  # the whole SIP Call-ID
+        session = CallSession(
+            self.runtime, LegKind.SIP, Caller(call_sid, incoming.from_user, incoming.to_user)
+        )
         try:
-            await self._call(pending)
+            await self._call(pending, session)
         except Exception:
-            log.exception("SIP call %s failed", key.call_id[:64])
+            log.exception("SIP call %s failed", call_sid[:64])
+            key = incoming.key
             self._reject(key, 500)
             with contextlib.suppress(Exception):
                 self.transport.act(lambda now: self.core.hangup(key, now, "internal error"))
         finally:
-            self._calls.pop(key, None)
-            self.runtime.registry.release_reservation(key.call_id)
+            self._calls.pop(incoming.key, None)
+            # Every way out ends an admitted call here (once: the usual ways ended it already).
+            await session.end(CallStatus.FAILED, EndReason.INTERNAL_ERROR)
 
-    async def _call(self, pending: _Pending) -> None:
-        runtime = self.runtime
-        settings = runtime.settings
+    async def _call(self, pending: _Pending, session: CallSession) -> None:
         incoming = pending.incoming
         key = incoming.key
-        fields: dict[str, Any] = {
-            "call_sid": key.call_id,
-            "tenant_id": settings.tenant_id,
-            "from_number": incoming.from_user,
-            "to_number": incoming.to_user,
-            "leg": "sip",
-        }
-        if not runtime.registry.try_reserve(key.call_id):
-            # Stopping: 503 with Retry-After sends the caller's proxy to another server (RFC
-            # 3261 21.5.4); full: 486 Busy Here, as a busy line.
-            draining = runtime.registry.draining
-            if draining:
-                self._reject(key, 503, retry_after=5)
-            else:
-                self._reject(key, 486)
-            reason: dict[str, Any] = (
-                {"reason": "draining"}
-                if draining
-                else {"reason": "capacity", "max_live_calls": settings.max_live_calls}
-            )
-            with contextlib.suppress(DBAPIError):
-                row, created = await call_store.create_call(
-                    runtime.engine, status=CallStatus.BUSY, **fields
-                )
-                if created:
-                    runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, reason))
-            log.warning(
-                "%s: SIP call %s gets %d",
-                "draining" if draining else "at capacity",
-                key.call_id[:64],
-                503 if draining else 486,
-            )
-            return
         try:
-            row, created = await call_store.create_call(runtime.engine, **fields)
+            admission = await session.admit({"transport": incoming.source.transport})
         except DataError:
             self._reject(key, 400)
             return
@@ -292,79 +242,54 @@ class SipService:
             log.exception("could not record SIP call %s", key.call_id[:64])
             self._reject(key, 503, retry_after=5)
             return
-        if not created:
+        if admission in (Admission.BUSY, Admission.DRAINING):
+            # Stopping: 503 with Retry-After sends the caller's proxy to another server;
+            # full: 486 Busy Here, as a busy line.
+            code = sip_refusal(admission)
+            self._reject(key, code, retry_after=5 if code == 503 else None)
+            log.warning("%s: SIP call %s gets %d", admission, key.call_id[:64], code)
+            return
+        if admission is not Admission.ADMITTED:
             # The same Call-ID again with another From tag: a forked or replayed INVITE.
             self._reject(key, 482)
             return
-        runtime.events.emit(
-            CallEvent(
-                row.id,
-                CallEventKind.CALL_STARTED,
-                {
-                    "call_sid": key.call_id,
-                    "from": incoming.from_user,
-                    "to": incoming.to_user,
-                    "direction": "inbound",
-                    "leg": "sip",
-                    "transport": incoming.source.transport,
-                },
-            )
-        )
+        call_id = session.call_id
         if pending.cancelled.is_set():
-            await self._finish(row.id, CallStatus.CANCELED, pending.cancel_reason or "cancelled")
+            await session.end(CallStatus.CANCELED, pending.cancel_reason or EndReason.CANCELLED)
             return
         dtmf_pt = incoming.remote.dtmf_pt if incoming.remote else 101
         leg = SipLeg(key.call_id, incoming.codec, dtmf_pt, self.clock,
                      lambda reason: self._hang_up(key, reason),
                      policy=self._media_policy(incoming), stats=self.media_stats,
-                     on_foreign=lambda source: self._foreign_media(row.id, source))  # fmt: skip
+                     on_foreign=lambda source: self._foreign_media(call_id, source))  # fmt: skip
         try:
             _, _, rtp_port, rtp_sock = await self.ports.bind(self.bind_host, lambda: leg.rtp)
             leg.rtp.use_socket(rtp_sock)
         except RtpPortsExhausted:
             log.warning("no RTP port free for SIP call %s", key.call_id[:64])
             self._reject(key, 503, retry_after=5)
-            await self._finish(row.id, CallStatus.FAILED, "no RTP port")
+            await session.end(CallStatus.FAILED, EndReason.NO_RTP_PORT)
             return
         try:
-            await self._bridge(pending, leg, row.id, rtp_port)
+            await self._bridge(pending, session, leg, rtp_port)
         finally:
             leg.rtp.close()
             self.ports.release(rtp_port)
 
-    async def _bridge(self, pending: _Pending, leg: SipLeg, call_id: str, rtp_port: int) -> None:
+    async def _bridge(
+        self, pending: _Pending, session: CallSession, leg: SipLeg, rtp_port: int
+    ) -> None:
         runtime = self.runtime
         incoming = pending.incoming
         key = incoming.key
         pending.leg = leg
         if pending.cancelled.is_set():
             leg.remote_ended(pending.cancel_reason)
-        sink = SessionWatch(runtime.events)
-        ctx = CallContext(
-            call_id=call_id,
-            call_sid=key.call_id,
-            tenant_id=runtime.settings.tenant_id,
-            from_number=incoming.from_user,
-            to_number=incoming.to_user,
-        )
-        # Recording taps the leg between it and the bridge, as on the Twilio path.
-        recordings = runtime.console.recordings if runtime.console is not None else None
-        recorder = recordings.start(leg.audio_format) if recordings is not None else None
-        bridge_leg: CallLeg = RecordingLeg(leg, recorder) if recorder is not None else leg
-        bridge = Bridge(
-            bridge_leg,
-            ctx,
-            runtime.gateway,
-            sink,
-            runtime.bridge_config,
-            runtime.openai,
-            announcements=runtime.delivery,
-        )
+        sink = session.sink
+        bridge = session.build_bridge(leg)
         pending.bridge = bridge
-        entry = runtime.registry.attach(key.call_id, call_id, bridge, incoming.from_user)
         started = time.monotonic()
-        run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{call_id}")
-        answered = False
+        run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{session.call_id}")
         status = CallStatus.FAILED
         try:
             outcome = await _first(
@@ -375,6 +300,7 @@ class SipService:
                 },
                 runtime.settings.sip_answer_timeout_s,
             )
+            answered = False
             if outcome == "connected" and not pending.cancelled.is_set():
                 local = LocalMedia(self.advertised, rtp_port, random.randint(1, 2**31))
                 answered = bool(self.transport.act(lambda now: self.core.answer(key, local, now)))
@@ -383,31 +309,26 @@ class SipService:
                 direction = ANSWER_DIRECTION[remote.direction] if remote else "sendrecv"
                 leg.answered(remote, direction)
                 # Until here the call was in set-up for the heartbeat (its row ringing).
-                if await go_live(runtime.engine, runtime.registry, entry, holder=runtime.holder):
+                stream = {
+                    "codec": incoming.codec.name,
+                    "encoding": incoming.codec.audio_format,
+                    "sample_rate": 8000,
+                    "rtp_port": rtp_port,
+                    "dtmf_payload_type": remote.dtmf_pt if remote else None,
+                    "answer_ms": round((time.monotonic() - started) * 1000),
+                }
+                if await session.go_live(stream):
                     status = CallStatus.COMPLETED
-                    sink.emit(
-                        CallEvent(
-                            call_id,
-                            CallEventKind.STREAM_STARTED,
-                            {
-                                "leg": "sip",
-                                "codec": incoming.codec.name,
-                                "encoding": incoming.codec.audio_format,
-                                "sample_rate": 8000,
-                                "rtp_port": rtp_port,
-                                "dtmf_payload_type": remote.dtmf_pt if remote else None,
-                                "answer_ms": round((time.monotonic() - started) * 1000),
-                            },
-                        )
-                    )
                 else:
                     # Ended elsewhere (staff, a sweep) while it was being answered.
-                    await bridge.end("the call was ended by another process")
+                    await bridge.end(EndReason.ENDED_ELSEWHERE)
             elif pending.cancelled.is_set() or outcome == "cancelled":
                 status = CallStatus.CANCELED
-                await bridge.end(f"caller {pending.cancel_reason or 'cancelled'}")
+                await bridge.end(f"caller {pending.cancel_reason or EndReason.CANCELLED}")
             else:
-                why = "realtime failed" if outcome == "failed" else "realtime did not open in time"
+                why = (
+                    EndReason.REALTIME_FAILED if outcome == "failed" else EndReason.REALTIME_TIMEOUT
+                )
                 self._reject(key, 503, retry_after=random.randint(5, 15))
                 await bridge.end(why)
             await run
@@ -416,29 +337,7 @@ class SipService:
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await run
-            try:
-                if runtime.delivery is not None:
-                    # What the caller heard of an announcement is durable before the call's
-                    # end hands whatever was not heard to SMS.
-                    await runtime.delivery.flush(call_id)
-                reason = entry.end_reason or sink.end_reason or "ended"
-                await self._finish(call_id, status, reason, emit_end=sink.end_reason is None)
-                if recorder is not None and recordings is not None and answered:
-                    await recordings.finish(call_id, recorder)
-            finally:
-                runtime.registry.detach(entry)
-
-    async def _finish(
-        self, call_id: str, status: CallStatus, reason: str, *, emit_end: bool = True
-    ) -> None:
-        runtime = self.runtime
-        try:
-            await call_store.transition(runtime.engine, call_id, status, end_reason=reason[:128])
-        except DBAPIError:
-            log.exception("could not persist the end of SIP call %s", call_id)
-        if emit_end:
-            runtime.events.emit(CallEvent(call_id, CallEventKind.CALL_ENDED, {"reason": reason}))
-        await runtime.events.flush(FLUSH_TIMEOUT_S)
+            await session.end(status)
 
     def _media_policy(self, incoming: IncomingCall) -> MediaPolicy:
         settings = self.runtime.settings

@@ -94,7 +94,11 @@ async def test_a_call_whose_holder_stopped_is_ended_with_the_reason_and_its_outc
     assert rows[fresh].status == "in_progress"  # a fresh heartbeat is left alone
     events = await event_rows(engine, call_id)
     assert [e["kind"] for e in events] == ["call_ended"]
-    assert events[0]["data"] == {"reason": rows[call_id].end_reason, "source": "call-liveness"}
+    assert events[0]["data"] == {
+        "reason": rows[call_id].end_reason,
+        "source": "call-liveness",
+        "duration_ms": None,  # the sweep did not hold the call
+    }
     assert await _deliver_jobs(engine, delivery.id) == before + 1
     assert await end_dead_calls(engine, dead_after_s=30) == []  # once
 
