@@ -13,20 +13,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import sqlalchemy as sa
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access import api_tokens, staff
 from app.access.auth import AdminDep, OperatorDep, Principal, ViewerDep
 from app.access.staff import StaffError
-from app.calls import query as call_query
 from app.calls.control import publish_end, publish_transfer
 from app.calls.recording_store import get_recording
 from app.calls.store import call_events, calls
-from app.console.call_view import call_view
 from app.console.live import ALL_CALLS, LiveHub, call_key, op_key
-from app.console.masking import masker_for
 from app.console.schemas import (
     ActionBody,
     ActionResult,
@@ -47,14 +44,21 @@ from app.console.schemas import (
     TransferBody,
     WhoAmI,
 )
-from app.console.services import Console
+from app.console.views import (
+    ConsoleDep,
+    RowIdPath,
+    calls_page,
+    operation_detail,
+    operations_page,
+    run_action,
+    view_or_404,
+)
 from app.console_models import call_recordings_table as recordings_t
-from app.deps import EngineDep, RuntimeDep
-from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts, TooManyStreams
+from app.deps import EngineDep
+from app.errors import BadRequest, Conflict, NotFound, TooManyStreams
 from app.http.guard import leave_source_count
 from app.http.slots import Slot
-from app.ops import operation_query
-from app.ops.operation_actions import Action, ActionDone, ActionRefused
+from app.ops.operation_actions import Action, ActionDone
 from tools.ledger_models import operation_events_table as op_events_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as tool_calls_t
@@ -73,16 +77,7 @@ query parameters and malformed values are refused with 422.
 
 # A row id in a path: Postgres' bigint holds at most 2**63 - 1, and a larger number reached the
 # query as an error (500). Every integer path parameter uses this (tests walk the routes).
-BIGINT_MAX = 2**63 - 1
-RowIdPath = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 
-
-def get_console(runtime: RuntimeDep) -> Console:
-    console: Console = runtime.console
-    return console
-
-
-ConsoleDep = Annotated[Console, Depends(get_console)]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "No valid credentials."},
@@ -103,10 +98,6 @@ _SSE: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/api", tags=["console"], responses=_ERRORS)
 
 
-def _masker(principal: Principal) -> Any:
-    return masker_for(principal.sees_phone_numbers)
-
-
 # --- who ---------------------------------------------------------------------------------
 
 
@@ -117,51 +108,6 @@ async def whoami(principal: ViewerDep, _q: Annotated[NoQuery, Query()]) -> dict[
 
 
 # --- calls -------------------------------------------------------------------------------
-
-
-def call_filter(q: CallListQuery, principal: Principal) -> call_query.CallFilter:
-    """The list's filter for this principal: a viewer's phone search is a whole number."""
-    phone = q.phone
-    if phone and not principal.sees_phone_numbers:
-        try:
-            phone = call_query.viewer_phone(phone)
-        except call_query.SearchRefused as exc:
-            raise Forbidden(str(exc)) from exc
-    return call_query.CallFilter(
-        phone=phone,
-        phone_exact=not principal.sees_phone_numbers,
-        since=q.since,
-        until=q.until,
-        statuses=tuple(s.value for s in q.status),
-        legs=tuple(q.leg),
-        unsettled=q.unsettled,
-    )
-
-
-async def calls_page(
-    engine: AsyncEngine, console: Console, q: CallListQuery, principal: Principal
-) -> dict[str, Any]:
-    """The calls list as JSON for this role (the page renders the same). Forbidden for a
-    viewer's partial number, TooManyAttempts past the search limit."""
-    f = call_filter(q, principal)
-    if f.phone:
-        wait = console.searches.admit(principal.actor, f.phone)  # session and Basic share one
-        if wait is not None:
-            raise TooManyAttempts(
-                f"too many different phone numbers searched; try again in {wait} s", wait
-            )
-    page = await call_query.search_calls(
-        engine,
-        f,
-        limit=q.limit,
-        cursor=call_query.Cursor.decode(q.cursor) if q.cursor else None,
-    )
-    masker = _masker(principal)
-    return {
-        "calls": [masker.scrub(item.as_json()) for item in page.items],
-        "next_cursor": page.next_cursor,
-        "limit": q.limit,
-    }
 
 
 @router.get("/calls", response_model=CallList)
@@ -207,17 +153,6 @@ async def calls_stream(
         lambda: _calls_snapshot(engine),
         min_interval_s=1.0,
     )
-
-
-async def view_or_404(
-    engine: AsyncEngine, console: Console, call_id: uuid.UUID, principal: Principal
-) -> dict[str, Any]:
-    view = await call_view(
-        engine, str(call_id), registry=console.registry, masker=_masker(principal)
-    )
-    if view is None:
-        raise NotFound(f"no call {call_id}")
-    return view
 
 
 @router.get("/calls/{call_id}/timeline", response_model=Timeline, responses=_NOT_FOUND)
@@ -421,39 +356,6 @@ async def call_recording(
 # --- operations --------------------------------------------------------------------------
 
 
-def op_filter(q: OperationListQuery) -> operation_query.OperationFilter:
-    return operation_query.OperationFilter(
-        states=tuple(q.state),
-        statuses=tuple(s.value for s in q.status),
-        tool=q.tool,
-        call_id=str(q.call_id) if q.call_id else None,
-    )
-
-
-async def operations_page(
-    engine: AsyncEngine, console: Console, q: OperationListQuery, principal: Principal
-) -> dict[str, Any]:
-    stuck = console.actions.stuck_after_s
-    page = await operation_query.list_operations(
-        engine,
-        console.registry,
-        op_filter(q),
-        limit=q.limit,
-        cursor=operation_query.OpCursor.decode(q.cursor) if q.cursor else None,
-        stuck_after_s=stuck,
-    )
-    counts = await operation_query.count_by_state(engine, console.registry, stuck_after_s=stuck)
-    masker = _masker(principal)
-    return {
-        "operations": [
-            masker.scrub(operation_query.operation_json(i.op, i.state)) for i in page.items
-        ],
-        "counts": {s.value: n for s, n in counts.items()},
-        "next_cursor": page.next_cursor,
-        "limit": q.limit,
-    }
-
-
 @router.get("/operations", response_model=OperationList)
 async def list_operations(
     engine: EngineDep,
@@ -464,43 +366,6 @@ async def list_operations(
     """Operations, open ones first (awaiting a person, unknown, stuck, in flight, awaiting
     the caller), then settled ones; newest change first within each; keyset pages."""
     return await operations_page(engine, console, q, principal)
-
-
-async def operation_detail(
-    engine: AsyncEngine, console: Console, operation_id: uuid.UUID, principal: Principal
-) -> dict[str, Any]:
-    """One operation with its history, tool calls, compensations and available actions."""
-    async with engine.connect() as conn:
-        detail = await operation_query.load_operation(
-            conn, console.registry, operation_id, stuck_after_s=console.actions.stuck_after_s
-        )
-    if detail is None:
-        raise NotFound(f"no operation {operation_id}")
-    actions = await console.actions.availability(detail.op)
-    sms = await console.actions.sms.latest_for_operation(operation_id)
-    body = {
-        "operation": operation_query.operation_json(detail.op, detail.state),
-        "events": [operation_query.event_json(e) for e in detail.events],
-        "tool_calls": [operation_query.tool_call_json(t) for t in detail.tool_calls],
-        "compensations": [operation_query.operation_json(o) for o in detail.compensations],
-        "compensates": (
-            operation_query.operation_json(detail.compensates) if detail.compensates else None
-        ),
-        "actions": {a.value: {"allowed": v.allowed, "why": v.why} for a, v in actions.items()},
-        "sms": (
-            {
-                "delivery_id": sms.delivery_id,
-                "state": sms.state,
-                "to": sms.to,
-                "resendable": sms.resendable,
-                "why_not": sms.why_not,
-            }
-            if sms
-            else None
-        ),
-    }
-    scrubbed: dict[str, Any] = _masker(principal).scrub(body)
-    return scrubbed
 
 
 @router.get("/operations/{operation_id}", response_model=OperationDetailOut, responses=_NOT_FOUND)
@@ -563,37 +428,6 @@ _ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_NOT_FOUND,
     409: {"model": Problem, "description": "The engine does not allow this action now (why)."},
 }
-
-
-async def run_action(
-    console: Console, action: Action, operation_id: uuid.UUID, principal: Principal, body: Any
-) -> ActionDone:
-    """Do `action` as `principal`; ActionRefused becomes a 409 naming why."""
-    actions = console.actions
-    async with actions.engine.connect() as conn:
-        exists = await conn.scalar(
-            sa.select(ops_t.c.operation_id).where(ops_t.c.operation_id == operation_id)
-        )
-    if exists is None:
-        raise NotFound(f"no operation {operation_id}")
-    actor, why = principal.actor, body.why
-    try:
-        match action:
-            case Action.RECONCILE:
-                return await actions.reconcile(operation_id, actor=actor, why=why)
-            case Action.RETRY:
-                return await actions.retry(operation_id, actor=actor, why=why)
-            case Action.RECORD_OUTCOME:
-                return await actions.record_outcome(
-                    operation_id, body.outcome, actor=actor, why=why, reference=body.reference
-                )
-            case Action.COMPENSATE:
-                return await actions.compensate(operation_id, actor=actor, why=why)
-            case Action.RESEND_SMS:
-                return await actions.resend_sms(operation_id, actor=actor, why=why)
-    except ActionRefused as exc:
-        raise Conflict(str(exc)) from exc
-    raise AssertionError(action)  # pragma: no cover
 
 
 def _result(done: ActionDone) -> dict[str, Any]:

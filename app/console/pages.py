@@ -16,7 +16,10 @@ from pydantic import BaseModel, ValidationError
 from app.access import api_tokens, login_limits, staff
 from app.access.auth import AdminPageDep, OperatorPageDep, Principal, ViewerPageDep
 from app.access.staff import Role, StaffError
-from app.console.api import (
+from app.console.schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
+from app.console.swimlanes import layout
+from app.console.templating import templates
+from app.console.views import (
     ConsoleDep,
     RowIdPath,
     calls_page,
@@ -25,9 +28,6 @@ from app.console.api import (
     run_action,
     view_or_404,
 )
-from app.console.schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
-from app.console.swimlanes import layout
-from app.console.templating import templates
 from app.deps import EngineDep, RuntimeDep
 from app.errors import Conflict, Forbidden, NotFound, TooManyAttempts
 from app.models import LegKind
