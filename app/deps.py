@@ -8,8 +8,8 @@ from fastapi import Depends
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.requests import HTTPConnection
 
-from app.calls import CallRegistry
-from app.event_writer import EventWriter
+from app.calls.events import EventWriter
+from app.calls.registry import CallRegistry
 from app.runtime import Runtime
 from app.settings import Settings
 from tools.reconcile import Compensation

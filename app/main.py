@@ -15,32 +15,29 @@ from fastapi import FastAPI
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import (
-    routes_deliveries,
-    routes_health,
-    routes_openai,
-    routes_operations,
-    routes_sms,
-    routes_twilio,
-)
-from app.body_limits import BodyLimit
-from app.call_control import CallControl
-from app.call_liveness import CallHeartbeat
-from app.calls import CallRegistry
-from app.console import install_console, start_console
+from app.calls.control import CallControl
+from app.calls.events import EventWriter
+from app.calls.liveness import CallHeartbeat
+from app.calls.registry import CallRegistry
+from app.console.install import install_console
+from app.console.services import start_console
 from app.db import make_engine, plain_url, resolve_database_url
-from app.delivery import ResultDelivery
 from app.errors import install_error_handlers
-from app.event_writer import EventWriter
+from app.http import health as routes_health
+from app.http.body_limits import BodyLimit
+from app.http.slots import SlotPool
+from app.legs.openai_sip import routes as routes_openai
+from app.legs.twilio import routes as routes_twilio
+from app.legs.twilio.stream_token import StreamTokens
+from app.ops import routes_deliveries, routes_operations, routes_sms
+from app.ops.delivery import ResultDelivery
+from app.ops.sms import SmsChannel
+from app.ops.sms_resend import LedgerSmsDeliveries
+from app.ops.twilio_rest import close_twilio_client, make_twilio_client
 from app.pg_listener import PgListener
 from app.runtime import Runtime
 from app.settings import Settings
-from app.slots import SlotPool
-from app.sms import SmsChannel
-from app.sms_resend import LedgerSmsDeliveries
-from app.stream_token import StreamTokens
 from app.tool_wiring import build_tools, load_configured_catalog
-from app.twilio_rest import close_twilio_client, make_twilio_client
 from telephony.session_config import BASE_INSTRUCTIONS, BridgeConfig
 from telephony.tool_gateway import ToolGateway
 from tools.catalog import Catalog
@@ -87,7 +84,7 @@ async def _start_worker(
     settings: Settings, engine: AsyncEngine, url: str | None, catalog: Catalog
 ) -> Any:
     """The in-process operation worker; calls still run (tools queue up) if it cannot start."""
-    from app.worker import start_inprocess_worker
+    from app.ops.worker import start_inprocess_worker
 
     try:
         return await start_inprocess_worker(
@@ -168,7 +165,7 @@ def create_app(
         heartbeat = CallHeartbeat(db, calls, holder=holder, interval_s=settings.call_heartbeat_s)
         heartbeat.start()
         try:
-            from app.worker import sync_webhooks
+            from app.ops.worker import sync_webhooks
 
             await sync_webhooks(settings, db)
         except Exception:
@@ -195,12 +192,12 @@ def create_app(
         )
         app.state.runtime = runtime
         worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
-        from app.openai_sip import OpenAISipService
+        from app.legs.openai_sip.calls import OpenAISipService
 
         runtime.openai_sip = OpenAISipService(runtime)
         control.transfer = runtime.openai_sip.transfer
         if settings.sip_bind:
-            from app.sip_calls import SipService
+            from app.legs.sip import SipService
 
             runtime.sip = SipService(runtime)
             await runtime.sip.start()

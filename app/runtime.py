@@ -8,11 +8,11 @@ from typing import Any
 from openai import AsyncOpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.calls import CallRegistry
-from app.event_writer import EventWriter
+from app.calls.events import EventWriter
+from app.calls.registry import CallRegistry
+from app.http.slots import SlotPool
+from app.legs.twilio.stream_token import StreamTokens
 from app.settings import Settings
-from app.slots import SlotPool
-from app.stream_token import StreamTokens
 from telephony.session_config import BridgeConfig
 from telephony.tool_gateway import ToolGateway
 
@@ -29,13 +29,13 @@ class Runtime:
     gateway: ToolGateway
     openai: AsyncOpenAI
     bridge_config: BridgeConfig
-    twilio: Any  # twilio.rest.Client from app.twilio_rest.make_twilio_client
+    twilio: Any  # twilio.rest.Client from app.ops.twilio_rest.make_twilio_client
     tools: Any = None  # app.tool_wiring.ToolWiring when the durable pipeline is wired
-    sip: Any = None  # app.sip_calls.SipService when SIP_BIND is set
-    openai_sip: Any = None  # app.openai_sip.OpenAISipService: OpenAI's SIP interconnect
-    console: Any = None  # app.console.Console: recordings, live updates, operation actions
-    delivery: Any = None  # app.delivery.ResultDelivery: late results of this process's calls
-    sms: Any = None  # app.sms.SmsChannel: SMS follow-ups (and staff resends)
+    sip: Any = None  # app.legs.sip.SipService when SIP_BIND is set
+    openai_sip: Any = None  # app.legs.openai_sip.calls.OpenAISipService: OpenAI's SIP interconnect
+    console: Any = None  # app.console.services.Console: recordings, live updates, operation actions
+    delivery: Any = None  # app.ops.delivery.ResultDelivery: late results of this process's calls
+    sms: Any = None  # app.ops.sms.SmsChannel: SMS follow-ups (and staff resends)
     holder: str = "replica"  # this process, as written into the calls it holds
     # Media streams refused for their token: counted, never written to a call's timeline.
     streams_rejected: int = 0

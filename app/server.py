@@ -23,12 +23,13 @@ from typing import Any
 
 import uvicorn
 
-from app import banner, embedded_db
+from app import embedded_db
+from app.cli import banner
 from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
-from app.http_guard import HttpLimits, base_protocol, guarded_protocol
+from app.http.guard import HttpLimits, base_protocol, guarded_protocol
+from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
-from app.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
 from app.tool_wiring import load_configured_catalog, read_accounts, runs_demo_sor
@@ -197,7 +198,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "h11_max_incomplete_event_size": 16 * 1024,
         "host": settings.host,
         "port": settings.port,
-        # uvicorn's sans-I/O WebSocket protocol plus the media lane (app/media_ws.py).
+        # uvicorn's sans-I/O WebSocket protocol plus the media lane (app/legs/twilio/media_ws.py).
         # (uvicorn's own where this uvicorn lacks what the lane overrides: no lane, no crash)
         "ws": MediaWebSocketProtocol if not missing_hooks() else "websockets-sansio",
         "ws_max_size": max(MIN_WS_MAX_SIZE, 4 * settings.max_ws_frame_bytes),
@@ -212,7 +213,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
 
 def metrics_listener(app: Any, settings: Settings) -> tuple[uvicorn.Server, socket.socket]:
     """A small server for `/metrics` alone on METRICS_BIND (`host:port`)."""
-    from app.routes_health import metrics_app
+    from app.http.health import metrics_app
 
     assert settings.metrics_bind is not None
     host, _, port = settings.metrics_bind.rpartition(":")

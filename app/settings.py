@@ -371,7 +371,7 @@ class Settings(BaseSettings):
     @field_validator("console_user")
     @classmethod
     def _console_user(cls, value: str) -> str:
-        from app.staff import StaffError, check_username  # only when CONSOLE_USER is set
+        from app.access.usernames import StaffError, check_username
 
         try:
             check_username(value)
@@ -383,7 +383,7 @@ class Settings(BaseSettings):
     @classmethod
     def _console_password(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from app.passwords import WeakPassword, check_strength  # argon2: only when set
+            from app.access.passwords import WeakPassword, check_strength  # argon2: only when set
 
             try:
                 check_strength(value.get_secret_value())

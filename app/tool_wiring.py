@@ -5,7 +5,7 @@ the restaurant demo) through `tools.loading`, checked before anything serves. Ca
 `tools.gateway.ToolPipeline` over it: policy first, then the Postgres ledger; mutations are
 admitted and enqueued (Procrastinate) in one transaction, reads run inline against the
 provider each read tool names. Finished operations reach the live call through
-`app.delivery.ResultDelivery`.
+`app.ops.delivery.ResultDelivery`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ AREAS = {
     "telephony.bridge": r"\(telephony/bridge",
     "telephony.twilio_leg": r"\(telephony/twilio_leg",
     "telephony.playback": r"\(telephony/playback",
-    "app.routes_twilio (FrameGuard)": r"\(app/routes_twilio",
+    "app.legs.twilio.routes (FrameGuard)": r"\(app/routes_twilio",
 }
 
 

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _stats import pct  # bench/ is on sys.path when run as a script
 
-from app import api_tokens, staff
-from app.call_store import call_events, calls
+from app.access import api_tokens, staff
+from app.access.sessions import create_session
+from app.access.staff import Role
+from app.calls.store import call_events, calls
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
-from app.sessions import create_session
-from app.staff import Role
 from tools.ledger_models import operation_events_table as op_events_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as tool_calls_t
@@ -334,7 +334,7 @@ class _Leg:
 
 async def recording_rows(frames: int) -> list[tuple[str, ...]]:
     """What the recording tap costs per frame, beside the bare leg; and rendering a call."""
-    from app.recording import CallRecorder, RecordingLeg
+    from app.calls.recording import CallRecorder, RecordingLeg
 
     rows = []
     for label, wrap in (("bare leg (baseline)", False), ("leg + recording tap", True)):

@@ -42,9 +42,9 @@ from _stats import pct  # bench/ is on sys.path when run as a script
 
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
 from app.main import create_app
+from app.ops.twilio_rest import close_twilio_client, make_twilio_client
 from app.server import ServiceServer, uvicorn_config
 from app.settings import Settings
-from app.twilio_rest import close_twilio_client, make_twilio_client
 from telephony.sim.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario

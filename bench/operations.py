@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _stats import pct  # bench/ is on sys.path when run as a script
 
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
-from app.worker import OperationWorker
+from app.ops.worker import OperationWorker
 from telephony.tool_gateway import CallContext, ConfirmationEvidence, FunctionCallRequest
 from tools import ledger
 from tools.executor import enqueue_operation, make_app

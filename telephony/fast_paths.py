@@ -1,7 +1,7 @@
 """Which of the audio path's fast paths this process will use, said once at start-up.
 
 The fast paths read into websockets, the OpenAI SDK and uvicorn (see `ws_frames`,
-`realtime_wire`, `app/media_ws.py`); each decides per connection whether it can act and
+`realtime_wire`, `app/legs/twilio/media_ws.py`); each decides per connection whether it can act and
 otherwise falls back to the library's own path, silently. A release that moves what they read
 would make every call slower (or, where nothing checks, break it) without a word. So at
 start-up each is probed with the same decision code a call runs, on objects built through the

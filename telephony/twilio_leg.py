@@ -147,9 +147,9 @@ class TwilioLeg:
         self._close_reason: str | None = None
         self.malformed_frames = 0
         self.budget = budget
-        # The lane (app/media_ws.py): where the socket offers it, a frame that arrives while
-        # `events()` waits is handled where it is received, and agent audio is written at
-        # once while nothing is queued; either falls back to the task-driven path.
+        # The lane (app/legs/twilio/media_ws.py): where the socket offers it, a frame that
+        # arrives while `events()` waits is handled where it is received, and agent audio is
+        # written at once while nothing is queued; either falls back to the task-driven path.
         self._waiting = False  # events() is awaiting the next frame
         self._audio_lane: AudioLane | None = None
         self._audio_tap: Callable[[str, int], object] | None = None  # a recorder, say

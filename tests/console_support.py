@@ -14,9 +14,9 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import api_tokens, staff
-from app.call_store import calls
-from app.staff import Role
+from app.access import api_tokens, staff
+from app.access.staff import Role
+from app.calls.store import calls
 from tools import ledger
 from tools.ledger_models import operations_table as ops_t
 from tools.states import OperationStatus

@@ -12,12 +12,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.calls import LiveCallEntry
-from app.delivery import ResultDelivery
-from app.delivery_jobs import DeliveryConfig, DeliveryDriver
+from app.calls.registry import LiveCallEntry
+from app.ops.delivery import ResultDelivery
+from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver
+from app.ops.sms import SmsChannel, SmsConfig
+from app.ops.twilio_rest import make_twilio_client
 from app.pg_listener import PgListener
-from app.sms import SmsChannel, SmsConfig
-from app.twilio_rest import make_twilio_client
 from telephony.sim.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.tool_gateway import AnnouncementReport, AnnouncementStatus, LateResult

@@ -16,9 +16,9 @@ import sqlalchemy as sa
 from fastapi.routing import APIRoute
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.access.security_headers import HEADERS
+from app.access.staff import Role
 from app.console_models import login_failures_table as failures_t
-from app.security_headers import HEADERS
-from app.staff import Role
 from tests.console_support import (
     PASSWORD,
     add_staff,

@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.call_liveness import CallHeartbeat, end_dead_calls, end_unstreamed_calls
-from app.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
+from app.calls.liveness import CallHeartbeat, end_dead_calls, end_unstreamed_calls
+from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from tests.delivery_support import booked, delivery_of, make_call, trail
 from tests.e2e_support import (

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.delivery import evaluate
+from app.ops.delivery import evaluate
 from tests.test_gateway import BOOK, Harness, ctx
 from tools import deliveries, ledger
 from tools.relevance import Action, CallState

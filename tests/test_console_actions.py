@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.operation_actions import (
+from app.ops.operation_actions import (
     Action,
     ActionDone,
     ActionRefused,
@@ -21,7 +21,7 @@ from app.operation_actions import (
     OperationActions,
     available_actions,
 )
-from app.sms_resend import ResendResult, SmsInfo
+from app.ops.sms_resend import ResendResult, SmsInfo
 from tests.console_support import age_operation, seed_operation
 from tools import ledger
 from tools.ledger_models import operations_table as ops_t

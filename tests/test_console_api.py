@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute, APIWebSocketRoute
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount, WebSocketRoute
 
-from app.staff import Role
+from app.access.staff import Role
 from telephony.call_events import CallEvent, CallEventKind
 from tests.console_support import (
     add_staff,
@@ -192,7 +192,7 @@ async def test_calls_list_filters_by_phone_time_range_status_leg_and_unsettled_o
 async def test_the_leg_filter_offers_the_stored_legs_and_each_finds_only_its_calls(
     service: Service, engine: AsyncEngine
 ) -> None:
-    from app import openai_sip
+    from app.legs.openai_sip import calls as openai_sip
     from app.models import LegKind
 
     # What the legs write (the SIP leg writes the literal; the interconnect its constant).

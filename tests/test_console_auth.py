@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import staff
+from app.access import staff
+from app.access.staff import Role, StaffError
 from app.console_models import console_sessions_table as sessions_t
-from app.staff import Role, StaffError
 from tests.console_support import PASSWORD, add_staff, csrf_of, logged_in, seed_operation
 from tests.e2e_support import running_service
 from tools.states import OperationStatus

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.demo import _script as demo_script
-from app.staff import Role
+from app.access.staff import Role
+from app.cli.demo import _script as demo_script
 from telephony.sim.scenario import load_scenario
 from tests.console_support import PASSWORD, add_staff, seed_call, seed_operation
 from tests.e2e_support import CONSOLE, call_stack, running_service, wait_until
@@ -346,7 +346,7 @@ async def test_a_forged_csrf_token_is_refused_and_changes_nothing(
 async def test_a_call_in_progress_updates_live_and_gets_its_player_when_it_ends(
     engine: AsyncEngine, browser: Any
 ) -> None:
-    from app.recording import CallRecorder
+    from app.calls.recording import CallRecorder
     from telephony.call_events import CallEvent, CallEventKind
 
     call_id = await seed_call(engine, status="in_progress")

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.staff import Role
+from app.access.staff import Role
 from telephony.call_events import CallEvent, CallEventKind
 from tests.console_support import bearer, seed_call, seed_operation
 from tests.e2e_support import running_service, wait_until

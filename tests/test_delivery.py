@@ -432,7 +432,7 @@ async def finish_compensation(engine: AsyncEngine, op_id: uuid.UUID) -> None:
 async def test_a_notification_the_holder_missed_is_repeated_by_the_job(
     engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
 ) -> None:
-    from app.delivery import CHANNEL, ResultDelivery
+    from app.ops.delivery import CHANNEL, ResultDelivery
     from app.pg_listener import PgListener
     from tests.delivery_support import LiveCallEntry
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.demo import demo
+from app.cli.demo import demo
 from app.settings import Settings
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario

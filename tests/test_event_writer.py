@@ -7,8 +7,8 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import call_store
-from app.event_writer import EventWriter
+from app.calls import store as call_store
+from app.calls.events import EventWriter
 from telephony.call_events import CallEvent, CallEventKind
 from tests.e2e_support import event_rows, wait_until
 

@@ -10,8 +10,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.ops.worker import OperationWorker, start_inprocess_worker
 from app.settings import Settings
-from app.worker import OperationWorker, start_inprocess_worker
 from tests.sor_support import (
     admit,
     count_jobs,

@@ -1,4 +1,4 @@
-"""The fake Twilio REST API, driven by the real twilio Client through app.twilio_rest."""
+"""The fake Twilio REST API, driven by the real twilio Client through app.ops.twilio_rest."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from twilio.request_validator import RequestValidator
 from twilio.rest import Client
 from websockets.asyncio.server import ServerConnection, serve
 
-from app.twilio_rest import (
+from app.ops.twilio_rest import (
     TwilioRestError,
     close_twilio_client,
     end_call,

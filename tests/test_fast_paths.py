@@ -15,7 +15,7 @@ import pytest
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from app.media_ws import MediaWebSocketProtocol, missing_hooks
+from app.legs.twilio.media_ws import MediaWebSocketProtocol, missing_hooks
 from app.server import fast_paths, uvicorn_config
 from app.settings import Settings
 from telephony.fast_paths import open_client_protocol, summary

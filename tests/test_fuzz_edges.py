@@ -19,7 +19,8 @@ from twilio.request_validator import RequestValidator
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from app import routes_twilio
+from app.http import signatures
+from app.legs.twilio import routes as routes_twilio
 from telephony.sim.fake_caller import http_to_ws
 from telephony.sim.scenario import Scenario
 from tests.e2e_support import (
@@ -327,7 +328,7 @@ async def test_duplicate_signature_headers_and_huge_bodies_are_rejected(
             )
             huge = await client.post(
                 service.url + "/twilio/voice",
-                content=b"a=" + b"b" * (routes_twilio.MAX_WEBHOOK_BYTES + 1),
+                content=b"a=" + b"b" * (signatures.MAX_WEBHOOK_BYTES + 1),
                 headers={
                     "Content-Type": "application/x-www-form-urlencoded",
                     "X-Twilio-Signature": sig,

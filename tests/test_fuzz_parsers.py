@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from app.errors import TokenRejected
-from app.stream_token import StreamTokens
+from app.legs.twilio.stream_token import StreamTokens
 from telephony.errors import MalformedFrame
 from telephony.sim.simulator import ClientEventError, parse_client_event
 from telephony.twilio_events import Dtmf, parse_inbound

@@ -21,9 +21,9 @@ import websockets
 from sqlalchemy.ext.asyncio import AsyncEngine
 from websockets.exceptions import InvalidStatus
 
+from app.access.staff import Role
 from app.logging import LOG_FORMAT, RedactingFilter, RedactingFormatter
 from app.settings import Settings
-from app.staff import Role
 from telephony.sim.scenario import Scenario
 from tests.console_support import bearer, seed_call
 from tests.e2e_support import call_stack, running_service, wait_until

@@ -23,7 +23,7 @@ from aiortc.rtp import RtpPacket
 from aiosipua import SipResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.recording_store import RecordingInfo, get_recording
+from app.calls.recording_store import RecordingInfo, get_recording
 from tests.e2e_support import Stack, event_rows, wait_until
 from tests.sip_support import Uac, UdpPeer, rtp_port_of, sdp_offer
 from tests.sipp_support import sip_stack

@@ -1,9 +1,13 @@
 """The layering holds in the real import graph: the engine knows no domain, `telephony` and
-`tools` never import `app`, and no product module imports the stand-ins.
+`tools` never import `app`, no product module imports the stand-ins, there is no import
+circle anywhere, and the wings of `app` point one way.
 
 Every module of `app`, `telephony` and `tools` is parsed (imports inside functions
 included, relative imports resolved, `from pkg import module` resolved to the module, and
-`importlib.import_module("literal")` counted), not grepped for one name.
+`importlib.import_module("literal")` counted), not grepped for one name. Imports under
+`if TYPE_CHECKING:` and inside functions count like any other: an import put there to dodge
+a circle is still a circle in the design (two modules that cannot be read apart), and it
+turns into an ImportError the day someone moves the import to the top.
 """
 
 from __future__ import annotations
@@ -21,7 +25,20 @@ SIM = "telephony.sim"
 # Entry points that run the stand-ins or the demo on purpose (the offline mode is a feature):
 # the CLI's `simulator`, `call`, `sor` and `demo` commands; the demos themselves; and `serve`,
 # which starts the simulator without OPENAI_API_KEY and the demo SOR for the demo catalog.
-STAND_IN_USERS = frozenset({"app.cli", "app.demo", "app.demo_openai_sip", "app.server"})
+STAND_IN_USERS = frozenset(
+    {"app.cli.commands", "app.cli.demo", "app.cli.demo_harness", "app.cli.demo_openai_sip",
+     "app.server"}
+)  # fmt: skip
+# The wings of `app`, lowest first: a wing may import the wings before it, never one after it
+# (legs, console and ops use calls; calls knows no leg, no console page, no after-call work).
+# The root modules (settings, db, models, runtime, deps, ...) are shared by every wing.
+WINGS = ("app.http", "app.access", "app.calls", "app.ops", "app.legs", "app.console", "app.cli")
+# The composition root builds the process from every wing, so no wing imports it (app.cli,
+# which starts the process, is the one that may).
+COMPOSITION = ("app.main", "app.server", "app.cli")
+# Import circles known and not yet opened; a circle not listed here fails the test (none today:
+# the tools/ledger circle was opened by moving its shared records to tools/ledger_models.py).
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +141,141 @@ def violations(root: Path) -> list[str]:
     return bad
 
 
+def wing_of(name: str) -> str | None:
+    return next((w for w in WINGS if within(name, w)), None)
+
+
+def wing_violations(root: Path) -> list[str]:
+    bad: list[str] = []
+    for e in graph(root):
+        here, there = wing_of(e.importer), wing_of(e.imported)
+        if here is not None and there is not None and WINGS.index(there) > WINGS.index(here):
+            bad.append(f"a wing imports a later wing ({' < '.join(WINGS)}): {e}")
+        composition = any(within(e.imported, c) for c in COMPOSITION)
+        if composition and here is not None and here != "app.cli":
+            bad.append(f"a wing imports the composition root: {e}")
+    return bad
+
+
+def cycles(root: Path) -> list[tuple[frozenset[str], list[str]]]:
+    """Every import circle among the modules: each strongly connected component of two or more
+    modules (or of one importing itself), with one path around it for the message."""
+    found = modules(root)
+    after: dict[str, set[str]] = {m: set() for m in found}
+    for e in graph(root):
+        if e.imported in found:
+            after[e.importer].add(e.imported)
+    # Tarjan's algorithm, iterative (no recursion limit on a deep graph).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for start in sorted(found):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(after[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(after[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component: set[str] = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in after[node]:
+                    components.append(component)
+    return [(frozenset(c), _circle(c, after)) for c in components]
+
+
+def _circle(component: set[str], after: dict[str, set[str]]) -> list[str]:
+    """One path around the component, for the message: from its first module back to it."""
+    first = min(component)
+    paths: dict[str, list[str]] = {first: [first]}
+    todo = [first]
+    while todo:
+        node = todo.pop(0)
+        for child in sorted(after[node] & component):
+            if child == first:
+                return [*paths[node], first]
+            if child not in paths:
+                paths[child] = [*paths[node], child]
+                todo.append(child)
+    return [first, first]
+
+
+def new_cycles(root: Path) -> list[str]:
+    return [" -> ".join(path) for members, path in cycles(root) if members not in KNOWN_CYCLES]
+
+
+def test_no_import_circle_and_the_wings_point_one_way() -> None:
+    assert new_cycles(ROOT) == []
+    assert wing_violations(ROOT) == []
+
+
+def test_the_known_circles_are_still_there() -> None:
+    # A known circle that is gone must leave the exception set (or it would excuse its return).
+    present = {members for members, _path in cycles(ROOT)}
+    assert KNOWN_CYCLES <= present, KNOWN_CYCLES - present
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "expected"),
+    [
+        # Inside a function, under TYPE_CHECKING, or through `from pkg import module`: all count.
+        ("app/calls/store.py", "def f():\n    from app.calls import timeline\n", "circle"),
+        ("app/access/usernames.py", "def f():\n    from app.settings import Settings\n", "circle"),
+        (
+            "telephony/twilio_events.py",
+            "import typing\nif typing.TYPE_CHECKING:\n    import telephony.twilio_leg\n",
+            "circle",
+        ),
+        ("app/calls/registry.py", "from app.legs.twilio import media_session\n", "later wing"),
+        ("app/http/slots.py", "def f():\n    from app.access import staff\n", "later wing"),
+        ("app/ops/sms.py", "from app.console.live import LiveHub\n", "later wing"),
+        ("app/legs/sip.py", "from app.main import create_app\n", "composition root"),
+        ("app/console/api.py", "from app.cli import commands\n", "composition root"),
+    ],
+)
+def test_the_check_catches_a_planted_circle_or_upward_import(
+    tmp_path: Path, where: str, source: str, expected: str
+) -> None:
+    _copy(tmp_path)
+    assert new_cycles(tmp_path) == [] and wing_violations(tmp_path) == []
+    planted = tmp_path / where
+    planted.write_text(planted.read_text("utf-8") + "\n" + source)
+    found = [f"circle: {c}" for c in new_cycles(tmp_path)] + wing_violations(tmp_path)
+    assert any(expected in v for v in found), found
+
+
+def _copy(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" in path.parts:
+                continue
+            target = tmp_path / path.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(path.read_text("utf-8"))
+
+
 def test_the_engine_imports_no_domain_and_the_layers_point_one_way() -> None:
     assert {"tools.restaurant", "tools.appointments"} <= domain_packages(ROOT)
     assert violations(ROOT) == []
@@ -135,7 +287,7 @@ def test_the_graph_is_the_real_one() -> None:
     edges = {(e.importer, e.imported) for e in graph(ROOT)}
     assert ("app.tool_wiring", "tools.loading") in edges
     assert ("app.server", "tools.restaurant.sor") in edges  # inside a function
-    assert ("app.demo", "telephony.sim.simulator") in edges
+    assert ("app.cli.demo", "telephony.sim.simulator") in edges
     assert ("tools.restaurant.plugin", "tools.catalog") in edges
     assert ("tools.tools_file", "tools.http_provider") in edges
 
@@ -159,7 +311,11 @@ def test_the_graph_is_the_real_one() -> None:
         ("telephony/bridge/bridge.py", "from app import db\n", "telephony/tools import app"),
         ("telephony/bridge/bridge.py", "from telephony.sim import vad\n", "imports a stand-in"),
         ("app/main.py", "from telephony.sim.simulator import X\n", "imports a stand-in"),
-        ("app/worker.py", "from tools.restaurant.plugin import catalog\n", "the wiring imports"),
+        (
+            "app/ops/worker.py",
+            "from tools.restaurant.plugin import catalog\n",
+            "the wiring imports",
+        ),
         ("tools/restaurant/sor.py", "from tools.appointments import api\n", "another domain"),
     ],
 )
@@ -167,13 +323,7 @@ def test_the_check_catches_a_planted_import(
     tmp_path: Path, where: str, source: str, expected: str
 ) -> None:
     # A copy of the packages with one import added must fail the same check.
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            if "migrations" in path.parts:
-                continue
-            target = tmp_path / path.relative_to(ROOT)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(path.read_text("utf-8"))
+    _copy(tmp_path)
     planted = tmp_path / where
     planted.write_text(planted.read_text("utf-8") + "\n" + source)
     found = violations(tmp_path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.masking import FULL, VIEWER, mask_phone, mask_text
+from app.console.masking import FULL, VIEWER, mask_phone, mask_text
 
 
 def test_phone_numbers_keep_their_shape_and_last_two_digits() -> None:

@@ -1,4 +1,4 @@
-"""The lanes of the audio hot path (app/media_ws.py, telephony/realtime_wire.py): frames
+"""The lanes of the audio hot path (app/legs/twilio/media_ws.py, telephony/realtime_wire.py): frames
 handled in the socket's callback, never out of order with what goes the task way, and the
 task way taken whenever the lane cannot."""
 
@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from app.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
+from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from telephony.realtime_wire import LaneConnection
 from telephony.sim.scenario import Scenario
 from telephony.ws_frames import MaskSource, client_text_frame, server_text_frame

@@ -8,7 +8,7 @@ import json
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.stream_token import StreamTokens
+from app.legs.twilio.stream_token import StreamTokens
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
 from tests.e2e_support import Stack, call_row, call_stack, event_rows

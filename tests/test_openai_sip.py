@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from openai import OpenAI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import openai_webhooks
-from app.openai_sip import sip_user, transfer_target
+from app.legs.openai_sip import webhooks as openai_webhooks
+from app.legs.openai_sip.calls import sip_user, transfer_target
 from telephony.session_config import instructions_text
 from telephony.sim.interconnect import sign_webhook
 from telephony.sim.scenario import Scenario
@@ -453,7 +453,7 @@ async def test_a_hang_up_on_openais_side_before_the_commit_hands_the_outcome_to_
 
 
 async def test_staff_transfer_and_end_a_live_call_through_the_api(engine: AsyncEngine) -> None:
-    from app.staff import Role
+    from app.access.staff import Role
     from tests.console_support import bearer
 
     async with interconnect(engine, chat()) as ic:

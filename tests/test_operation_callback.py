@@ -12,11 +12,11 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import routes_operations
 from app.deps import get_compensation, get_engine, get_settings_dep
 from app.errors import install_error_handlers
+from app.ops import routes_operations
+from app.ops.worker import OperationWorker
 from app.settings import Settings
-from app.worker import OperationWorker
 from tests.sor_support import (
     CALLBACK_SECRET,
     AppServer,

@@ -107,7 +107,7 @@ def test_the_db_upgrade_examples_name_revisions_that_exist_and_head_only_for_hea
                 assert revision == head_revision(), f"{example!r}: head is {head_revision()}"
 
 
-# Options whose help is still to be written in app/staff_cli.py (each listed, so a new option
+# Options whose help is still to be written in app/cli/staff.py (each listed, so a new option
 # cannot join them).
 NO_HELP_YET: set[tuple[str, str]] = set()
 
@@ -123,7 +123,7 @@ def _commands(parser: argparse.ArgumentParser, path: str = "") -> Iterator[tuple
 
 
 def test_every_cli_option_says_what_it_does_and_its_default() -> None:
-    from app.cli import build_parser
+    from app.cli.commands import build_parser
 
     seen = 0
     for path, parser in _commands(build_parser()):

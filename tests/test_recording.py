@@ -14,9 +14,9 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.recording import WINDOW_SAMPLES, CallRecorder, RecordingLeg
-from app.recording_store import FileStore, LargeObjectStore, get_recording
-from app.staff import Role
+from app.access.staff import Role
+from app.calls.recording import WINDOW_SAMPLES, CallRecorder, RecordingLeg
+from app.calls.recording_store import FileStore, LargeObjectStore, get_recording
 from telephony import audio
 from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker

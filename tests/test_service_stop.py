@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.twiml import BUSY_MESSAGE
+from app.legs.twilio.twiml import BUSY_MESSAGE
 from telephony.sim.fake_caller import FakeTwilioCaller
 from tests.cli_support import (
     clean_env,

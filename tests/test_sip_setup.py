@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from aiosipua import SipRequest, SipResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.call_liveness import end_unstreamed_calls
+from app.calls.liveness import end_unstreamed_calls
 from tests.e2e_support import event_rows, wait_until
 from tests.openai_sip_support import interconnect
 from tests.sip_support import Uac, UdpPeer, sdp_offer

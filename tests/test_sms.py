@@ -13,9 +13,9 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.delivery import ResendRefused, resend_sms
-from app.delivery_jobs import DeliveryDriver
-from app.sms import SmsChannel
+from app.ops.delivery import ResendRefused, resend_sms
+from app.ops.delivery_jobs import DeliveryDriver
+from app.ops.sms import SmsChannel
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from tests.delivery_support import (
     CALLER,
@@ -62,7 +62,7 @@ async def _texted_delivery(engine: AsyncEngine, sms: SmsChannel) -> tuple[uuid.U
         delivery = await deliveries.get(conn, (await delivery_of(engine, op_id)).id)
         assert delivery is not None
     # Decide without sending: what a crash right after persisting the SMS would leave.
-    from app.delivery import evaluate, record_decision
+    from app.ops.delivery import evaluate, record_decision
     from tools import ledger
     from tools.relevance import CallState
 

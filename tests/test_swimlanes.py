@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.swimlanes import layout, seconds
+from app.console.swimlanes import layout, seconds
 
 
 def ev(source: str, kind: str, t_ms: float, **data: Any) -> dict[str, Any]:

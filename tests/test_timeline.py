@@ -7,9 +7,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import call_store
-from app.event_writer import EventWriter
-from app.timeline import format_table, load_timeline
+from app.calls import store as call_store
+from app.calls.events import EventWriter
+from app.calls.timeline import format_table, load_timeline
 from telephony.call_events import CallEvent, CallEventKind
 
 READBACK = (

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.stream_token import StreamTokens
+from app.legs.twilio.stream_token import StreamTokens
 from tests.e2e_support import (
     AUTH_TOKEN,
     CONSOLE,

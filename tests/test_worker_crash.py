@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.worker import OperationWorker
+from app.ops.worker import OperationWorker
 from tests.domains import DOMAINS, Backend, Domain
 from tests.sor_support import (
     admit,

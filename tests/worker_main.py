@@ -13,8 +13,8 @@ import asyncio
 import signal
 
 from app.db import make_engine
+from app.ops.worker import OperationWorker, build_delivery
 from app.settings import Settings
-from app.worker import OperationWorker, build_delivery
 from tests.domains import BY_NAME
 
 

@@ -1,0 +1,81 @@
+"""Ending a call from whichever replica hears about it.
+
+Twilio's status callback (or a staff action) can land on any replica; the media stream (and
+so the bridge) runs on one. The replica that got it publishes `call_control` and the one
+holding the call acts: `end`, or `transfer` (OpenAI SIP interconnect calls: `refer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.calls.registry import CallRegistry
+from app.owned_tasks import OwnedTasks
+from app.pg_listener import PgListener
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "call_control"
+
+
+async def publish_end(engine: AsyncEngine, call_sid: str, reason: str) -> None:
+    """Ask every replica to end `call_sid` (the one holding it does)."""
+    payload = json.dumps({"action": "end", "call_sid": call_sid, "reason": reason})
+    async with engine.begin() as conn:
+        await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
+
+
+async def publish_transfer(engine: AsyncEngine, call_sid: str, target: str, by: str) -> None:
+    """Ask every replica to transfer `call_sid` to `target` (the one holding it does)."""
+    payload = json.dumps(
+        {"action": "transfer", "call_sid": call_sid, "target": target, "by": by[:128]}
+    )
+    async with engine.begin() as conn:
+        await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
+
+
+# (call_sid, target, by): transfers a call of this process; set where a leg can transfer.
+Transfer = Callable[[str, str, str], Awaitable[None]]
+
+
+class CallControl:
+    """Ends (or transfers) live calls of this process when another replica asks."""
+
+    def __init__(self, registry: CallRegistry) -> None:
+        self._registry = registry
+        self._work = OwnedTasks()
+        self.transfer: Transfer | None = None
+
+    def subscribe(self, listener: PgListener) -> None:
+        listener.subscribe(CHANNEL, self._on_notify)
+
+    def _on_notify(self, payload: str) -> None:
+        try:
+            data = json.loads(payload)
+            action, call_sid = data["action"], str(data["call_sid"])
+            reason = str(data.get("reason") or "ended by another replica")
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring malformed %s notification", CHANNEL)
+            return
+        if self._registry.get(call_sid) is None:
+            return
+        if action == "end":
+            self._work.spawn(self._registry.end(call_sid, reason), f"end-{call_sid}")
+        elif action == "transfer" and self.transfer is not None:
+            target, by = str(data.get("target") or ""), str(data.get("by") or "")
+            self._work.spawn(self._transfer(call_sid, target, by), f"transfer-{call_sid}")
+
+    async def _transfer(self, call_sid: str, target: str, by: str) -> None:
+        assert self.transfer is not None
+        try:
+            await self.transfer(call_sid, target, by)
+        except Exception as exc:  # recorded on the call's timeline by the leg
+            log.warning("transfer of a call failed: %s", type(exc).__name__)
+
+    async def stop(self) -> None:
+        await self._work.cancel_all()

@@ -1,0 +1,391 @@
+"""SIP calls in this process: the listener on SIP_BIND, and each call's row, bridge and RTP leg.
+
+An INVITE that passed the core's checks rings at once; the call gets its `calls` row (leg
+`sip`, the whole Call-ID), an RTP port and a bridge, and is answered with 200 as soon as the
+Realtime session is up, or refused with 503 when it cannot open within SIP_ANSWER_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import socket
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sqlalchemy.exc import DataError, DBAPIError
+
+from app.calls.store import CallStatus
+from app.legs.session import Admission, Caller, CallSession, EndReason, sip_refusal
+from app.models import LegKind
+from app.runtime import Runtime
+from app.settings import Settings
+from telephony.bridge import Bridge
+from telephony.call_events import CallEvent, CallEventKind
+from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
+from telephony.sip.dialog import CallKey
+from telephony.sip.digest import DigestAuth, parse_users
+from telephony.sip.errors import RtpPortsExhausted
+from telephony.sip.leg import SipLeg
+from telephony.sip.ports import RtpPorts
+from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock
+from telephony.sip.sdp import ANSWER_DIRECTION, LocalMedia
+from telephony.sip.timers import TimerConfig
+from telephony.sip.transport import SipTransport
+from telephony.sip.uas import (
+    CallCancelled,
+    CallEnded,
+    DtmfReceived,
+    IncomingCall,
+    MediaUpdated,
+    SipEvent,
+    UasConfig,
+    UserAgentServer,
+)
+
+log = logging.getLogger(__name__)
+
+RTP_SWITCH_INTERVAL_S = 0.001
+
+
+def parse_bind(spec: str) -> tuple[str, int]:
+    """`127.0.0.1:5060`, `[::1]:5060`, `0.0.0.0:0` -> (host, port)."""
+    spec = spec.strip()
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = spec.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ValueError(f"SIP_BIND: {spec!r} is not host:port")
+    return host, int(port_text)
+
+
+def _outward_address() -> str:
+    """The address this host uses to reach others (no packet is sent), for a wildcard bind."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is consulted
+        return str(s.getsockname()[0])
+    return "127.0.0.1"
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One call from its INVITE until it is over in this process."""
+
+    incoming: IncomingCall
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    leg: SipLeg | None = None
+    bridge: Bridge | None = None
+    cancel_reason: str = ""
+
+
+class SipService:
+    """The SIP listener and every SIP call of this process."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        settings = runtime.settings
+        assert settings.sip_bind is not None
+        self.bind_host, bind_port = parse_bind(settings.sip_bind)
+        self.advertised = settings.sip_advertised_address or self.bind_host
+        if ipaddress.ip_address(self.advertised).is_unspecified:
+            self.advertised = _outward_address()
+            log.warning(
+                "SIP_BIND is a wildcard and SIP_ADVERTISED_ADDRESS is unset: advertising %s "
+                "in SDP and Contact",
+                self.advertised,
+            )
+        self.max_calls = (
+            settings.sip_max_calls
+            if settings.sip_max_calls is not None
+            else settings.max_live_calls
+        )
+        self.core = UserAgentServer(self._config(settings, bind_port), digest=_digest(settings))
+        self.transport = SipTransport(
+            self.core,
+            self.bind_host,
+            bind_port,
+            self._on_event,
+            max_per_source=settings.sip_tcp_max_per_source,
+            idle_s=settings.sip_tcp_idle_s,
+        )
+        self.ports = RtpPorts(settings.sip_rtp_ports)
+        self.clock = RtpClock()
+        self.media_stats = MediaStats()
+        media_allow = settings.sip_media_allow_from
+        self.media_allow = (
+            AllowList(parse_networks(media_allow, "SIP_MEDIA_ALLOW_FROM")) if media_allow else None
+        )
+        self._calls: dict[CallKey, _Pending] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._switch_interval = sys.getswitchinterval()
+
+    def _config(self, settings: Settings, port: int) -> UasConfig:
+        if settings.sip_allow_from is None:
+            log.warning(
+                "SIP_ALLOW_FROM is unset: only loopback may send SIP. List your trunk's "
+                "signalling ranges (CIDRs) in SIP_ALLOW_FROM to take calls from it."
+            )
+        return UasConfig(
+            host=self.advertised,
+            port=port,
+            timers=TimerConfig(t1=settings.sip_t1_s),
+            allow=AllowList.from_spec(settings.sip_allow_from or DEFAULT_ALLOW_FROM),
+            rate_per_source=settings.sip_rate_per_source,
+            max_calls=self.max_calls,
+        )
+
+    async def start(self) -> tuple[str, int]:
+        # The RTP clock thread needs the GIL for a few microseconds every 20 ms; by default a
+        # busy event loop hands it over only every 5 ms. 1 ms keeps ticks on time.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, RTP_SWITCH_INTERVAL_S))
+        host, port = await self.transport.start()
+        if port != self.core.config.port:
+            # SIP_BIND port 0 (tests): Via and Contact must name the port we got.
+            self.core.config = replace(self.core.config, port=port)
+        return host, port
+
+    @property
+    def port(self) -> int:
+        return self.transport.port
+
+    async def stop(self) -> None:
+        """End what is still here (BYE) and close the listener."""
+        for pending in list(self._calls.values()):
+            if pending.bridge is not None:
+                with contextlib.suppress(Exception):
+                    await pending.bridge.end(EndReason.SHUTDOWN)
+            else:
+                pending.cancel_reason = EndReason.SHUTDOWN
+                pending.cancelled.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10.0)
+        for task in self._tasks:
+            task.cancel()
+        await self.transport.stop()
+        sys.setswitchinterval(self._switch_interval)
+
+    def live_calls(self) -> int:
+        return len(self._calls)
+
+    # ---- events from the core -----------------------------------------------------------
+
+    def _on_event(self, event: SipEvent) -> None:
+        if isinstance(event, IncomingCall):
+            self.transport.act(lambda now: self.core.ring(event.key, now))
+            pending = _Pending(event)
+            self._calls[event.key] = pending
+            task = asyncio.create_task(self._run_call(pending), name="sip-call")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        known = self._calls.get(event.key)
+        if known is None:
+            return
+        leg = known.leg
+        match event:
+            case CallCancelled():
+                known.cancel_reason = event.reason
+                known.cancelled.set()
+                if leg is not None:
+                    leg.remote_ended(f"caller {event.reason}")
+            case CallEnded() if leg is not None:
+                leg.remote_ended(event.reason)
+            case MediaUpdated() if leg is not None:
+                leg.media_updated(event.remote, event.direction)
+            case DtmfReceived() if leg is not None:
+                leg.digit(event.digit)
+            case _:
+                pass  # CallConfirmed, or an event for a call whose leg is not up yet
+
+    # ---- one call -----------------------------------------------------------------------
+
+    def _reject(self, key: CallKey, status: int, retry_after: int | None = None) -> None:
+        self.transport.act(lambda now: self.core.reject(key, status, now, retry_after=retry_after))
+
+    async def _run_call(self, pending: _Pending) -> None:
+        incoming = pending.incoming
+        call_sid = incoming.key.call_id  # the whole SIP Call-ID
+        session = CallSession(
+            self.runtime, LegKind.SIP, Caller(call_sid, incoming.from_user, incoming.to_user)
+        )
+        try:
+            await self._call(pending, session)
+        except Exception:
+            log.exception("SIP call %s failed", call_sid[:64])
+            key = incoming.key
+            self._reject(key, 500)
+            with contextlib.suppress(Exception):
+                self.transport.act(lambda now: self.core.hangup(key, now, "internal error"))
+        finally:
+            self._calls.pop(incoming.key, None)
+            # Every way out ends an admitted call here (once: the usual ways ended it already).
+            await session.end(CallStatus.FAILED, EndReason.INTERNAL_ERROR)
+
+    async def _call(self, pending: _Pending, session: CallSession) -> None:
+        incoming = pending.incoming
+        key = incoming.key
+        try:
+            admission = await session.admit({"transport": incoming.source.transport})
+        except DataError:
+            self._reject(key, 400)
+            return
+        except DBAPIError:
+            log.exception("could not record SIP call %s", key.call_id[:64])
+            self._reject(key, 503, retry_after=5)
+            return
+        if admission in (Admission.BUSY, Admission.DRAINING):
+            # Stopping: 503 with Retry-After sends the caller's proxy to another server;
+            # full: 486 Busy Here, as a busy line.
+            code = sip_refusal(admission)
+            self._reject(key, code, retry_after=5 if code == 503 else None)
+            log.warning("%s: SIP call %s gets %d", admission, key.call_id[:64], code)
+            return
+        if admission is not Admission.ADMITTED:
+            # The same Call-ID again with another From tag: a forked or replayed INVITE.
+            self._reject(key, 482)
+            return
+        call_id = session.call_id
+        if pending.cancelled.is_set():
+            await session.end(CallStatus.CANCELED, pending.cancel_reason or EndReason.CANCELLED)
+            return
+        dtmf_pt = incoming.remote.dtmf_pt if incoming.remote else 101
+        leg = SipLeg(key.call_id, incoming.codec, dtmf_pt, self.clock,
+                     lambda reason: self._hang_up(key, reason),
+                     policy=self._media_policy(incoming), stats=self.media_stats,
+                     on_foreign=lambda source: self._foreign_media(call_id, source))  # fmt: skip
+        try:
+            _, _, rtp_port, rtp_sock = await self.ports.bind(self.bind_host, lambda: leg.rtp)
+            leg.rtp.use_socket(rtp_sock)
+        except RtpPortsExhausted:
+            log.warning("no RTP port free for SIP call %s", key.call_id[:64])
+            self._reject(key, 503, retry_after=5)
+            await session.end(CallStatus.FAILED, EndReason.NO_RTP_PORT)
+            return
+        try:
+            await self._bridge(pending, session, leg, rtp_port)
+        finally:
+            leg.rtp.close()
+            self.ports.release(rtp_port)
+
+    async def _bridge(
+        self, pending: _Pending, session: CallSession, leg: SipLeg, rtp_port: int
+    ) -> None:
+        runtime = self.runtime
+        incoming = pending.incoming
+        key = incoming.key
+        pending.leg = leg
+        if pending.cancelled.is_set():
+            leg.remote_ended(pending.cancel_reason)
+        sink = session.sink
+        bridge = session.build_bridge(leg)
+        pending.bridge = bridge
+        started = time.monotonic()
+        run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{session.call_id}")
+        status = CallStatus.FAILED
+        try:
+            outcome = await _first(
+                {
+                    "connected": sink.connected.wait(),
+                    "failed": sink.failed.wait(),
+                    "cancelled": pending.cancelled.wait(),
+                },
+                runtime.settings.sip_answer_timeout_s,
+            )
+            answered = False
+            if outcome == "connected" and not pending.cancelled.is_set():
+                local = LocalMedia(self.advertised, rtp_port, random.randint(1, 2**31))
+                answered = bool(self.transport.act(lambda now: self.core.answer(key, local, now)))
+            if answered:
+                remote = incoming.remote
+                direction = ANSWER_DIRECTION[remote.direction] if remote else "sendrecv"
+                leg.answered(remote, direction)
+                # Until here the call was in set-up for the heartbeat (its row ringing).
+                stream = {
+                    "codec": incoming.codec.name,
+                    "encoding": incoming.codec.audio_format,
+                    "sample_rate": 8000,
+                    "rtp_port": rtp_port,
+                    "dtmf_payload_type": remote.dtmf_pt if remote else None,
+                    "answer_ms": round((time.monotonic() - started) * 1000),
+                }
+                if await session.go_live(stream):
+                    status = CallStatus.COMPLETED
+                else:
+                    # Ended elsewhere (staff, a sweep) while it was being answered.
+                    await bridge.end(EndReason.ENDED_ELSEWHERE)
+            elif pending.cancelled.is_set() or outcome == "cancelled":
+                status = CallStatus.CANCELED
+                await bridge.end(f"caller {pending.cancel_reason or EndReason.CANCELLED}")
+            else:
+                why = (
+                    EndReason.REALTIME_FAILED if outcome == "failed" else EndReason.REALTIME_TIMEOUT
+                )
+                self._reject(key, 503, retry_after=random.randint(5, 15))
+                await bridge.end(why)
+            await run
+        finally:
+            if not run.done():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+            await session.end(status)
+
+    def _media_policy(self, incoming: IncomingCall) -> MediaPolicy:
+        settings = self.runtime.settings
+        return MediaPolicy(
+            signalling_host=incoming.source.remote[0],
+            allow=self.media_allow,
+            learn_s=settings.sip_rtp_learn_s,
+            probation=settings.sip_rtp_probation,
+        )
+
+    def _foreign_media(self, call_id: str, source: tuple[str, int]) -> None:
+        """RTP from a source the signalling did not name reached a call (once a call)."""
+        self.runtime.events.emit(
+            CallEvent(
+                call_id, CallEventKind.FOREIGN_MEDIA_DROPPED, {"source": f"{source[0]}:{source[1]}"}
+            )
+        )
+        log.warning("call %s: RTP from %s:%s dropped (not the signalled media source)",
+                    call_id, source[0], source[1])  # fmt: skip
+
+    def _hang_up(self, key: CallKey, reason: str) -> None:
+        """Our side ends the call (tools, errors, drain): BYE, or 503/480 if not yet answered."""
+        self.transport.act(lambda now: self.core.hangup(key, now, reason))
+
+
+async def _first(waits: dict[str, Coroutine[Any, Any, Any]], timeout_s: float) -> str:
+    """Which of the named waits finishes first; "timeout" if none does in time."""
+    tasks = {asyncio.ensure_future(w): name for name, w in waits.items()}
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not done:
+        return "timeout"
+    return tasks[next(iter(done))]
+
+
+def _digest(settings: Settings) -> DigestAuth | None:
+    if settings.sip_digest_users is None:
+        return None
+    users = parse_users(settings.sip_digest_users.get_secret_value())
+    if not users:
+        return None
+    return DigestAuth(
+        users,
+        realm="voice-agent",
+        failures_allowed=settings.sip_digest_failures_allowed,
+        backoff_max_s=settings.sip_digest_backoff_max_s,
+    )

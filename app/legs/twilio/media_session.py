@@ -1,0 +1,87 @@
+"""One admitted Twilio media stream: the Twilio leg under the call's session, run to its end.
+
+The call's life (bridge, live, end) is `app.legs.session.CallSession`'s; what is Twilio's here
+is the leg over the media socket, its frame budget, and the REST hang-up after a fatal
+Realtime failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.calls.store import CallRow
+from app.legs.session import CallSession
+from app.runtime import Runtime
+from telephony.budget import BudgetLimits, StreamBudget
+from telephony.call_events import CallEvent, CallEventKind
+from telephony.twilio_events import StartInfo
+from telephony.twilio_leg import TextWebSocket, TwilioLeg
+
+log = logging.getLogger(__name__)
+
+# The REST hang-up after a fatal Realtime failure; the bridge bounds its hook at 10 s too.
+HANGUP_TIMEOUT_S = 8.0
+
+
+async def run_media_session(
+    runtime: Runtime, ws: TextWebSocket, start: StartInfo, call: CallRow
+) -> None:
+    """Bridge the call (its row went in_progress when the stream token was spent, in
+    routes_twilio._admit); afterwards end it (row, events, recording)."""
+    session = CallSession.of_row(runtime, call)
+    try:
+        s = runtime.settings
+        budget = StreamBudget(
+            session.sink,
+            call.id,
+            BudgetLimits(max_malformed=s.media_max_malformed_frames, max_dtmf=s.media_max_dtmf),
+        )
+        if hasattr(ws, "budget"):
+            ws.budget = budget  # the frame guard's drops count against the same budget
+        leg = TwilioLeg(
+            ws,
+            start,
+            session.sink,
+            call.id,
+            chunk_ms=s.twilio_media_chunk_ms,
+            idle_timeout_s=s.media_idle_timeout_s,
+            budget=budget,
+        )
+
+        async def hang_up(reason: str) -> None:
+            await _hang_up_via_rest(runtime, session, reason)
+
+        bridge = session.build_bridge(leg, on_fatal=hang_up, socket=ws)
+        await session.go_live(
+            {
+                "stream_sid": start.stream_sid,
+                "encoding": start.media_format.encoding,
+                "sample_rate": start.media_format.sample_rate,
+                "tracks": start.tracks,
+            },
+            moved=True,
+        )
+        await bridge.run()
+    finally:
+        await session.end()
+
+
+async def _hang_up_via_rest(runtime: Runtime, session: CallSession, reason: str) -> None:
+    """Realtime is gone for good: ask Twilio to end the call (the caller heard the apology)."""
+    from app.ops.twilio_rest import end_call
+
+    call_id = session.call_id
+    log.warning("call %s: realtime failed (%s); hanging up through Twilio", call_id, reason)
+    try:
+        async with asyncio.timeout(HANGUP_TIMEOUT_S):
+            await end_call(runtime.twilio, session.call_sid)
+    except Exception as exc:
+        log.error("call %s: REST hang-up failed: %r", call_id, exc)
+        session.sink.emit(
+            CallEvent(
+                call_id, CallEventKind.ERROR, {"where": "twilio_rest", "error": repr(exc)[:200]}
+            )
+        )
+    else:
+        session.ended_by(f"realtime failed, hung up via Twilio: {reason}")

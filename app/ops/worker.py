@@ -1,0 +1,294 @@
+"""Operation workers: Procrastinate workers plus sweepers, in the server or standalone.
+
+`voice-agent serve` starts one in-process (`start_inprocess_worker`); `voice-agent worker`
+runs `run_worker` until SIGINT/SIGTERM. Both wire the same pieces: the executor's task on
+a Procrastinate app, the configured catalog's providers, the delivery tasks (outcomes to
+callers by call or SMS, integrator webhooks), and the sweeper loops that recover what a crash
+left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import procrastinate
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.db import make_engine, resolve_database_url
+from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
+from app.ops.sms import SmsChannel
+from app.settings import Settings
+from app.tool_wiring import load_configured_catalog
+from tools import webhooks
+from tools.catalog import Catalog
+from tools.executor import QUEUE, TASK_NAME, Executor, make_app
+from tools.jobs import DELIVERY_QUEUE
+from tools.provider import Provider
+from tools.registry import Registry
+from tools.sweeper import Sweeper
+
+log = logging.getLogger(__name__)
+
+
+class OperationWorker:
+    """A Procrastinate worker running `execute_operation` jobs, and a sweeper beside it."""
+
+    def __init__(
+        self,
+        *,
+        database_url: str,
+        engine: AsyncEngine,
+        registry: Registry,
+        provider: Provider,
+        concurrency: int = 4,
+        worker_id: str | None = None,
+        callback_base_url: str | None = None,
+        sweep_interval_s: float = 5.0,
+        deadline_margin_s: float = 2.0,
+        heartbeat_s: float = 5.0,
+        stalled_after_s: float = 30.0,
+        poll_interval_s: float = 1.0,
+        shutdown_grace_s: float = 10.0,
+        sweep: bool = True,
+        delivery: DeliveryDriver | None = None,
+        queues: list[str] | None = None,
+    ) -> None:
+        self.app: procrastinate.App = make_app(database_url, max_pool_size=concurrency + 4)
+        self.executor = Executor(
+            app=self.app,
+            engine=engine,
+            registry=registry,
+            provider=provider,
+            worker_id=worker_id,
+            deadline_margin_s=deadline_margin_s,
+            callback_base_url=callback_base_url,
+        )
+        self.sweeper = Sweeper(
+            engine=engine,
+            reconciler=self.executor.reconciler,
+            app=self.app,
+            task_name=TASK_NAME,
+            interval_s=sweep_interval_s,
+            stalled_after_s=stalled_after_s,
+        )
+        self.delivery = delivery
+        self.delivery_sweeper: DeliverySweeper | None = None
+        if delivery is not None:
+            delivery.register(self.app)
+            self.delivery_sweeper = DeliverySweeper(
+                engine, delivery.config, interval_s=sweep_interval_s
+            )
+        default = [QUEUE, DELIVERY_QUEUE] if delivery is not None else [QUEUE]
+        self.queues = [q for q in (queues or default) if q in default] or default
+        self.concurrency = concurrency
+        self.heartbeat_s = heartbeat_s
+        self.stalled_after_s = stalled_after_s
+        self.poll_interval_s = poll_interval_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.sweep = sweep
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def worker_id(self) -> str:
+        return self.executor.worker_id
+
+    async def start(self) -> None:
+        """Open the job queue connection and start the worker and sweeper tasks."""
+        await self.app.open_async()
+        self._stop.clear()
+        worker = self.app.run_worker_async(
+            queues=self.queues,
+            name=self.worker_id,
+            concurrency=self.concurrency,
+            wait=True,
+            install_signal_handlers=False,
+            listen_notify=True,
+            fetch_job_polling_interval=self.poll_interval_s,
+            abort_job_polling_interval=self.poll_interval_s,
+            update_heartbeat_interval=self.heartbeat_s,
+            stalled_worker_timeout=self.stalled_after_s,
+            shutdown_graceful_timeout=self.shutdown_grace_s,
+            delete_jobs="successful",
+        )
+        self._tasks = [asyncio.create_task(worker, name=f"procrastinate:{self.worker_id}")]
+        if self.sweep:
+            self._tasks.append(
+                asyncio.create_task(self.sweeper.run(self._stop), name="operation-sweeper")
+            )
+            if self.delivery_sweeper is not None:
+                self._tasks.append(
+                    asyncio.create_task(
+                        self.delivery_sweeper.run(self._stop), name="delivery-sweeper"
+                    )
+                )
+        log.info("operation worker %s started (concurrency %d)", self.worker_id, self.concurrency)
+
+    async def wait(self) -> None:
+        """Until the Procrastinate worker ends (it only ends on stop or on a fatal error)."""
+        if self._tasks:
+            await asyncio.wait([self._tasks[0]])
+
+    async def stop(self) -> None:
+        """Graceful: running jobs get `shutdown_grace_s` to finish; then everything closes.
+
+        A job cut off here leaves its operation `running`; the sweeper of any worker moves
+        it to `unknown` after its deadline and reconciles it.
+        """
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        await self.app.close_async()
+        if self.delivery is not None:
+            await self.delivery.aclose()
+        log.info("operation worker %s stopped", self.worker_id)
+
+
+def delivery_config(settings: Settings) -> DeliveryConfig:
+    """The delivery knobs of a deployment."""
+    return DeliveryConfig(
+        dead_after_s=settings.call_dead_after_s,
+        max_reoffers=settings.announce_max_reoffers,
+        announce_timeout_s=settings.announce_timeout_s,
+        stream_wait_s=settings.stream_token_ttl_s + 30.0,
+        webhook_policy=webhooks.RetryPolicy(
+            max_attempts=settings.webhook_max_attempts,
+            base_s=settings.webhook_base_backoff_s,
+            timeout_s=settings.webhook_timeout_s,
+        ),
+    )
+
+
+def build_delivery(settings: Settings, engine: AsyncEngine, registry: Registry) -> DeliveryDriver:
+    """The delivery tasks of a worker process (SMS through Twilio, webhooks over HTTP)."""
+    sms = SmsChannel.from_settings(settings, engine, registry, actor="sms")
+    return DeliveryDriver(engine, registry, sms, delivery_config(settings))
+
+
+async def start_inprocess_worker(
+    settings: Settings,
+    engine: AsyncEngine,
+    *,
+    database_url: str | None = None,
+    catalog: Catalog | None = None,
+    registry: Registry | None = None,
+    provider: Provider | None = None,
+    concurrency: int | None = None,
+) -> OperationWorker:
+    """Start a worker inside the server process (for its lifespan); `stop()` it on shutdown.
+
+    It runs `registry` (default: the catalog's tools) on `provider` (default: the catalog's
+    providers, each tool routed to the one it names). Without `catalog`, the configured one
+    is loaded and closed by `stop()`.
+    """
+    url = database_url or engine.url.render_as_string(hide_password=False)
+    owned: Catalog | None = None
+    if provider is None:
+        if catalog is None:
+            catalog = owned = load_configured_catalog(settings)
+        provider = catalog.router
+    if registry is None:
+        if catalog is None:
+            catalog = owned = load_configured_catalog(settings)
+        registry = catalog.registry
+    worker = OperationWorker(
+        database_url=url,
+        engine=engine,
+        registry=registry,
+        provider=provider,
+        concurrency=concurrency or settings.worker_concurrency,
+        callback_base_url=settings.public_base_url,
+        sweep_interval_s=settings.sweep_interval_s,
+        heartbeat_s=settings.worker_heartbeat_s,
+        stalled_after_s=settings.worker_stalled_after_s,
+        delivery=build_delivery(settings, engine, registry),
+        queues=settings.queues(),
+    )
+    if owned is not None:
+        _close_with(worker, owned)
+    try:
+        await worker.start()
+    except BaseException:
+        if owned is not None:
+            await owned.aclose()
+        raise
+    return worker
+
+
+async def sync_webhooks(settings: Settings, engine: AsyncEngine) -> None:
+    """Make the configured (WEBHOOKS) subscriptions match the database's."""
+    configured = settings.configured_webhooks()
+    async with engine.begin() as conn:
+        await webhooks.sync_configured(conn, settings.tenant_id, configured)
+
+
+def _close_with(worker: OperationWorker, catalog: Catalog) -> None:
+    stop = worker.stop
+
+    async def stop_and_close() -> None:
+        try:
+            await stop()
+        finally:
+            await catalog.aclose()
+
+    worker.stop = stop_and_close  # type: ignore[method-assign]
+
+
+async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
+    """`voice-agent worker`: run operation workers until SIGINT/SIGTERM."""
+    # A catalog that cannot run is refused before anything starts.
+    catalog = load_configured_catalog(settings)
+    try:
+        url = await asyncio.to_thread(
+            resolve_database_url, settings.database_url, settings.data_dir
+        )
+    except BaseException:
+        await catalog.aclose()
+        raise
+    engine = make_engine(url)
+    await sync_webhooks(settings, engine)
+    registry = catalog.registry
+    worker = OperationWorker(
+        database_url=url,
+        engine=engine,
+        registry=registry,
+        provider=catalog.router,
+        concurrency=concurrency or settings.worker_concurrency,
+        callback_base_url=settings.public_base_url,
+        sweep_interval_s=settings.sweep_interval_s,
+        heartbeat_s=settings.worker_heartbeat_s,
+        stalled_after_s=settings.worker_stalled_after_s,
+        delivery=build_delivery(settings, engine, registry),
+        queues=settings.queues(),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.start()
+        print(f"operation worker {worker.worker_id} running", flush=True)
+        waiter = asyncio.create_task(worker.wait())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        died = not stop.is_set()
+        for t in (waiter, stopper):
+            t.cancel()
+        await asyncio.gather(waiter, stopper, return_exceptions=True)
+    finally:
+        await worker.stop()
+        await catalog.aclose()
+        await engine.dispose()
+    if died:
+        # Nobody asked it to stop: the job queue failed (its error is logged above).
+        log.error("operation worker %s stopped by itself", worker.worker_id)
+        return 1
+    return 0
