@@ -107,7 +107,7 @@ async def test_a_voice_webhook_at_capacity_with_a_104_character_to_logs_no_numbe
         response = await post_signed(service, "/twilio/voice", _voice("CAcap", To=LONG_TO))
     text = service_log.getvalue()
     assert response.status_code == 200 and "<Say" in response.text  # the busy answer
-    assert "could not record a busy call" in text and "Traceback" in text  # the path ran
+    assert "could not record the refused call" in text and "Traceback" in text  # the path ran
     assert "5551234567" not in text and "7777777777" not in text
 
 
@@ -135,7 +135,7 @@ async def test_serve_at_capacity_writes_no_phone_number_to_its_log_stream(
         await server.stop()
     text = stderr.read_text("utf-8", "replace")
     assert response.status_code == 200
-    assert "could not record a busy call" in text and "Traceback" in text
+    assert "could not record the refused call" in text and "Traceback" in text
     assert "5551234567" not in text and "7777777777" not in text
 
 
