@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class AgentItem:
     checks: int = 0
 
 
-class Playout:
+class Playout(ABC):
     """The agent's items and transcripts; subclasses decide how a barge-in stops the audio."""
 
     def __init__(
@@ -95,27 +96,31 @@ class Playout:
 
     # The strategy.
 
+    @abstractmethod
     async def speech_started(self, session: ModelSession, received_at: float) -> None:
         """The caller began to speak: stop the agent's audio if it is still being heard."""
-        raise NotImplementedError
 
     def output_item_added(
         self, session: ModelSession, item_id: str, response_id: str, kind: str
     ) -> None:
         """`response.output_item.added` (server playout: an item the server will play)."""
+        return  # nothing to do unless the strategy says otherwise
 
     def output_started(self, response_id: str) -> None:
         """`output_audio_buffer.started` (server playout)."""
+        return  # nothing to do unless the strategy says otherwise
 
     def output_ended(self, response_id: str, *, cleared: bool) -> None:
         """`output_audio_buffer.stopped` / `cleared` (server playout)."""
+        return  # nothing to do unless the strategy says otherwise
 
+    @abstractmethod
     def transcript(self, item_id: str, text: str) -> None:
         """The model's transcript of one of its items: recorded once its playout is known."""
-        raise NotImplementedError
 
     async def apologise(self, config: BridgeConfig) -> None:
         """The model is gone for good: say so to the caller where we carry the audio."""
+        return  # nothing to do unless the strategy says otherwise
 
     # Shared by both.
 
@@ -198,6 +203,7 @@ class Playout:
 
     def _final_length(self, item: AgentItem, heard: int) -> None:
         """Adjust an item's length as the call ends (server playout: still open)."""
+        return  # nothing to do unless the strategy says otherwise
 
     def record(self, item_id: str, item: AgentItem, final: bool = False) -> None:
         if item.recorded or item.transcript is None:
