@@ -90,6 +90,30 @@ class PlaybackTracker:
                     self._items[following].started_at = now
         return True
 
+    def settle(self) -> None:
+        """Finish the items whose playout has ended by the clock though the leg's last
+        confirmation of it is not in yet (a mark echo on its way): each ended when its audio
+        ran out, and the item behind it began then. Asked before deciding whether the caller's
+        speech interrupts anything: words after the last of an item was heard do not."""
+        now = self._clock()
+        while (item_id := self.current_item()) is not None:
+            item = self._items[item_id]
+            end = item.confirmed_at + (item.queued_ms - item.played_ms) / 1000.0
+            if end > now:
+                return  # still audible
+            if item.started_at is None:
+                item.started_at = end - item.queued_ms / 1000.0
+            item.played_ms = item.queued_ms
+            item.confirmed_at = end
+            following = self.current_item()
+            if following is not None:
+                nxt = self._items[following]
+                if nxt.played_ms == 0:
+                    # It cannot have begun before it was queued (confirmed_at, when unplayed).
+                    nxt.confirmed_at = max(nxt.confirmed_at, end)
+                    if nxt.started_at is None:
+                        nxt.started_at = nxt.confirmed_at
+
     def cleared(self) -> None:
         """All unconfirmed audio was dropped; freeze each item at what was heard."""
         current = self.current_item()
@@ -97,7 +121,11 @@ class PlaybackTracker:
             # Only the item at the head of playout was audible; the ones behind it were not.
             heard = self._estimate(item) if item_id == current else item.played_ms
             if heard > item.played_ms:
-                item.confirmed_at = self._clock()  # heard up to here, at this moment
+                # Heard up to here at the moment playout reached it: now, unless its audio
+                # ran out before the clear came (then it was heard to its end back then).
+                item.confirmed_at = min(
+                    self._clock(), item.confirmed_at + (heard - item.played_ms) / 1000.0
+                )
             item.played_ms = heard
             item.queued_ms = heard
         self.epoch += 1

@@ -61,19 +61,30 @@ class TextWebSocket(Protocol):
 
 
 def mark_name(epoch: int, item_id: str, end_ms: float) -> str:
-    """Mark names carry what the echo confirms: playback epoch, end offset, item id."""
-    return f"{epoch}:{round(end_ms)}:{item_id}"
+    """Mark names carry what the echo confirms: playback epoch, end offset, item id.
+
+    The end offset is exact: the tracker counts audio per G.711 byte (an eighth of a
+    millisecond), so an offset rounded to a whole millisecond would leave a line whose length
+    ends in .125 ms short of its end for ever (never finished, and the caller's next words
+    taken as a barge-in on it).
+    """
+    if end_ms == int(end_ms):
+        return f"{epoch}:{int(end_ms)}:{item_id}"
+    return f"{epoch}:{end_ms:.3f}:{item_id}"
 
 
-def parse_mark_name(name: str) -> tuple[int, int, str] | None:
+def parse_mark_name(name: str) -> tuple[int, float, str] | None:
     """(epoch, end_ms, item_id) from a mark name we sent; None for anything else."""
     parts = name.split(":", 2)
     if len(parts) != 3:
         return None
     try:
-        return int(parts[0]), int(parts[1]), parts[2]
+        epoch, end_ms = int(parts[0]), float(parts[1])
     except ValueError:
         return None
+    if not 0.0 <= end_ms < 1e12:  # also refuses nan and inf
+        return None
+    return epoch, end_ms, parts[2]
 
 
 class TwilioLeg:

@@ -116,3 +116,51 @@ def test_an_item_confirmed_before_the_item_ahead_of_it_ended_still_has_a_start()
     tracker.played(epoch, "item_rb", 2000)
     assert tracker.ended_at("item_rb") == clock.now
     assert tracker.started_at("item_a") == 100.0
+
+
+def test_an_item_whose_audio_ran_out_before_its_last_mark_came_back_is_settled_as_ended() -> None:
+    """The caller's yes 0.1 s after the readback's end, its last mark echo still on its way:
+    the readback ended when its audio ran out, and nothing is playing (no barge-in on it)."""
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    epoch, _ = tracker.queued("item_rb", 900.375)
+    clock.now += 0.5
+    tracker.played(epoch, "item_rb", 500)
+    clock.now += 0.3
+    tracker.settle()
+    assert tracker.is_playing()  # 100.375 ms of it still to hear
+    clock.now += 0.2
+    tracker.settle()
+    assert not tracker.is_playing()
+    ended = tracker.ended_at("item_rb")
+    assert ended is not None and abs(ended - (100.5 + 0.400375)) < 1e-9
+    assert tracker.heard_ms("item_rb") == 900
+    # The late echo changes nothing.
+    tracker.played(epoch, "item_rb", 900.375)
+    assert tracker.ended_at("item_rb") == ended
+
+
+def test_settling_starts_the_item_behind_when_the_one_ahead_ran_out() -> None:
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    tracker.queued("item_a", 300)
+    tracker.queued("item_b", 1000)
+    clock.now += 0.5
+    tracker.settle()
+    assert tracker.current_item() == "item_b"
+    assert tracker.started_at("item_b") == 100.3
+    assert tracker.heard_ms("item_b") == 200
+    clock.now += 1.0
+    tracker.settle()
+    assert not tracker.is_playing() and tracker.ended_at("item_b") == 101.3
+
+
+def test_a_clear_after_an_item_ran_out_keeps_when_it_ended_not_when_it_was_cleared() -> None:
+    clock = Clock()
+    tracker = PlaybackTracker(clock)
+    tracker.queued("item_rb", 400.125)
+    clock.now += 1.0
+    tracker.cleared()
+    assert tracker.heard_ms("item_rb") == 400
+    ended = tracker.ended_at("item_rb")
+    assert ended is not None and abs(ended - 100.400125) < 1e-9

@@ -327,9 +327,46 @@ async def test_close_is_idempotent_and_closes_the_socket(make_pair):
 
 
 def test_mark_names_round_trip_item_ids_with_separators():
-    assert parse_mark_name(mark_name(3, "item:with:colons", 120.4)) == (3, 120, "item:with:colons")
+    assert parse_mark_name(mark_name(3, "item:with:colons", 120.5)) == (
+        3,
+        120.5,
+        "item:with:colons",
+    )
+    assert parse_mark_name(mark_name(0, "item", 160.0)) == (0, 160, "item")
+    assert mark_name(0, "item", 160.0) == "0:160:item"
     assert parse_mark_name("greeting") is None
     assert parse_mark_name("x:1:item") is None
+    for bad in ("0:nan:item", "0:inf:item", "0:-5:item", "0:1e400:item"):
+        assert parse_mark_name(bad) is None, bad
+
+
+@pytest.mark.parametrize("extra_bytes", range(8))
+async def test_a_line_of_any_byte_count_is_heard_to_its_end_once_its_marks_are_echoed(
+    make_pair, extra_bytes
+):
+    """G.711 has 8 bytes a millisecond: a line of 900 ms plus 0-7 bytes ends when Twilio echoes
+    its last mark (a mark rounded to a whole millisecond left .125-.375 ms unplayed for ever)."""
+    pair = await make_pair()
+    size = 900 * BYTES_PER_MS + extra_bytes
+    await pair.leg.play("item_rb", b64(b"\x55" * size))
+    names: list[str] = []
+    sent = 0
+    async with asyncio.timeout(WAIT_S):
+        while not names or sent < size:
+            frame = await pair.recv()
+            if frame["event"] == "media":
+                sent += len(base64.b64decode(frame["media"]["payload"]))
+            elif frame["event"] == "mark":
+                names.append(frame["mark"]["name"])
+    if parse_mark_name(names[-1])[1] * BYTES_PER_MS < size:  # type: ignore[index]
+        names.append((await pair.recv())["mark"]["name"])  # the tail's closing mark
+    for name in names:
+        await pair.send(mark(name))
+    await pair.sync()
+    playback = pair.leg.playback
+    assert parse_mark_name(names[-1])[1] == size / BYTES_PER_MS  # type: ignore[index]
+    assert not playback.is_playing()
+    assert playback.ended_at("item_rb") is not None
 
 
 async def test_an_item_queued_behind_another_starts_counting_when_that_one_ends(make_pair):

@@ -241,7 +241,11 @@ class LocalPlayout(Playout):
     """We play the audio (Twilio, SIP): truncate at what the caller heard."""
 
     async def speech_started(self, session: ModelSession, received_at: float) -> None:
-        if self.leg.playback.is_playing():
+        playback = self.leg.playback
+        # Audio whose end the caller has heard, its last confirmation still on its way, is
+        # not interrupted: nothing of it to clear, truncate or count as cut.
+        playback.settle()
+        if playback.is_playing():
             await self._barge_in(session, received_at)
 
     async def _barge_in(self, session: ModelSession, received_at: float) -> None:
