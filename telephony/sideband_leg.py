@@ -27,11 +27,11 @@ class SidebandLeg:
 
     def __init__(
         self,
-        openai_call_id: str,
+        call_sid: str,
         audio_format: AudioFormat = "audio/pcmu",
         on_close: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        self.openai_call_id = openai_call_id
+        self.call_sid = call_sid  # OpenAI's id of the call (rtc_…): the carrier's id
         self.audio_format = audio_format
         self.playback = PlaybackTracker()
         self._on_close = on_close

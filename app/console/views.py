@@ -157,7 +157,7 @@ async def operation_detail(
         "actions": {a.value: {"allowed": v.allowed, "why": v.why} for a, v in actions.items()},
         "sms": (
             {
-                "delivery_id": sms.delivery_id,
+                "delivery_id": str(sms.delivery_id),
                 "state": sms.state,
                 "to": sms.to,
                 "resendable": sms.resendable,

@@ -25,7 +25,7 @@ from tools.delivery_states import SmsStatus
 class SmsInfo:
     """The latest SMS of one operation's outcome, as staff see it."""
 
-    delivery_id: str
+    delivery_id: uuid.UUID
     state: str  # queued | sent | delivered | undelivered | failed | not_deliverable | …
     to: str | None
     resendable: bool
@@ -36,7 +36,7 @@ class SmsInfo:
 class ResendResult:
     """What asking for a resend did."""
 
-    delivery_id: str
+    delivery_id: uuid.UUID
     state: str
 
 
@@ -88,7 +88,7 @@ class LedgerSmsDeliveries:
         state = last.status.value if last is not None else delivery.state.value
         why_not = _why_not_resendable(delivery.state.value, last)
         return SmsInfo(
-            delivery_id=str(delivery.id),
+            delivery_id=delivery.id,
             state=state,
             to=last.to_number if last is not None else delivery.caller,
             resendable=why_not is None,
@@ -106,7 +106,7 @@ class LedgerSmsDeliveries:
             message = await self._sms.resend(delivery.id, name, reason)
         except ResendRefused as exc:
             raise SmsResendRefused(str(exc)) from exc
-        return ResendResult(delivery_id=str(delivery.id), state=message.status.value)
+        return ResendResult(delivery_id=delivery.id, state=message.status.value)
 
 
 def _why_not_resendable(delivery_state: str, last: SmsRecord | None) -> str | None:

@@ -139,7 +139,7 @@ class Bridge:
             leg.audio_format,
             gateway.definitions,
             history,
-            openai_call_sid=sideband.openai_call_id if sideband is not None else None,
+            sideband_call_sid=sideband.call_sid if sideband is not None else None,
         )
         self.audio = AudioPath(self.port, leg, self.playout, ctx, gateway, evidence)
         self.utterances = Utterances(

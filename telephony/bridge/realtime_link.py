@@ -178,7 +178,7 @@ class RealtimeSession:
 
 
 class RealtimeLink:
-    """`ModelLink` for the OpenAI Realtime API, own socket or sideband (`openai_call_sid`)."""
+    """`ModelLink` for the OpenAI Realtime API, own socket or sideband (`sideband_call_sid`)."""
 
     def __init__(
         self,
@@ -188,7 +188,7 @@ class RealtimeLink:
         audio_format: AudioFormat,
         tools: Callable[[], list[dict[str, Any]]],
         history: deque[str],
-        openai_call_sid: str | None = None,
+        sideband_call_sid: str | None = None,
     ) -> None:
         self._port = port
         self._config = config
@@ -197,8 +197,8 @@ class RealtimeLink:
         self._tools = tools
         self._history = history
         # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
-        self._openai_call_sid = openai_call_sid
-        self.keeps_conversation = openai_call_sid is not None
+        self._sideband_call_sid = sideband_call_sid
+        self.keeps_conversation = sideband_call_sid is not None
         self.ended_remotely = False
         self._generation = 0
         self._reader_waiting: RealtimeSession | None = None  # `read` awaits its next message
@@ -219,8 +219,8 @@ class RealtimeLink:
             conn: AsyncRealtimeConnection | None = None
             try:
                 async with asyncio.timeout(min(self._config.connect_timeout_s, remaining)):
-                    if self._openai_call_sid is not None:
-                        conn = await self._attach_sideband(self._openai_call_sid)
+                    if self._sideband_call_sid is not None:
+                        conn = await self._attach_sideband(self._sideband_call_sid)
                     else:
                         conn = await self._client.realtime.connect(
                             model=self._config.model,
@@ -267,11 +267,11 @@ class RealtimeLink:
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)
 
-    async def _attach_sideband(self, openai_call_sid: str) -> AsyncRealtimeConnection:
+    async def _attach_sideband(self, sideband_call_sid: str) -> AsyncRealtimeConnection:
         """Join OpenAI's call over the sideband: the session was set by the accept."""
         try:
             return await self._client.realtime.connect(
-                call_id=openai_call_sid, websocket_connection_options={"compression": None}
+                call_id=sideband_call_sid, websocket_connection_options={"compression": None}
             ).enter()
         except InvalidStatus as exc:
             status = exc.response.status_code
