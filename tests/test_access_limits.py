@@ -242,6 +242,48 @@ async def test_staff_unlock_clears_a_lockout_from_the_cli(
     assert unknown[0] == 2 and "no staff account named 'nobody'" in unknown[2]
 
 
+async def test_staff_unlock_source_clears_a_shared_address_locked_for_every_account(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    """Behind one shared address (a proxy FORWARDED_ALLOW_IPS does not trust, an office NAT),
+    LOGIN_MAX_FAILURES_PER_SOURCE failures lock every login through it; `staff unlock --source`
+    clears that address, and only that one."""
+    for name in ("nia", "oli", "pat"):
+        await add_staff(engine, name, Role.VIEWER)
+    shared, other = "127.0.0.7", "127.0.0.8"
+    async with running_service(
+        engine, login_max_failures_per_account_source=5, login_max_failures_per_source=3
+    ) as svc:
+        for name in ("nia", "oli", "zed"):
+            assert (await _login(svc.url, name, WRONG, shared)).status_code == 401
+        assert (await _login(svc.url, "pat", WRONG, other)).status_code == 401
+        locked = await _login(svc.url, "pat", PASSWORD, shared)
+        bad = await _cli(clean_db, "staff", "unlock", "--source", "not-an-address")
+        neither = await _cli(clean_db, "staff", "unlock")
+        unlocked = await _cli(clean_db, "staff", "unlock", "--source", shared)
+        after = await _login(svc.url, "pat", PASSWORD, shared)
+    assert locked.status_code == 429
+    assert bad[0] == 2 and "'not-an-address' is not an IP address" in bad[2]
+    assert neither[0] == 2 and "needs NAME, --source ADDRESS or both" in neither[2]
+    assert unlocked[0] == 0
+    assert f"login failures from {shared} cleared (3)" in unlocked[1]
+    assert after.status_code == 303
+    # The other address's failure is someone else's and stays.
+    assert await _failures(engine, "pat") == [other]
+
+
+async def test_staff_unlock_name_and_source_clears_that_pair_only(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    await add_staff(engine, "quin", Role.VIEWER)
+    async with running_service(engine, login_max_failures_per_account_source=5) as svc:
+        for source in ("127.0.0.7", "127.0.0.8"):
+            assert (await _login(svc.url, "quin", WRONG, source)).status_code == 401
+    pair = await _cli(clean_db, "staff", "unlock", "Quin", "--source", "127.0.0.7")
+    assert pair[0] == 0 and "login failures from 127.0.0.7 for quin cleared (1)" in pair[1]
+    assert await _failures(engine, "quin") == ["127.0.0.8"]
+
+
 async def test_an_admin_sees_and_clears_a_lockout_on_the_staff_page(engine: AsyncEngine) -> None:
     await add_staff(engine, "max", Role.OPERATOR)
     await add_staff(engine, "boss", Role.ADMIN)

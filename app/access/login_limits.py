@@ -17,7 +17,9 @@ applying `X-Forwarded-For` from the proxies FORWARDED_ALLOW_IPS trusts:
   its password is checked at most once per `account_slowdown_s` (a distributed guesser gets a
   few hundred tries per window; staff are never locked out by strangers).
 An admin sees the locked pairs on the console's staff page and clears them there or with
-`voice-agent staff unlock NAME`.
+`voice-agent staff unlock NAME`; `voice-agent staff unlock --source ADDRESS` clears a source
+(behind a shared address, such as a proxy FORWARDED_ALLOW_IPS does not trust or an office's
+NAT, 20 failures lock every login through it).
 """
 
 from __future__ import annotations
@@ -252,9 +254,14 @@ async def lockouts(engine: AsyncEngine, limits: LoginLimits) -> list[Lockout]:
     ]
 
 
-async def clear(engine: AsyncEngine, username: str) -> int:
-    """Forget every failure of `username` (from every source); how many there were."""
+async def clear(engine: AsyncEngine, username: str | None = None, source: str | None = None) -> int:
+    """Forget the failures of `username` (from every source), of `source` (for every account),
+    or of the pair when both are given; how many there were."""
+    if username is None and source is None:
+        raise ValueError("clear needs a username, a source or both")
+    where = [failures_t.c.username == key(username)] if username is not None else []
+    if source is not None:
+        where.append(failures_t.c.source == key(source))
     async with engine.begin() as conn:
-        mine = failures_t.c.username == key(username)
-        result = await conn.execute(failures_t.delete().where(mine))
+        result = await conn.execute(failures_t.delete().where(*where))
     return int(result.rowcount or 0)

@@ -7,6 +7,7 @@ manages staff accounts and API tokens.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -179,6 +180,17 @@ async def unlock(engine: AsyncEngine, username: str) -> int:
     if cleared == 0 and await get_staff(engine, name) is None:
         raise StaffError(f"no staff account named {name!r}")
     return cleared
+
+
+async def unlock_source(engine: AsyncEngine, source: str, username: str | None = None) -> int:
+    """Clear the login failures from `source` (an IP address) for every account, or for
+    `username` only; how many failures were cleared. StaffError if it is not an address."""
+    try:
+        address = ipaddress.ip_address(source.strip())
+    except ValueError:
+        raise StaffError(f"{source.strip()!r} is not an IP address") from None
+    name = username.strip().lower() if username is not None else None
+    return await login_limits.clear(engine, name, str(address))
 
 
 async def authenticate(engine: AsyncEngine, username: str, password: str) -> StaffAccount | None:

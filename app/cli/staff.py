@@ -4,7 +4,7 @@
     voice-agent staff list
     voice-agent staff disable NAME | enable NAME
     voice-agent staff password NAME [--password-stdin]
-    voice-agent staff unlock NAME
+    voice-agent staff unlock NAME | --source ADDRESS | NAME --source ADDRESS
     voice-agent token add NAME [--role viewer|operator|admin]
     voice-agent token list
     voice-agent token revoke ID
@@ -129,10 +129,22 @@ def _staff_password(args: argparse.Namespace) -> int:
 
 
 def _staff_unlock(args: argparse.Namespace) -> int:
+    if args.name is None and args.source is None:
+        print("voice-agent: staff unlock needs NAME, --source ADDRESS or both", file=sys.stderr)
+        return 2
+
     async def work(engine: AsyncEngine) -> int:
-        cleared = await staff.unlock(engine, args.name)
-        name = args.name.strip().lower()
-        print(f"login failures of {name} cleared ({cleared}); it may log in again")
+        if args.source is None:
+            cleared = await staff.unlock(engine, args.name)
+            name = args.name.strip().lower()
+            print(f"login failures of {name} cleared ({cleared}); it may log in again")
+            return 0
+        cleared = await staff.unlock_source(engine, args.source, args.name)
+        whose = "" if args.name is None else f" for {args.name.strip().lower()}"
+        print(
+            f"login failures from {args.source.strip()}{whose} cleared ({cleared}); "
+            "logins through it may be tried again"
+        )
         return 0
 
     return _run(work)
@@ -198,11 +210,24 @@ def add_commands(sub: Any) -> None:
     for name, func, help_text in (
         ("disable", _staff_disable, "disable an account (ends its sessions)"),
         ("enable", _staff_enable, "enable a disabled account"),
-        ("unlock", _staff_unlock, "clear an account's failed logins from every source"),
     ):
         cmd = parser(ssub, name, help_text)
         cmd.add_argument("name", help="the account's login name")
         cmd.set_defaults(func=func)
+    unlock = parser(
+        ssub, "unlock", "clear failed logins: an account's from every source, or a source's"
+    )
+    unlock.add_argument(
+        "name", nargs="?", help="the account's login name (default: none, with --source)"
+    )
+    unlock.add_argument(
+        "--source",
+        metavar="ADDRESS",
+        help="the client address whose failed logins to clear, for every account (with NAME: "
+        "that pair only); 20 from one address lock every login through it (default: none, "
+        "NAME's from every address)",
+    )
+    unlock.set_defaults(func=_staff_unlock)
     pw = parser(ssub, "password", "set an account's password")
     pw.add_argument("name", help="the account's login name")
     pw.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
