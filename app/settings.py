@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     sip_tcp_idle_s: float = Field(default=180.0, gt=0)
     # New INVITEs per second per source address (a scanner gets 503 beyond it); 0: no limit.
     sip_rate_per_source: float = Field(default=10.0, ge=0)
+    # SIP proxies in front of us (CIDRs, as FORWARDED_ALLOW_IPS is for HTTP; e.g. a Kamailio
+    # dispatcher): a request from one counts, in the per-source limits (INVITE rate, digest
+    # back-off), against the source in the Via below the proxy's own (its `received`, else its
+    # host), and its TCP connections are not one source's share. Unset: none.
+    sip_trusted_proxies: str | None = None
     # SIP calls per process (default MAX_LIVE_CALLS); beyond it INVITEs get 503.
     sip_max_calls: int | None = Field(default=None, ge=1)
     # How long the Realtime session may take to open before the INVITE gets 503.
@@ -353,6 +358,17 @@ class Settings(BaseSettings):
                 parse_networks(value)
             except ValueError as exc:
                 fix = "list CIDRs, e.g. 203.0.113.0/24,10.0.0.5"
+                raise ValueError(f"{_unprefixed(exc)}: {fix}") from None
+        return value
+
+    @field_validator("sip_trusted_proxies")
+    @classmethod
+    def _trusted_proxies(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_networks(value, "SIP_TRUSTED_PROXIES")
+            except ValueError as exc:
+                fix = "list your SIP proxies' CIDRs, e.g. 10.0.0.10,10.0.1.0/24"
                 raise ValueError(f"{_unprefixed(exc)}: {fix}") from None
         return value
 

@@ -172,7 +172,8 @@ class UdpPeer:
         self.port = 0
 
     @classmethod
-    async def open(cls) -> UdpPeer:
+    async def open(cls, host: str = "127.0.0.1") -> UdpPeer:
+        """A socket on `host` (any 127.x address is this machine: another source)."""
         import asyncio
 
         peer = cls()
@@ -183,7 +184,7 @@ class UdpPeer:
                 peer.got.append((loop.time(), data))
                 peer.arrived.set()
 
-        transport, _ = await loop.create_datagram_endpoint(_Protocol, local_addr=("127.0.0.1", 0))
+        transport, _ = await loop.create_datagram_endpoint(_Protocol, local_addr=(host, 0))
         peer.transport = transport
         peer.port = int(transport.get_extra_info("sockname")[1])
         return peer

@@ -344,6 +344,7 @@ NO_DATABASE = "postgresql://nobody@127.0.0.1:9/none"
         ("PORT", "70000", "less than or equal to 65535"),
         ("STREAM_TOKEN_TTL_S", "0", "greater than 0"),
         ("SIP_ALLOW_FROM", "10.0.0.0/8,trunk", "'trunk' is not an address or CIDR"),
+        ("SIP_TRUSTED_PROXIES", "10.0.0.10,kamailio", "'kamailio' is not an address or CIDR"),
         ("METRICS_BIND", "9100", "is not host:port"),
         ("LOG_LEVEL", "loud", "use DEBUG, INFO, WARNING or ERROR"),
         ("WEBHOOKS", "[{", "not JSON"),

@@ -133,12 +133,20 @@ class SipService:
                 "SIP_ALLOW_FROM is unset: only loopback may send SIP. List your trunk's "
                 "signalling ranges (CIDRs) in SIP_ALLOW_FROM to take calls from it."
             )
+        trusted = parse_networks(settings.sip_trusted_proxies or "", "SIP_TRUSTED_PROXIES")
+        if trusted:
+            log.info(
+                "SIP_TRUSTED_PROXIES: requests from %s count against the source in the Via "
+                "below the proxy's own",
+                ", ".join(str(n) for n in trusted),
+            )
         return UasConfig(
             host=self.advertised,
             port=port,
             timers=TimerConfig(t1=settings.sip_t1_s),
             allow=AllowList.from_spec(settings.sip_allow_from or DEFAULT_ALLOW_FROM),
             rate_per_source=settings.sip_rate_per_source,
+            trusted_proxies=AllowList(trusted),
             max_calls=self.max_calls,
         )
 

@@ -1,9 +1,10 @@
-"""Who may talk to the SIP listener: source CIDRs (checked before parsing) and INVITE rates."""
+"""Who may talk to the SIP listener: source CIDRs (checked before parsing), INVITE rates, and
+which source the per-source limits count a request against (behind trusted SIP proxies)."""
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Loopback only: every accepted INVITE opens a paid Realtime session, so deny by default.
@@ -52,6 +53,30 @@ class AllowList:
             self._cache.clear()  # a scan over many addresses must not grow this forever
         self._cache[ip] = allowed
         return allowed
+
+
+# A Via host is a hostname at worst (RFC 3261 caps nothing): keys stay bounded all the same.
+MAX_SOURCE_KEY = 255
+
+
+def original_source(packet_source: str, hops: Sequence[str], trusted: AllowList) -> str:
+    """The source the per-source limits count a request against.
+
+    `hops` are the request's Vias from the top, each as its `received` (else its host). A
+    request from a trusted proxy counts against the hop below the proxy's own Via, and so on
+    down while that hop is itself a trusted proxy (a chain: edge, then dispatcher). Anything
+    below an untrusted hop is the caller's own word: a caller who writes Vias still counts as
+    the address its packets come from.
+    """
+    source = packet_source
+    for hop in hops[1:]:
+        if not trusted.allows(source):
+            break
+        hop = hop.strip().strip("[]").lower()[:MAX_SOURCE_KEY]
+        if not hop:
+            break
+        source = hop
+    return source
 
 
 @dataclass(slots=True)

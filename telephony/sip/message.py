@@ -209,6 +209,23 @@ def new_branch() -> str:
     return MAGIC_COOKIE + secrets.token_hex(10)
 
 
+def via_hops(request: Request) -> list[str]:
+    """Each Via of `request`, top first, as the address it was received from: its `received`
+    parameter (set by the next hop when the sent-by is not the packet's source), else its host.
+    A Via that does not parse ends the list (nothing below it can be placed)."""
+    hops: list[str] = []
+    for value in request.msg.headers.get("via"):
+        try:
+            via = parse_via(value)
+        except ValueError:
+            break
+        hop = via.params.get("received") or via.host
+        if not hop:
+            break
+        hops.append(str(hop))
+    return hops
+
+
 def response_via(request: Request, flow: Flow) -> list[str]:
     """The request's Via values for a response, the top one with received/rport set."""
     values = list(request.msg.headers.get("via"))

@@ -3,9 +3,10 @@
 Thin on purpose: it frames TCP streams into messages, hands every message to the core with
 the loop's clock, sends what the core says, and wakes the core at its next deadline. Sources
 outside the allow list are refused here too: no TCP connection from them is kept open. An
-allowed source gets at most `max_per_source` TCP connections at once, and a connection that
-carries nothing (not even a CRLF keep-alive) for `idle_s` is closed unless a dialog of the
-core lives on it.
+allowed source gets at most `max_per_source` TCP connections at once (a trusted SIP proxy's
+are not counted: they carry many callers, whom the core limits per message), and a connection
+that carries nothing (not even a CRLF keep-alive) for `idle_s` is closed unless a dialog of
+the core lives on it.
 """
 
 from __future__ import annotations
@@ -253,22 +254,27 @@ class SipTransport:
             self.core.stats.denied += 1
             writer.close()
             return
-        held = self._per_source.get(source, 0)
-        if held >= self.max_per_source:
-            # One allowed host must not hold every slot: the others' calls need them too.
-            self.refused_per_source += 1
-            writer.close()
-            return
-        self._per_source[source] = held + 1
+        # A trusted proxy's connections carry many callers' requests (who each sent them is
+        # only known per message, in its Via), so they are not one source's share.
+        counted = not self.core.config.trusted_proxies.allows(source)
+        if counted:
+            held = self._per_source.get(source, 0)
+            if held >= self.max_per_source:
+                # One allowed host must not hold every slot: the others' calls need them too.
+                self.refused_per_source += 1
+                writer.close()
+                return
+            self._per_source[source] = held + 1
         conn_id = self._register(writer)
         try:
             await self._read_loop(reader, writer, conn_id, (source, int(peer[1])))
         finally:
-            left = self._per_source.get(source, 1) - 1
-            if left > 0:
-                self._per_source[source] = left
-            else:
-                self._per_source.pop(source, None)
+            if counted:
+                left = self._per_source.get(source, 1) - 1
+                if left > 0:
+                    self._per_source[source] = left
+                else:
+                    self._per_source.pop(source, None)
 
     def _register(self, writer: asyncio.StreamWriter) -> int:
         self._next_conn += 1

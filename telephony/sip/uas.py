@@ -21,7 +21,7 @@ from aiosipua.headers import parse_address, parse_auth, parse_via, stringify_uri
 from aiosipua.session_timer import parse_session_expires, peer_allows_update, watchdog_delay
 
 from telephony.sip import sdp as sdp_mod
-from telephony.sip.access import AllowList, RateLimiter
+from telephony.sip.access import AllowList, RateLimiter, original_source
 from telephony.sip.dialog import Call, CallKey, CallState, SessionTimer
 from telephony.sip.digest import AuthResult, DigestAuth
 from telephony.sip.errors import SdpError, SipParseError
@@ -35,6 +35,7 @@ from telephony.sip.message import (
     new_tag,
     parse,
     reply_destination,
+    via_hops,
 )
 from telephony.sip.sdp import PCMU, Codec, Direction, LocalMedia, RemoteMedia
 from telephony.sip.timers import TimerConfig, TimerHeap, TimerOwner
@@ -132,6 +133,9 @@ class UasConfig:
     timers: TimerConfig = field(default_factory=TimerConfig)
     allow: AllowList = field(default_factory=lambda: AllowList.from_spec("127.0.0.0/8,::1/128"))
     rate_per_source: float = 10.0
+    # SIP proxies (SIP_TRUSTED_PROXIES) whose requests count against the source below their
+    # Via: the INVITE rate and the digest back-off (the transport: TCP connections).
+    trusted_proxies: AllowList = field(default_factory=lambda: AllowList(()))
     max_calls: int = 50
     min_se: int = MIN_SE
     answer_timeout_s: float = 60.0  # a call never answered nor rejected gets 480
@@ -369,8 +373,18 @@ class UserAgentServer:
         if tx.last_response is not None and tx.reply_to is not None:
             self._out.append(Transmit(tx.reply_to, tx.last_response))
 
+    def limit_source(self, req: Request, flow: Flow) -> str:
+        """The source `req` counts against in the per-source limits: the packet's, or behind a
+        trusted proxy the one its Via below the proxy's names."""
+        source = flow.remote[0]
+        trusted = self.config.trusted_proxies
+        if not trusted.networks or not trusted.allows(source):
+            return source
+        return original_source(source, via_hops(req), trusted)
+
     def _on_new_invite(self, req: Request, flow: Flow, now: float) -> None:
-        if not self._rate.allow(flow.remote[0], now):
+        source = self.limit_source(req, flow)
+        if not self._rate.allow(source, now):
             self.stats.rate_limited += 1
             self._stateless(req, flow, 503, [("Retry-After", "1")], "Rate Limited")
             return
@@ -378,7 +392,7 @@ class UserAgentServer:
         if tx is None:
             return
         self._respond(tx, 100, now)
-        status, headers = self._screen_invite(req, flow, now)
+        status, headers = self._screen_invite(req, source, now)
         remote: RemoteMedia | None = None
         codec = PCMU
         if status == 0 and req.msg.body:
@@ -406,9 +420,10 @@ class UserAgentServer:
         )
 
     def _screen_invite(
-        self, req: Request, flow: Flow, now: float
+        self, req: Request, source: str, now: float
     ) -> tuple[int, list[tuple[str, str]]]:
-        """The first reason to refuse a new INVITE (status, headers); (0, []) to accept it."""
+        """The first reason to refuse a new INVITE (status, headers); (0, []) to accept it.
+        `source` is what the digest back-off counts against (see `limit_source`)."""
         msg = req.msg
         scheme = msg.uri.split(":", 1)[0].lower() if ":" in msg.uri else ""
         if scheme not in URI_SCHEMES:
@@ -422,7 +437,6 @@ class UserAgentServer:
             return 415, [("Accept", "application/sdp"), ("Accept-Encoding", "identity")]
         if self.digest is not None:
             authorization = msg.headers.get_first("authorization")
-            source = flow.remote[0]
             result = self.digest.verify(authorization, "INVITE", msg.uri, now, source)
             if result in (AuthResult.MISSING, AuthResult.STALE):
                 challenge = self.digest.challenge(now, stale=result is AuthResult.STALE)
