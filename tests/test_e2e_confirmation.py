@@ -7,6 +7,8 @@ function calls in one response reaches the provider at most as often as the caps
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +32,7 @@ from tests.test_e2e_booking import (
     tool_calls_of,
     trail,
     wait_for_operation,
+    wait_spoken,
 )
 from tools.appointments.api import Faults
 
@@ -101,7 +104,7 @@ async def test_a_model_confirming_right_after_the_readback_admits_nothing_until_
     engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
     # The readback and confirm_operation in one response: no caller speech at all.
-    steps = [
+    steps: list[dict[str, Any]] = [
         {"reply": {"text": "{output[readback]}", "audio_ms": 1200}, "function_call": CONFIRM},
         {"reply": {"text": ASK_AGAIN, "audio_ms": 900}},
         {"caller_transcript": "Yes.", "function_call": CONFIRM},
@@ -150,7 +153,7 @@ async def test_a_model_confirming_right_after_the_readback_admits_nothing_until_
 async def test_a_confirmation_after_the_caller_cut_the_readback_off_admits_nothing(
     engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
-    steps = [
+    steps: list[dict[str, Any]] = [
         {"reply": {"text": "{output[readback]}", "audio_ms": 4000}},
         # The caller's barge-in makes the server answer: the model confirms at once.
         {"caller_transcript": "Yes.", "function_call": CONFIRM},
@@ -188,7 +191,7 @@ async def test_on_openai_sip_the_servers_playout_and_the_callers_turn_are_the_ev
 ) -> None:
     # No local playback there: output_audio_buffer.stopped ends the readback, the caller's
     # speech_started and committed item after it are the answer.
-    steps = [
+    steps: list[dict[str, Any]] = [
         {"reply": {"text": "{output[readback]}", "audio_ms": 1200}, "function_call": CONFIRM},
         {"reply": {"text": ASK_AGAIN, "audio_ms": 900}},
         {"caller_transcript": "Yes.", "function_call": CONFIRM},
@@ -240,7 +243,7 @@ async def test_forty_function_calls_in_one_response_reach_the_provider_at_most_t
         "arguments": {"date": "{tomorrow}", "service": "checkup"},
         "repeat": 40,
     }
-    steps = [
+    steps: list[dict[str, Any]] = [
         {"caller_transcript": "When can I come in?", "function_call": find},
         {"reply": {"text": "We have some times tomorrow.", "audio_ms": 900}},
     ]
@@ -287,3 +290,81 @@ async def test_forty_function_calls_in_one_response_reach_the_provider_at_most_t
         f"40 calls in one response ({per_response or 8} per response allowed): "
         f"{effects.requests} reached the provider, at most {effects.most_concurrent} at once"
     )
+
+
+SENT = "I've sent your request. It isn't confirmed yet."
+ASKED_AGAIN = "Sorry, I didn't hear your answer. "
+# A line that tells the caller their request went anywhere.
+CLAIMS_SUCCESS = re.compile(r"\b(sent|booked|confirmed)\b", re.IGNORECASE)
+
+
+async def test_a_refused_yes_is_asked_again_and_the_second_yes_books_once_sent_only_after_it(
+    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
+) -> None:
+    # The scripted model follows the function output: on a refusal it reads back again and
+    # makes the confirmation again on the caller's next answer; "sent" only once admitted.
+    steps: list[dict[str, Any]] = [
+        {"reply": {"text": "{output[readback]}", "audio_ms": 4000}},
+        {"id": "confirm", "caller_transcript": "Yes.", "function_call": CONFIRM},
+        {
+            "reply": {"text": "Let me check on that.", "audio_ms": 900},
+            "on_output": [
+                {"status": ["admitted", "running"], "reply": {"text": SENT, "audio_ms": 900}},
+                {
+                    "status": "awaiting_confirmation",
+                    "at_most": 2,
+                    "then": "confirm",
+                    "reply": {"text": ASKED_AGAIN + "{output[readback]}", "audio_ms": 1500},
+                },
+            ],
+        },
+        {"reply": {"text": domain.confirmed_text, "audio_ms": 1200}},
+    ]
+    async with booking_stack(engine, clean_db, backend, scenario(domain, "again", steps)) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        before = caller.heard_ms
+        await caller.play_speech(700)
+        # The caller says yes over the end of the readback: that yes does not count.
+        await caller.wait_for(lambda c: c.heard_ms >= before + PREAMBLE_MS + 600, WAIT_S)
+        await caller.play_speech(500)
+        call_id = await stack.call_id(caller)
+        assert await wait_for_decisions(engine, call_id, 2) == [
+            (domain.book_tool, "needs_confirmation"),
+            ("confirm_operation", "needs_caller"),
+        ]
+        [op] = await operations_of(engine, call_id)
+        # The agent asks again, reading the request back; the caller answers after it.
+        await wait_spoken(engine, call_id, ASKED_AGAIN + op["readback"])
+        assert await backend.booked() == 0
+        await caller.play_speech(500)
+        committed = await wait_for_operation(engine, call_id, "committed")
+        await wait_spoken(engine, call_id, domain.confirmed_text)
+        session = stack.sim.sessions[0]
+        await caller.hangup()
+
+    assert await decisions(engine, call_id) == [
+        (domain.book_tool, "needs_confirmation"),
+        ("confirm_operation", "needs_caller"),
+        ("confirm_operation", "allow"),
+    ]
+    assert await backend.booked() == 1
+    assert committed["confirmed_by"] == "caller"
+    admitted_at = next(
+        at
+        for at, event in session.received
+        if event["type"] == "conversation.item.create"
+        and event["item"]["type"] == "function_call_output"
+        and json.loads(event["item"]["output"]).get("status") == "admitted"
+    )
+    said = [
+        (at, event["transcript"])
+        for at, event in session.sent
+        if event["type"] == "response.output_audio_transcript.done"
+    ]
+    claims = [(at, text) for at, text in said if CLAIMS_SUCCESS.search(text)]
+    assert [text for _, text in claims] == [SENT, domain.confirmed_text], said
+    assert all(at > admitted_at for at, _ in claims), said
+    assert sum(1 for _, text in said if text.startswith(ASKED_AGAIN)) == 1
+    print(f"refused yes, asked again, booked once; the agent said: {[t for _, t in said]}")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime as dt
 import json
 import math
+import re
 import typing
+import uuid
 from array import array
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +25,18 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from telephony.sim.scenario import Scenario, load_scenario, render_reply_text
 from telephony.sim.simulator import RealtimeSimulator, SimulatedSession, synthesize_speech
 from telephony.sim.vad import EnergyVad, SpeechStarted, SpeechStopped, VadConfig
+from tools.ledger_models import OperationRecord
+from tools.registry import ToolSpec
+from tools.restaurant.catalog import restaurant_tools
+from tools.results import (
+    awaiting_caller_output,
+    cancelled_output,
+    confirmation_output,
+    denied_output,
+    error_output,
+    operation_output,
+)
+from tools.states import OperationStatus
 
 PCMU_SESSION: dict[str, Any] = {
     "type": "realtime",
@@ -724,3 +739,210 @@ def test_function_call_arguments_can_name_a_field_of_the_latest_output() -> None
     assert json.loads(rendered) == {"operation_id": "op-123", "confirmed": True}
     # Without an output the placeholder stays visible instead of silently becoming "".
     assert "{output[operation_id]}" in step.rendered_arguments()
+
+
+# --- the scripted model follows the function output it is given -----------------------------
+
+# A line that tells the caller their request went anywhere: never after a refusal.
+CLAIMS_SUCCESS = re.compile(r"\b(sent|booked|confirmed)\b", re.IGNORECASE)
+READBACK = (
+    "Please confirm: a table for 4 people on Sunday 06 December 2026 at 20:00 under the "
+    "name Alex. Say yes to confirm."
+)
+NOT_HEARD = "the readback was not heard to its end"
+
+
+def _book_table() -> ToolSpec:
+    return next(spec for spec in restaurant_tools() if spec.name == "book_table")
+
+
+def _booking(status: OperationStatus, **over: Any) -> OperationRecord:
+    """The demo's booking as the ledger holds it, in `status`."""
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    values: dict[str, Any] = {
+        "operation_id": uuid.UUID("8d3f6c1e-0000-4000-8000-000000000001"),
+        "tenant_id": "t",
+        "idempotency_key": "k",
+        "key_source": "derived",
+        "call_id": "c",
+        "caller": "+15551230000",
+        "turn_id": 2,
+        "tool": "book_table",
+        "args": {"date": "2026-12-06", "time": "20:00", "party_size": 4, "name": "Alex"},
+        "args_hash": "h",
+        "resource": None,
+        "status": status,
+        "cancel_requested": False,
+        "attempts": 0,
+        "deadline": None,
+        "expires_at": None,
+        "next_attempt_at": None,
+        "result": None,
+        "error": None,
+        "provider_ref": None,
+        "compensates_operation_id": None,
+        "readback": READBACK,
+        "confirm_by": None,
+        "overflow": None,
+        "created_at": now,
+        "updated_at": now,
+        "committed_at": None,
+        "finished_at": None,
+    }
+    values.update(over)
+    return OperationRecord(**values)
+
+
+# What the tool layer answers, shaped by its own functions (tools/results.py).
+AWAITING = confirmation_output(_booking(OperationStatus.AWAITING_CONFIRMATION), 60)
+NEEDS_CALLER = awaiting_caller_output(
+    _booking(OperationStatus.AWAITING_CONFIRMATION), 60, NOT_HEARD
+)
+ADMITTED = operation_output(_book_table(), _booking(OperationStatus.ADMITTED))
+COMMITTED = operation_output(
+    _book_table(), _booking(OperationStatus.COMMITTED, provider_ref="B-42", attempts=1)
+)
+
+
+def _said(events: list[Any]) -> str:
+    return " ".join(
+        e.transcript for e in events if e.type == "response.output_audio_transcript.done"
+    )
+
+
+class _DemoCall:
+    """The built-in scenario driven through the SDK, turn by turn, as the service drives it."""
+
+    def __init__(self, conn: AsyncRealtimeConnection) -> None:
+        self.conn = conn
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self._call_id: str | None = None
+
+    async def start(self) -> None:
+        await _configure(self.conn)
+        await self.conn.response.create()
+        await _recv_until(self.conn, "response.done")  # greeting
+
+    async def caller_speaks(self) -> str:
+        """The caller's turn; the agent's response (a function call is recorded)."""
+        await _append(self.conn, _speech(800) + _silence(600))
+        events = await _recv_until(self.conn, "response.done")
+        last = events[-1].response.output[-1]
+        if last.type == "function_call":
+            self._call_id = last.call_id
+            self.calls.append((last.name, json.loads(last.arguments)))
+        return _said(events)
+
+    async def output(self, output: dict[str, Any]) -> str:
+        """The function output for the latest call, then what the agent says to it."""
+        assert self._call_id is not None
+        await self.conn.conversation.item.create(
+            item={
+                "type": "function_call_output",
+                "call_id": self._call_id,
+                "output": json.dumps(output),
+            }
+        )
+        self._call_id = None
+        await self.conn.response.create()
+        return _said(await _recv_until(self.conn, "response.done"))
+
+    async def up_to_the_confirmation(self) -> None:
+        """Availability, the booking request and its readback, the caller's yes."""
+        await self.start()
+        await self.caller_speaks()
+        await self.output({"status": "ok", "available": True})
+        await self.caller_speaks()
+        assert await self.output(AWAITING) == READBACK
+        await self.caller_speaks()
+        assert self.calls[-1][0] == "confirm_operation"
+
+
+@pytest.fixture
+async def demo(conn: AsyncRealtimeConnection) -> _DemoCall:
+    call = _DemoCall(conn)
+    await call.up_to_the_confirmation()
+    return call
+
+
+async def test_a_refused_confirmation_is_read_back_again_and_never_told_as_sent(
+    demo: _DemoCall,
+) -> None:
+    said = await demo.output(NEEDS_CALLER)
+    assert not CLAIMS_SUCCESS.search(said), said
+    assert READBACK in said  # it asks for the caller's yes again
+    # The caller answers again: the confirmation is made again, for the same operation.
+    await demo.caller_speaks()
+    names = [name for name, _ in demo.calls]
+    assert names[-2:] == ["confirm_operation", "confirm_operation"]
+    assert demo.calls[-1][1] == {"operation_id": AWAITING["operation_id"], "confirmed": True}
+    # Admitted, not yet confirmed by the restaurant: sent, and said to be unconfirmed.
+    said = await demo.output(ADMITTED)
+    assert "sent" in said and "isn't confirmed yet" in said
+
+
+async def test_a_committed_confirmation_is_told_as_booked_and_the_call_goes_to_goodbye(
+    demo: _DemoCall,
+) -> None:
+    said = await demo.output(COMMITTED)
+    assert "booked" in said
+    assert "goodbye" in (await demo.caller_speaks()).lower()
+
+
+async def test_refusals_are_asked_again_a_bounded_number_of_times_then_nothing_is_claimed(
+    demo: _DemoCall,
+) -> None:
+    asked_again = 0
+    while READBACK in (said := await demo.output(NEEDS_CALLER)):
+        assert not CLAIMS_SUCCESS.search(said), said
+        asked_again += 1
+        assert asked_again <= 5, "the scripted model asks for ever"
+        await demo.caller_speaks()
+    assert asked_again == 2  # the scenario's `at_most`
+    assert not CLAIMS_SUCCESS.search(said), said
+    assert "haven't made the booking" in said
+    # It gives up politely; the caller's next words get the goodbye, not a late "confirmed".
+    assert "goodbye" in (await demo.caller_speaks()).lower()
+    assert [name for name, _ in demo.calls].count("confirm_operation") == 3
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        pytest.param(denied_output("Bookings close at 22:00.", rule="hours"), id="denied"),
+        pytest.param(error_output("Too many requests at once.", retryable=True), id="error"),
+        pytest.param({"error": "The request could not be completed right now."}, id="crash"),
+        pytest.param(
+            operation_output(
+                _book_table(), _booking(OperationStatus.FAILED_FINAL, error="no table free")
+            ),
+            id="failed_final",
+        ),
+        pytest.param(
+            cancelled_output(
+                _booking(OperationStatus.CANCELLED), "The confirmation came too late."
+            ),
+            id="cancelled",
+        ),
+    ],
+)
+async def test_a_confirmation_that_did_not_go_through_is_never_told_as_sent(
+    demo: _DemoCall, output: dict[str, Any]
+) -> None:
+    said = await demo.output(output)
+    assert said and not CLAIMS_SUCCESS.search(said), said
+    assert READBACK not in said
+
+
+def test_on_output_cases_name_existing_steps_and_need_a_reply() -> None:
+    confirm = {"name": "confirm_operation", "arguments": {}}
+    with pytest.raises(ValueError, match="no step has that id"):
+        Scenario.model_validate(
+            {"steps": [{"reply": "x", "on_output": [{"status": "ok", "reply": "y", "then": "z"}]}]}
+        )
+    with pytest.raises(ValueError, match="needs a reply"):
+        Scenario.model_validate(
+            {"steps": [{"function_call": confirm, "on_output": [{"status": "ok", "reply": "y"}]}]}
+        )
+    with pytest.raises(ValueError, match="unique"):
+        Scenario.model_validate({"steps": [{"id": "a", "reply": "x"}, {"id": "a", "reply": "y"}]})

@@ -259,6 +259,11 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
         print(f"What the caller heard: {out} ({caller.heard_ms / 1000:.1f} s of agent audio)")
     print(f"See it in the staff console: `voice-agent serve`, then {console_url}/{call['id']}")
     print(f"Done in {time.monotonic() - began:.1f} s.")
+    if failure is None and effects is not None and effects.bookings_inserted != 1:
+        # The agent follows the tool outputs, so a refused yes no longer reads as "sent"; the
+        # demo must not pass on a call that booked nothing (or twice).
+        made = effects.bookings_inserted
+        failure = f"the call did not go as scripted ({made} bookings made, not 1)"
     if failure is not None:
         print(failure, file=sys.stderr)
         return 1

@@ -28,6 +28,26 @@ A scenario is JSON::
 - When the steps run out, every response speaks `fallback`.
 - `audio_ms` is the reply's audio duration; by default it follows the text length.
 - `function_call.repeat` makes the same call that many times in one response.
+
+A step can follow what its function output said, as a real model does, instead of one fixed
+line. `on_output` lists cases, tried in order; the first whose `status` names the latest
+function output's `status` (a tool layer's output without one but with an `error` counts as
+`error`) speaks its `reply` in place of the step's, and `then` (a step's `id`) says where the
+script goes on (default: the next step). A case with `at_most` is taken that many times in a
+call, then skipped, so a later case for the same status can give up. The step's own `reply`
+is said when no case matches::
+
+    {"id": "confirm", "caller_transcript": "Yes.",
+     "function_call": {"name": "confirm_operation", ...}},
+    {"reply": "Let me check where that stands.",
+     "on_output": [
+       {"status": ["admitted", "running"], "reply": "I've sent it; it isn't confirmed yet."},
+       {"status": "awaiting_confirmation", "at_most": 2, "then": "confirm",
+        "reply": "Sorry, I didn't hear your answer. {output[readback]}"},
+       {"status": "awaiting_confirmation", "reply": "I still did not hear a yes, so I did nothing."}
+     ]}
+
+A step with `on_output` needs its own `reply` and makes no function call.
 """
 
 from __future__ import annotations
@@ -35,6 +55,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import string
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -107,14 +128,40 @@ class FunctionCallStep(BaseModel):
         return json.dumps(fill(self.arguments), separators=(",", ":"))
 
 
+class OutputCase(BaseModel):
+    """What a step says when the latest function output has one of `status`, and where the
+    script goes on from there."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    status: list[str] = Field(min_length=1)
+    reply: Reply
+    # The `id` of the step the script goes on at (None: the step after this one).
+    then: str | None = None
+    # Taken this many times in one call at most; after that the later cases are tried.
+    at_most: int | None = Field(default=None, ge=1)
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _one_is_enough(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("reply", mode="before")
+    @classmethod
+    def _text_is_enough(cls, value: object) -> object:
+        return {"text": value} if isinstance(value, str) else value
+
+
 class Step(BaseModel):
     """One scripted model turn."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    id: str | None = Field(default=None, min_length=1)
     caller_transcript: str | None = None
     reply: Reply | None = None
     function_call: FunctionCallStep | None = None
+    on_output: list[OutputCase] = Field(default_factory=list)
 
     @field_validator("reply", mode="before")
     @classmethod
@@ -127,7 +174,22 @@ class Step(BaseModel):
             raise ValueError("a step needs a reply, a function_call, or both")
         if self.reply is not None and self.function_call and self.function_call.preamble:
             raise ValueError("a step with a reply and a function_call takes no preamble")
+        if self.on_output and (self.reply is None or self.function_call is not None):
+            raise ValueError(
+                "a step with on_output needs a reply (said when no case matches) and takes "
+                "no function_call"
+            )
         return self
+
+    def case_for(self, status: str | None, taken: Callable[[int], int]) -> int | None:
+        """The index of the first case for `status` not used up (`taken(i)`: how often case
+        `i` was taken in this call); None when the step's own reply applies."""
+        if status is None:
+            return None
+        for index, case in enumerate(self.on_output):
+            if status in case.status and (case.at_most is None or taken(index) < case.at_most):
+                return index
+        return None
 
     def spoken(self) -> Reply | None:
         """What this step says before anything else (its reply, or the call's preamble)."""
@@ -150,6 +212,38 @@ class Scenario(BaseModel):
     @classmethod
     def _text_is_enough(cls, value: object) -> object:
         return {"text": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _jumps_land(self) -> Scenario:
+        ids = [step.id for step in self.steps if step.id is not None]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"step ids must be unique: {ids}")
+        for step in self.steps:
+            for case in step.on_output:
+                if case.then is not None and case.then not in ids:
+                    raise ValueError(f"on_output goes on at {case.then!r}: no step has that id")
+        return self
+
+    def step_index(self, step_id: str) -> int:
+        """Where the step with `step_id` is in `steps`."""
+        return next(i for i, step in enumerate(self.steps) if step.id == step_id)
+
+
+def output_status(output: str | None) -> str | None:
+    """The `status` of a function output as the tool layer shapes it (a JSON object with a
+    `status`; one with only an `error` is an error); None when it says none."""
+    if not output:
+        return None
+    try:
+        parsed: Any = json.loads(output)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    status = parsed.get("status")
+    if isinstance(status, str) and status:
+        return status
+    return "error" if "error" in parsed else None
 
 
 def render_reply_text(text: str, output: str | None, note: str | None = None) -> str:

@@ -47,6 +47,7 @@ import time
 import warnings
 import zlib
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -107,6 +108,7 @@ from telephony.sim.scenario import (
     Reply,
     Scenario,
     load_scenario,
+    output_status,
     render_reply_text,
 )
 from telephony.sim.speech import SpeechError, SpeechSetup, SpeechSynthesizer
@@ -757,6 +759,8 @@ class SimulatedSession:
         self._greeting_pending = scenario.greeting is not None
         self._next_step = 0
         self._latest_output: str | None = None
+        # How often each (step, on_output case) was taken: `at_most` bounds a retry loop.
+        self._cases_taken: Counter[tuple[int, int]] = Counter()
         self._latest_note: str | None = None  # text of the latest system message we got
         self._voice = voice
         self._recognizer = recognizer
@@ -1239,9 +1243,20 @@ class SimulatedSession:
             self._misheard = False
             fallback = self._scenario.fallback
             return _ResponsePlan(fallback, fallback.text, None)
-        step = steps[self._next_step]
+        index = self._next_step
+        step = steps[index]
         self._next_step += 1
         spoken = step.spoken()
+        # A real model answers what the output said: a refusal is not a success line.
+        case = step.case_for(
+            output_status(self._latest_output), lambda i: self._cases_taken[(index, i)]
+        )
+        if case is not None:
+            self._cases_taken[(index, case)] += 1
+            chosen = step.on_output[case]
+            spoken = chosen.reply
+            if chosen.then is not None:
+                self._next_step = self._scenario.step_index(chosen.then)
         text = (
             render_reply_text(spoken.text, self._latest_output, note=self._latest_note)
             if spoken
