@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run demo test lint bench
+.PHONY: install run demo test races lint bench
 
 # pip's own output is long and its slow phase is silent: one line per package and a note
 # before the slow phase instead; the whole output is kept in $(VENV)/install.log.
@@ -39,6 +39,11 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -n $(TEST_WORKERS)
+
+# The race scenarios alone (`make test` runs them too), serially and in file order, each
+# printing one line (state, side effects, order checked, heard) in the summary's "races" part.
+races: install
+	$(BIN)/pytest -m races -p no:randomly -v
 
 lint: install
 	$(BIN)/ruff check .

@@ -14,6 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
 
+# The races' `race` fixture and their one-line summary (tests/race_report.py).
+from tests.race_report import pytest_terminal_summary, race  # noqa: F401
+
 # Hypothesis fails an example that takes over 200 ms by default: a timing assertion that a
 # loaded machine trips (8 s of synthesized speech takes ~200 ms here unloaded). Speed is
 # measured in bench/, not asserted in tests.

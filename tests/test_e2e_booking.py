@@ -364,59 +364,6 @@ async def test_caller_books_and_the_timeline_shows_request_policy_admission_exec
     assert [o["status"] for o in timeline["operations"]] == ["committed"]
 
 
-async def test_barge_in_while_the_booking_runs_stops_speech_but_the_operation_completes(
-    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
-) -> None:
-    # The provider is slow: the booking is still running while the agent talks about it.
-    backend.set_faults(latency_s=3.0)
-    confirmed = domain.confirmed_text
-    scenario = booking_scenario(
-        domain,
-        requested_ms=6000,
-        after_requested=[
-            {
-                "caller_transcript": "Will you let me know?",
-                "reply": {"text": "Yes, as soon as it is confirmed.", "audio_ms": 1000},
-            }
-        ],
-    )
-    async with booking_stack(engine, clean_db, backend, scenario) as stack:
-        caller = stack.caller()
-        call_id = await ask_to_book_and_confirm(stack, caller)
-        before_yes = caller.heard_ms
-        op = await wait_for_operation(engine, call_id, "running")
-        # Well into the "requested, not confirmed yet" answer, the caller cuts in.
-        await caller.wait_for(lambda c: c.heard_ms >= before_yes + 800, WAIT_S)
-        await caller.play_speech(600)
-        await caller.wait_for(lambda c: len(c.clears) == 1, WAIT_S)
-        session = stack.sim.sessions[0]
-        truncate = await session.wait_for_received("conversation.item.truncate", within=5)
-        status_at_barge_in = (await operations_of(engine, call_id))[0]["status"]
-        # The barge-in stopped speech, not the booking.
-        await wait_for_operation(engine, call_id, "committed")
-        await wait_for_delivery(engine, op["operation_id"], "heard")
-        await wait_spoken(engine, call_id, confirmed)
-        await caller.hangup()
-        events = await stack.events(caller)
-        booked = await backend.booked()
-        op_events = await trail(engine, op["operation_id"])
-        spoken = await heard_text(engine, call_id)
-
-    assert status_at_barge_in == "running"
-    assert truncate["audio_end_ms"] > 0
-    barge_ins = [e for e in events if e["kind"] == "barge_in"]
-    assert len(barge_ins) == 1 and barge_ins[0]["data"]["truncated"] is True
-    cut = [e["data"] for e in events if e["kind"] == "agent_transcript" and e["data"]["cut"]]
-    assert len(cut) == 1 and REQUESTED.startswith(cut[0]["text"])  # "requested..." was cut
-    # Committed exactly once, recorded, and announced after the interruption.
-    assert booked == 1
-    assert to_statuses(op_events) == ["awaiting_confirmation", "admitted", "running", "committed"]
-    kinds = [e["kind"] for e in events]
-    assert kinds.count("result_announced") == 1
-    assert kinds.index("result_announced") > kinds.index("barge_in")
-    assert spoken[-1] == confirmed
-
-
 async def test_duplicate_function_calls_in_one_call_make_one_booking(
     engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
 ) -> None:
@@ -454,44 +401,6 @@ async def test_duplicate_function_calls_in_one_call_make_one_booking(
     assert booked == 1
     assert to_statuses(op_events).count("running") == 1
     assert ops[0]["attempts"] == 1
-
-
-async def test_lost_response_is_reconciled_by_asking_the_provider_and_announced_once(
-    engine: AsyncEngine, clean_db: str, domain: Domain, backend: Backend
-) -> None:
-    # The provider applies the booking and its answer never arrives: the attempt times out
-    # (unknown), the provider is asked about the idempotency key, and only then is it told.
-    backend.set_faults(lose_response=1)
-    confirmed = domain.confirmed_text
-    scenario = booking_scenario(domain)
-    async with booking_stack(engine, clean_db, backend, scenario, deadline_s=1.0) as stack:
-        caller = stack.caller()
-        call_id = await ask_to_book_and_confirm(stack, caller)
-        op = await wait_for_operation(engine, call_id, "committed", within=30)
-        await wait_for_delivery(engine, op["operation_id"], "heard")
-        await wait_spoken(engine, call_id, confirmed)
-        await caller.hangup()
-        events = await stack.events(caller)
-        booked = await backend.booked()
-        ops = await operations_of(engine, call_id)
-        op_events = await trail(engine, op["operation_id"])
-        spoken = await heard_text(engine, call_id)
-
-    assert booked == 1  # applied once; the lost answer was never answered by resending
-    assert ops[0]["attempts"] == 1
-    assert ops[0]["provider_ref"].startswith(domain.reference_prefix)
-    assert to_statuses(op_events) == [
-        "awaiting_confirmation",
-        "admitted",
-        "running",
-        "unknown",
-        "committed",
-    ]
-    settled = next(e for e in op_events if e["to_status"] == "committed")
-    assert settled["from_status"] == "unknown" and settled["actor"] == "reconciler"
-    assert [e["kind"] for e in events].count("result_announced") == 1
-    # Nothing was phrased as done before the provider confirmed it.
-    assert spoken.index(REQUESTED) < spoken.index(confirmed)
 
 
 async def test_caller_hangs_up_before_the_commit_and_the_outcome_goes_by_sms(

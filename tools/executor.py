@@ -28,7 +28,7 @@ from typing import Any
 import procrastinate
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tools import ledger
+from tools import faults, ledger
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
@@ -163,6 +163,7 @@ class Executor:
         if running is None:
             # Another worker won, it is finished, or the claim cancelled/failed it.
             return None
+        await faults.reach("executor.claimed", operation_id=operation_id, tool=op.tool)
         try:
             # The client's own timeouts are per read/write; this bounds the whole attempt,
             # well inside the sweeper's deadline (deadline_s + margin).
@@ -178,6 +179,14 @@ class Executor:
         except ToolError as exc:
             # The provider adapter could not even tell; treat as sent-and-lost.
             result = ActionResult(Outcome.unknown, error=f"provider error: {exc}")
+        await faults.reach(
+            "executor.answered",
+            operation_id=operation_id,
+            tool=op.tool,
+            outcome=result.outcome,
+            reference=result.reference,
+            result=result.result,
+        )
         return await self.record(running, spec, result)
 
     async def record(
