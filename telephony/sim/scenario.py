@@ -75,6 +75,9 @@ class Reply(BaseModel):
 
     text: str = Field(min_length=1)
     audio_ms: int | None = Field(default=None, gt=0, le=120_000)
+    # Samples past the last whole millisecond (0-7 at 8 kHz): a real voice's line is any
+    # number of samples long, not a whole number of milliseconds.
+    tail_samples: int = Field(default=0, ge=0, le=7)
 
     def duration_ms(self, text: str | None = None) -> int:
         """The audio duration: `audio_ms` if given, else derived from the (rendered) text."""

@@ -1544,7 +1544,15 @@ class SimulatedSession:
 
     async def _speech(self, reply: Reply, text: str, encoding: AudioEncoding) -> bytes:
         """The reply's audio: spoken by the voice (padded with silence to the scripted
-        `audio_ms`, never cut), else synthetic tones of the reply's duration."""
+        `audio_ms`, never cut), else synthetic tones of the reply's duration; then its
+        `tail_samples`."""
+        audio = await self._spoken_or_tones(reply, text, encoding)
+        if reply.tail_samples:
+            width = 2 if encoding == "pcm16" else 1
+            audio += audio[-width:] * reply.tail_samples
+        return audio
+
+    async def _spoken_or_tones(self, reply: Reply, text: str, encoding: AudioEncoding) -> bytes:
         if self._voice is not None and text.strip():
             try:
                 spoken = await self._voice.speak(text, encoding)
