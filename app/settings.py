@@ -22,8 +22,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from telephony.sip.access import parse_networks
-from telephony.sip.ports import parse_range
+from telephony.legs.sip.access import parse_networks
+from telephony.legs.sip.ports import parse_range
 
 
 class Settings(BaseSettings):
@@ -376,7 +376,7 @@ class Settings(BaseSettings):
     @classmethod
     def _digest_users(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from telephony.sip.digest import parse_users  # aiosipua: only when set
+            from telephony.legs.sip.digest import parse_users  # aiosipua: only when set
 
             try:
                 parse_users(value.get_secret_value())

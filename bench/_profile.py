@@ -27,7 +27,7 @@ AREAS = {
     "logging": r"\(logging/",
     "asyncio/uvloop machinery": r"\(asyncio/|uvloop",
     "telephony.bridge": r"\(telephony/bridge",
-    "telephony.twilio_leg": r"\(telephony/twilio_leg",
+    "telephony.legs.twilio.leg": r"\(telephony/twilio_leg",
     "telephony.playback": r"\(telephony/playback",
     "app.legs.twilio.routes (FrameGuard)": r"\(app/routes_twilio",
 }

@@ -316,7 +316,7 @@ class _Leg:
         self.playback = PlaybackTracker()
 
     async def events(self) -> Any:
-        from telephony.leg import AudioIn
+        from telephony.legs.leg import AudioIn
 
         payload = b"\x7f" * 160
         for n in range(self.frames):

@@ -16,11 +16,11 @@ import json
 import statistics
 import time
 
-from telephony.budget import BudgetLimits, StreamBudget
 from telephony.call_events import MemorySink
-from telephony.leg import AudioIn
-from telephony.twilio_events import StartInfo
-from telephony.twilio_leg import TwilioLeg
+from telephony.legs.leg import AudioIn
+from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
+from telephony.legs.twilio.events import StartInfo
+from telephony.legs.twilio.leg import TwilioLeg
 
 
 class _Socket:

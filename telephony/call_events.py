@@ -42,7 +42,7 @@ class CallEventKind(StrEnum):
     MALFORMED_FRAME = "malformed_frame"
     APOLOGY_PLAYED = "apology_played"
     ERROR = "error"
-    # A media stream over one of its budgets (telephony.budget), ended as abusive.
+    # A media stream over one of its budgets (telephony.legs.twilio.budget), ended as abusive.
     STREAM_ABUSIVE = "stream_abusive"
     # RTP from a source the signalling did not name (strict RTP), once a call.
     FOREIGN_MEDIA_DROPPED = "foreign_media_dropped"

@@ -13,7 +13,7 @@ from openai.types.realtime.realtime_audio_formats_param import (
     RealtimeAudioFormatsParam,
 )
 
-from telephony.leg import AudioFormat
+from telephony.legs.leg import AudioFormat
 
 Eagerness = Literal["low", "medium", "high", "auto"]
 

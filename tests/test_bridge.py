@@ -19,7 +19,7 @@ from websockets.http11 import Request, Response
 from telephony import audio
 from telephony.bridge import Bridge, BridgeConfig, apology_clip
 from telephony.call_events import CallEvent, CallEventKind, MemorySink
-from telephony.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator

@@ -19,9 +19,9 @@ from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import EvidenceLog
+from telephony.legs.sideband import SidebandLeg
 from telephony.playback import PlaybackTracker
 from telephony.session_config import BridgeConfig
-from telephony.sideband_leg import SidebandLeg
 from telephony.tool_gateway import CallContext, FunctionCallRequest, LateResult, ToolReply
 
 

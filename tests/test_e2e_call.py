@@ -18,9 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.cli.demo import demo
 from app.settings import Settings
+from telephony.legs.twilio.leg import parse_mark_name
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.scenario import Scenario
-from telephony.twilio_leg import parse_mark_name
 from tests.e2e_support import CONSOLE, Stack, call_row, call_stack, post_signed, wait_until
 from tests.sor_support import start_sor
 

@@ -21,16 +21,7 @@ from websockets.http11 import Request as WsRequest
 from websockets.http11 import Response as WsResponse
 
 from telephony import audio
-from telephony.sim.fake_caller import (
-    CallerError,
-    FakeTwilioCaller,
-    PlayoutBuffer,
-    add_arguments,
-    parse_twiml,
-    run_call,
-)
-from telephony.sim.fake_twilio_api import InProcessServer
-from telephony.twilio_events import (
+from telephony.legs.twilio.events import (
     Connected,
     Dtmf,
     Mark,
@@ -42,6 +33,15 @@ from telephony.twilio_events import (
     media_message,
     parse_inbound,
 )
+from telephony.sim.fake_caller import (
+    CallerError,
+    FakeTwilioCaller,
+    PlayoutBuffer,
+    add_arguments,
+    parse_twiml,
+    run_call,
+)
+from telephony.sim.fake_twilio_api import InProcessServer
 
 TOKEN = "test-auth-token"
 PUBLIC = "https://voice.example.com"

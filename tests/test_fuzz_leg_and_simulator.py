@@ -18,10 +18,10 @@ from websockets.exceptions import ConnectionClosed
 
 from telephony.call_events import CallEventKind, MemorySink
 from telephony.errors import MalformedFrame
-from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.twilio.events import StartInfo, Stop, parse_inbound
+from telephony.legs.twilio.leg import TwilioLeg
 from telephony.sim.simulator import RealtimeSimulator
-from telephony.twilio_events import StartInfo, Stop, parse_inbound
-from telephony.twilio_leg import TwilioLeg
 from tests.test_fuzz_parsers import _frameish, json_values
 
 FAST = settings(

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from app.errors import TokenRejected
 from app.legs.twilio.stream_token import StreamTokens
 from telephony.errors import MalformedFrame
+from telephony.legs.twilio.events import Dtmf, parse_inbound
 from telephony.sim.simulator import ClientEventError, parse_client_event
-from telephony.twilio_events import Dtmf, parse_inbound
 from tools.errors import InvalidArguments
 from tools.restaurant.catalog import restaurant_catalog
 

@@ -22,8 +22,7 @@ from openai.types.realtime import InputAudioBufferAppendEvent, ResponseAudioDelt
 
 from telephony.audio import base64_size
 from telephony.errors import MalformedFrame
-from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
-from telephony.twilio_events import (
+from telephony.legs.twilio.events import (
     Mark,
     MarkFrame,
     Media,
@@ -36,6 +35,7 @@ from telephony.twilio_events import (
     parse_inbound,
     parse_outbound,
 )
+from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
 from telephony.watchdog import Watchdog
 from tests.test_fuzz_parsers import _frameish, json_values
 

@@ -244,8 +244,8 @@ def test_the_known_circles_are_still_there() -> None:
         ("app/calls/store.py", "def f():\n    from app.calls import timeline\n", "circle"),
         ("app/access/usernames.py", "def f():\n    from app.settings import Settings\n", "circle"),
         (
-            "telephony/twilio_events.py",
-            "import typing\nif typing.TYPE_CHECKING:\n    import telephony.twilio_leg\n",
+            "telephony/legs/twilio/events.py",
+            "import typing\nif typing.TYPE_CHECKING:\n    import telephony.legs.twilio.leg\n",
             "circle",
         ),
         ("app/calls/registry.py", "from app.legs.twilio import media_session\n", "later wing"),

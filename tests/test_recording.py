@@ -18,7 +18,7 @@ from app.access.staff import Role
 from app.calls.recording import WINDOW_SAMPLES, CallRecorder, RecordingLeg
 from app.calls.recording_store import FileStore, LargeObjectStore, get_recording
 from telephony import audio
-from telephony.leg import AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 from tests.console_support import bearer
 from tests.e2e_support import call_stack, wait_until

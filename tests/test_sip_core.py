@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 import pytest
 from aiosipua import SipRequest, SipResponse
 
-from telephony.sip.access import AllowList
-from telephony.sip.digest import DigestAuth
-from telephony.sip.message import Flow
-from telephony.sip.sdp import LocalMedia
-from telephony.sip.timers import TimerConfig
-from telephony.sip.uas import (
+from telephony.legs.sip.access import AllowList
+from telephony.legs.sip.digest import DigestAuth
+from telephony.legs.sip.message import Flow
+from telephony.legs.sip.sdp import LocalMedia
+from telephony.legs.sip.timers import TimerConfig
+from telephony.legs.sip.uas import (
     CallCancelled,
     CallConfirmed,
     CallEnded,

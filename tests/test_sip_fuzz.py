@@ -14,15 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from telephony.legs.sip.access import AllowList
+from telephony.legs.sip.dtmf import DtmfDecoder
+from telephony.legs.sip.message import Flow
+from telephony.legs.sip.rtp import RtpClock, RtpStream
+from telephony.legs.sip.sdp import PCMU
+from telephony.legs.sip.timers import TimerConfig
+from telephony.legs.sip.transport import SipTransport
+from telephony.legs.sip.uas import UasConfig, UserAgentServer
 from telephony.playback import PlaybackTracker
-from telephony.sip.access import AllowList
-from telephony.sip.dtmf import DtmfDecoder
-from telephony.sip.message import Flow
-from telephony.sip.rtp import RtpClock, RtpStream
-from telephony.sip.sdp import PCMU
-from telephony.sip.timers import TimerConfig
-from telephony.sip.transport import SipTransport
-from telephony.sip.uas import UasConfig, UserAgentServer
 from tests.e2e_support import wait_until
 from tests.sip_support import Uac, sdp_offer
 from tests.sipp_support import sip_stack
@@ -244,7 +244,7 @@ def test_dtmf_end_packets_are_deduplicated_and_a_lost_end_still_reports_the_digi
 async def test_garbage_and_a_scanner_burst_over_real_sockets_leave_the_listener_serving(
     engine: AsyncEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="telephony.sip")
+    caplog.set_level(logging.DEBUG, logger="telephony.legs.sip")
     caplog.set_level(logging.DEBUG, logger="aiosipua")
     async with sip_stack(engine, sip_t1_s=0.05, sip_rate_per_source=5) as stack:
         sip = stack.service.runtime.sip
@@ -306,7 +306,7 @@ async def test_garbage_and_a_scanner_burst_over_real_sockets_leave_the_listener_
     assert not [r for r in caplog.records if r.exc_info], "a traceback reached the log"
     noisy = [
         r for r in caplog.records
-        if r.levelno >= logging.WARNING and r.name.startswith(("telephony.sip", "aiosipua"))
+        if r.levelno >= logging.WARNING and r.name.startswith(("telephony.legs.sip", "aiosipua"))
     ]  # fmt: skip
     assert noisy == []
 

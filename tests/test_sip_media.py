@@ -11,14 +11,14 @@ import pytest
 from aiortc.rtp import RtpPacket
 from openai import AsyncOpenAI
 
-from telephony.leg import DtmfIn, LegClosed
+from telephony.legs.leg import DtmfIn, LegClosed
+from telephony.legs.sip import sdp
+from telephony.legs.sip.errors import RtpPortsExhausted, SdpError
+from telephony.legs.sip.leg import SipLeg
+from telephony.legs.sip.ports import RtpPorts, parse_range
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
+from telephony.legs.sip.sdp import PCMA, PCMU, LocalMedia, RemoteMedia
 from telephony.sim.simulator import RealtimeSimulator
-from telephony.sip import sdp
-from telephony.sip.errors import RtpPortsExhausted, SdpError
-from telephony.sip.leg import SipLeg
-from telephony.sip.ports import RtpPorts, parse_range
-from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
-from telephony.sip.sdp import PCMA, PCMU, LocalMedia, RemoteMedia
 from tests.sip_support import sdp_offer
 
 PEER = ("127.0.0.1", 40000)

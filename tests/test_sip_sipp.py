@@ -11,8 +11,8 @@ import pytest
 from aiortc.rtp import RtpPacket
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from telephony.legs.sip.dialog import CallState
 from telephony.sim.simulator import synthesize_speech
-from telephony.sip.dialog import CallState
 from tests.e2e_support import Stack, call_row, event_rows, wait_until
 from tests.sipp_support import (
     RecordingGateway,

@@ -13,8 +13,8 @@ from typing import Any
 from aiosipua import SipMessage, SipResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from telephony.sip.access import AllowList, original_source
-from telephony.sip.digest import DigestAuth
+from telephony.legs.sip.access import AllowList, original_source
+from telephony.legs.sip.digest import DigestAuth
 from tests.sip_support import Uac, UdpPeer
 from tests.sipp_support import sip_stack
 from tests.test_sip_core import make
@@ -137,7 +137,7 @@ def test_digest_back_off_behind_a_trusted_proxy_is_per_caller() -> None:
     from aiosipua import SipDigestAuth
     from aiosipua.auth import answer_challenge
 
-    from telephony.sip.message import Flow
+    from telephony.legs.sip.message import Flow
 
     h = make(
         digest=DigestAuth({"alice": "s3cret"}, failures_allowed=0, backoff_max_s=60),

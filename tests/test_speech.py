@@ -20,6 +20,7 @@ from openai.types.realtime import ConversationItemInputAudioTranscriptionComplet
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from telephony import audio
+from telephony.legs.twilio.leg import parse_mark_name
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.recognizer import PhraseRecognizer, closest_phrase, pocketsphinx_available
 from telephony.sim.scenario import Scenario
@@ -35,7 +36,6 @@ from telephony.sim.speech import (
     speech_setup,
 )
 from telephony.sim.vad import EnergyVad, SpeechStarted, SpeechStopped, webrtcvad_available
-from telephony.twilio_leg import parse_mark_name
 from tests.cli_support import clean_env, run_cli
 from tests.e2e_support import call_stack
 

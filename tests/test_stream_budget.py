@@ -1,10 +1,10 @@
-"""The per-stream budget (telephony.budget) with a fake clock: Twilio's pace never trips it, a
-flood does, once, with one event."""
+"""The per-stream budget (telephony.legs.twilio.budget) with a fake clock: Twilio's pace never
+trips it, a flood does, once, with one event."""
 
 from __future__ import annotations
 
-from telephony.budget import BudgetLimits, StreamBudget
 from telephony.call_events import CallEventKind, MemorySink
+from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
 
 
 class Clock:
@@ -52,7 +52,7 @@ def test_malformed_frames_are_recorded_up_to_the_budget_then_trip() -> None:
 def test_frames_reported_in_batches_count_as_the_same_frames_one_by_one() -> None:
     """The leg counts its frames and reports every BATCH: the budget trips at the same frame
     as with one call per frame, under the same clock."""
-    from telephony.budget import BATCH
+    from telephony.legs.twilio.budget import BATCH
 
     def trips_after(batched: bool) -> int:
         clock = Clock()

@@ -14,9 +14,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from telephony.call_events import CallEventKind, MemorySink
-from telephony.leg import AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
-from telephony.twilio_events import StartInfo
-from telephony.twilio_leg import BYTES_PER_MS, CHUNK_MS, TwilioLeg, mark_name, parse_mark_name
+from telephony.legs.leg import AudioIn, CallLeg, DtmfIn, LegClosed, LegEvent
+from telephony.legs.twilio.events import StartInfo
+from telephony.legs.twilio.leg import BYTES_PER_MS, CHUNK_MS, TwilioLeg, mark_name, parse_mark_name
 
 CHUNK_BYTES = CHUNK_MS * BYTES_PER_MS
 
@@ -237,7 +237,7 @@ async def test_a_tail_is_closed_by_the_caller_frames_that_stream_in_without_its_
     """While the caller streams (Twilio sends 50 frames a second for the whole call), the
     mark closing a short tail goes out at a caller frame once a chunk's time has passed; the
     backstop timer (made far too late here to matter) is only for a stream gone quiet."""
-    monkeypatch.setattr("telephony.twilio_leg.TAIL_BACKSTOP_S", 60.0)
+    monkeypatch.setattr("telephony.legs.twilio.leg.TAIL_BACKSTOP_S", 60.0)
     pair = await make_pair()
     await pair.leg.play("item:a", b64(b"\x55" * 8 * 10))  # 10 ms: less than a chunk
     first = await pair.recv()

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
-from telephony.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
 RATE = 8000

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.calls.recording import CONTENT_TYPE, CallRecorder, Recording
 from app.console_models import call_recordings_table as recordings_t
 from app.settings import Settings
-from telephony.leg import AudioFormat
+from telephony.legs.leg import AudioFormat
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from app.models import LegKind
 from app.runtime import Runtime
 from telephony.bridge import Bridge, BridgeConfig
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
-from telephony.leg import CallLeg
+from telephony.legs.leg import CallLeg
 from telephony.tool_gateway import CallContext
 
 log = logging.getLogger(__name__)

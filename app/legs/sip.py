@@ -28,17 +28,17 @@ from app.runtime import Runtime
 from app.settings import Settings
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
-from telephony.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
-from telephony.sip.dialog import CallKey
-from telephony.sip.digest import DigestAuth, parse_users
-from telephony.sip.errors import RtpPortsExhausted
-from telephony.sip.leg import SipLeg
-from telephony.sip.ports import RtpPorts
-from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock
-from telephony.sip.sdp import ANSWER_DIRECTION, LocalMedia
-from telephony.sip.timers import TimerConfig
-from telephony.sip.transport import SipTransport
-from telephony.sip.uas import (
+from telephony.legs.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
+from telephony.legs.sip.dialog import CallKey
+from telephony.legs.sip.digest import DigestAuth, parse_users
+from telephony.legs.sip.errors import RtpPortsExhausted
+from telephony.legs.sip.leg import SipLeg
+from telephony.legs.sip.ports import RtpPorts
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock
+from telephony.legs.sip.sdp import ANSWER_DIRECTION, LocalMedia
+from telephony.legs.sip.timers import TimerConfig
+from telephony.legs.sip.transport import SipTransport
+from telephony.legs.sip.uas import (
     CallCancelled,
     CallEnded,
     DtmfReceived,

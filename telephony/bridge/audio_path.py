@@ -20,7 +20,7 @@ from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import EvidenceLog
-from telephony.leg import CallLeg
+from telephony.legs.leg import CallLeg
 from telephony.realtime_wire import AudioDelta
 from telephony.tool_gateway import CallContext, ToolGateway
 

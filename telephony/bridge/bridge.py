@@ -46,11 +46,11 @@ from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.caller_evidence import EvidenceLog
-from telephony.leg import AudioIn, CallLeg, DtmfIn, LegClosed
+from telephony.legs.leg import AudioIn, CallLeg, DtmfIn, LegClosed
+from telephony.legs.sideband import SidebandLeg
 from telephony.realtime_wire import AudioDelta
 from telephony.redaction import mask_spoken_pins
 from telephony.session_config import BridgeConfig, instructions_text
-from telephony.sideband_leg import SidebandLeg
 from telephony.tool_gateway import (
     AnnouncementSink,
     CallContext,

@@ -31,9 +31,9 @@ from telephony.bridge.slot import ResponseState
 from telephony.bridge.turns import Turns
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import READBACK_TOLERANCE_MS, SpokenItem
-from telephony.leg import AudioFormat, CallLeg
+from telephony.legs.leg import AudioFormat, CallLeg
+from telephony.legs.sideband import OPEN_PLAYOUT_MS, SidebandLeg
 from telephony.session_config import BridgeConfig
-from telephony.sideband_leg import OPEN_PLAYOUT_MS, SidebandLeg
 
 BYTES_PER_MS = 8  # G.711 at 8 kHz, both directions (audio/pcmu and audio/pcma)
 MAX_PLAYED_CHECKS = 20  # looks at an agent item's playout before its transcript is recorded

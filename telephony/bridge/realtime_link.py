@@ -28,7 +28,7 @@ from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot
 from telephony.call_events import CallEventKind
 from telephony.errors import TelephonyError
-from telephony.leg import AudioFormat
+from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import (
     APPEND_HEAD,
     APPEND_TAIL,

@@ -36,13 +36,13 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from telephony import audio
 from telephony.errors import MalformedFrame, TelephonyError
+from telephony.legs.twilio.events import OutClear, OutMark, OutMedia, parse_outbound
 from telephony.sim.speech import (
     CALLER_ESPEAK_VOICE,
     SpeechError,
     SpeechSynthesizer,
     espeak_available,
 )
-from telephony.twilio_events import OutClear, OutMark, OutMedia, parse_outbound
 
 BYTES_PER_SECOND = audio.TELEPHONY_RATE  # mu-law: one byte per sample
 FRAME_BYTES = audio.G711_FRAME_BYTES

@@ -38,8 +38,8 @@ from app.models import LegKind
 from app.runtime import Runtime
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
+from telephony.legs.sideband import SidebandLeg
 from telephony.session_config import BridgeConfig, session_update
-from telephony.sideband_leg import SidebandLeg
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import logging
 from app.calls.store import CallRow
 from app.legs.session import CallSession
 from app.runtime import Runtime
-from telephony.budget import BudgetLimits, StreamBudget
 from telephony.call_events import CallEvent, CallEventKind
-from telephony.twilio_events import StartInfo
-from telephony.twilio_leg import TextWebSocket, TwilioLeg
+from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
+from telephony.legs.twilio.events import StartInfo
+from telephony.legs.twilio.leg import TextWebSocket, TwilioLeg
 
 log = logging.getLogger(__name__)
 

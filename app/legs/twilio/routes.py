@@ -33,10 +33,10 @@ from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.logging import RateLimitedLog
 from app.models import LegKind
 from app.runtime import Runtime
-from telephony.budget import StreamBudget
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
-from telephony.twilio_events import Connected, Start, StartInfo, parse_inbound
+from telephony.legs.twilio.budget import StreamBudget
+from telephony.legs.twilio.events import Connected, Start, StartInfo, parse_inbound
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -8,10 +8,10 @@ import binascii
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
+from telephony.legs.sip.sdp import Codec, Direction, RemoteMedia
 from telephony.playback import PlaybackTracker
-from telephony.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
-from telephony.sip.sdp import Codec, Direction, RemoteMedia
 
 log = logging.getLogger(__name__)
 

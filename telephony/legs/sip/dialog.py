@@ -12,10 +12,10 @@ from enum import StrEnum
 from aiosipua import SipRequest
 from aiosipua.headers import parse_address, parse_uri, stringify_uri
 
-from telephony.sip.errors import SipError
-from telephony.sip.message import Flow, Transport, new_branch
-from telephony.sip.sdp import Direction, LocalMedia, RemoteMedia
-from telephony.sip.timers import TimerOwner
+from telephony.legs.sip.errors import SipError
+from telephony.legs.sip.message import Flow, Transport, new_branch
+from telephony.legs.sip.sdp import Direction, LocalMedia, RemoteMedia
+from telephony.legs.sip.timers import TimerOwner
 
 
 class IllegalCallTransition(SipError):

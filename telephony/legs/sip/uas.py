@@ -20,12 +20,12 @@ from aiosipua import SipMessage, SipResponse
 from aiosipua.headers import parse_address, parse_auth, parse_via, stringify_uri
 from aiosipua.session_timer import parse_session_expires, peer_allows_update, watchdog_delay
 
-from telephony.sip import sdp as sdp_mod
-from telephony.sip.access import AllowList, RateLimiter, original_source
-from telephony.sip.dialog import Call, CallKey, CallState, SessionTimer
-from telephony.sip.digest import AuthResult, DigestAuth
-from telephony.sip.errors import SdpError, SipParseError
-from telephony.sip.message import (
+from telephony.legs.sip import sdp as sdp_mod
+from telephony.legs.sip.access import AllowList, RateLimiter, original_source
+from telephony.legs.sip.dialog import Call, CallKey, CallState, SessionTimer
+from telephony.legs.sip.digest import AuthResult, DigestAuth
+from telephony.legs.sip.errors import SdpError, SipParseError
+from telephony.legs.sip.message import (
     Flow,
     Request,
     Response,
@@ -37,9 +37,9 @@ from telephony.sip.message import (
     reply_destination,
     via_hops,
 )
-from telephony.sip.sdp import PCMU, Codec, Direction, LocalMedia, RemoteMedia
-from telephony.sip.timers import TimerConfig, TimerHeap, TimerOwner
-from telephony.sip.transaction import (
+from telephony.legs.sip.sdp import PCMU, Codec, Direction, LocalMedia, RemoteMedia
+from telephony.legs.sip.timers import TimerConfig, TimerHeap, TimerOwner
+from telephony.legs.sip.transaction import (
     ClientTransaction,
     ServerTransaction,
     TxKey,

@@ -34,10 +34,10 @@ from typing import Any, cast
 
 from aiortc.rtp import RtpPacket
 
+from telephony.legs.sip.access import AllowList
+from telephony.legs.sip.dtmf import DtmfDecoder
+from telephony.legs.sip.sdp import Codec, Direction, RemoteMedia
 from telephony.playback import PlaybackTracker
-from telephony.sip.access import AllowList
-from telephony.sip.dtmf import DtmfDecoder
-from telephony.sip.sdp import Codec, Direction, RemoteMedia
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
-from telephony.leg import AudioFormat, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
 # While the server plays an item we do not know its length: it counts as queued this long,

@@ -7,7 +7,7 @@ import random
 import socket
 from collections.abc import Callable
 
-from telephony.sip.errors import RtpPortsExhausted
+from telephony.legs.sip.errors import RtpPortsExhausted
 
 
 def parse_range(spec: str) -> tuple[int, int] | None:

@@ -17,7 +17,7 @@ from typing import Literal
 from aiosipua import Address, SipMessage, SipRequest, SipResponse, Via
 from aiosipua.headers import parse_address, parse_via, stringify_via
 
-from telephony.sip.errors import SipParseError
+from telephony.legs.sip.errors import SipParseError
 
 # aiosipua logs a warning per message whose body and Content-Length disagree; we reject those
 # ourselves and count them, and one log line per hostile datagram would flood the log.

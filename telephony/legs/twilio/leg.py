@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
 from telephony.audio import base64_size
-from telephony.budget import BATCH, StreamBudget
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import MalformedFrame
-from telephony.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
-from telephony.playback import PlaybackTracker
-from telephony.twilio_events import (
+from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.twilio.budget import BATCH, StreamBudget
+from telephony.legs.twilio.events import (
     Connected,
     Dtmf,
     Mark,
@@ -30,6 +29,7 @@ from telephony.twilio_events import (
     hot_frame,
     parse_frame,
 )
+from telephony.playback import PlaybackTracker
 from telephony.watchdog import Watchdog
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from telephony.sip.message import MAX_MESSAGE_BYTES, Flow
-from telephony.sip.uas import SipEvent, Transmit, UserAgentServer
+from telephony.legs.sip.message import MAX_MESSAGE_BYTES, Flow
+from telephony.legs.sip.uas import SipEvent, Transmit, UserAgentServer
 
 log = logging.getLogger(__name__)
 

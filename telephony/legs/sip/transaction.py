@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from telephony.sip.errors import SipError
-from telephony.sip.message import MAGIC_COOKIE, Flow, Request
-from telephony.sip.timers import TimerOwner
+from telephony.legs.sip.errors import SipError
+from telephony.legs.sip.message import MAGIC_COOKIE, Flow, Request
+from telephony.legs.sip.timers import TimerOwner
 
 
 class IllegalTransition(SipError):

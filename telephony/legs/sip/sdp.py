@@ -23,8 +23,8 @@ from aiosipua.sdp import (
     TimingField,
 )
 
-from telephony.leg import AudioFormat
-from telephony.sip.errors import SdpError
+from telephony.legs.leg import AudioFormat
+from telephony.legs.sip.errors import SdpError
 
 Direction = Literal["sendrecv", "sendonly", "recvonly", "inactive"]
 DIRECTIONS: tuple[Direction, ...] = ("sendrecv", "sendonly", "recvonly", "inactive")
