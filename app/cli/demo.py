@@ -30,7 +30,7 @@ from pydantic import SecretStr
 from app.calls.recording_store import get_recording
 from app.calls.store import find_by_sid
 from app.calls.timeline import format_table, load_timeline, terminal_width
-from app.cli.demo_harness import WAIT_S, Say, free_socket, start_demo_sor
+from app.cli.demo_harness import WAIT_S, Say, demo_caller_number, free_socket, start_demo_sor
 from app.cli.demo_openai_sip import demo_openai_sip
 from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
@@ -203,6 +203,7 @@ async def demo(settings: Settings, out: Path, *, wide: bool = False) -> int:
                 settings.public_base_url,
                 auth_token=twilio_api.auth_token,
                 account_sid=twilio_api.account_sid,
+                from_number=demo_caller_number(),
                 voice=speech.caller,
             )
             twilio_api.attach(caller)

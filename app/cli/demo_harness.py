@@ -5,6 +5,7 @@ narrator's type. Each demo imports this; neither imports the other's internals.
 
 from __future__ import annotations
 
+import secrets
 import socket
 from collections.abc import Callable
 
@@ -35,6 +36,15 @@ async def start_demo_sor(settings: Settings, url: str) -> tuple[SystemOfRecord |
     await sor.start()
     print(f"- system of record at {sor.url} (answers after {SOR_LATENCY_S:.1f} s)")
     return sor, sor.url
+
+
+def demo_caller_number() -> str:
+    """A new caller's number for each demo call (+1 555 01xx xxxx, never a real line).
+
+    The data directory keeps earlier demos' bookings: one caller booking the same evening
+    again is a conflict the engine rightly asks about, which is not the call the demo plays.
+    """
+    return f"+1555{secrets.randbelow(10**7):07d}"
 
 
 def free_socket() -> socket.socket:

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 
 from app.calls.store import find_by_sid
 from app.calls.timeline import format_table, load_timeline, terminal_width
-from app.cli.demo_harness import WAIT_S, Say, free_socket, start_demo_sor
+from app.cli.demo_harness import WAIT_S, Say, demo_caller_number, free_socket, start_demo_sor
 from app.main import create_app
 from app.server import ServiceServer, prepare_database, uvicorn_config
 from app.settings import Settings
@@ -113,7 +113,7 @@ async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
                     await asyncio.sleep(0.02)
             print(f"- service at {settings.public_base_url}, webhook {sim.webhook_url}")
             print("- call:")
-            call = await sim.place_call(from_number="+15551230000", to_number="+15557654321")
+            call = await sim.place_call(from_number=demo_caller_number(), to_number="+15557654321")
             try:
                 await _script(sim, call, scenario, print)
             except TimeoutError:
