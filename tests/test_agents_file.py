@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from telephony.sim.scenario import load_scenario
 from tests.cli_support import clean_env, error_lines, run_cli
 from tools.agents import AgentsFileError, load_agents_file, load_agents_text
 from tools.restaurant import plugin
@@ -78,3 +79,13 @@ async def test_serve_refuses_an_agents_file_naming_an_unknown_tool(tmp_path: Pat
     assert len(lines) == 1, err
     assert lines[0].startswith(f"voice-agent serve: AGENTS_FILE {path}:8: "), lines[0]
     assert "no tool 'refund' in the catalog. Fix: name one of" in lines[0]
+
+
+def test_the_handoff_scenario_hands_the_host_to_an_agent_the_file_allows() -> None:
+    scenarios = Path(load_scenario.__code__.co_filename).with_name("scenarios")
+    scenario = load_scenario(scenarios / "restaurant-handoff.json")
+    agents = load_agents_file(AGENTS, TOOLS)
+    calls = [s.function_call for s in scenario.steps if s.function_call is not None]
+    (handoff,) = [c for c in calls if c.name == "handoff_to_agent"]
+    assert handoff.arguments["agent"] in agents.get(None).handoffs
+    assert {c.name for c in calls} - {"handoff_to_agent"} <= set(TOOLS)
