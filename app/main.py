@@ -144,6 +144,7 @@ def create_app(
             holder=holder,
             max_reoffers=settings.announce_max_reoffers,
             sms=sms,
+            agents=tools.agents if tools is not None else None,
         )
         if tools is not None:
             tools.pipeline.pending_results = delivery.call_ended

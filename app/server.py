@@ -32,7 +32,12 @@ from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, m
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
-from app.tool_wiring import load_configured_catalog, read_accounts, runs_demo_sor
+from app.tool_wiring import (
+    load_configured_agents,
+    load_configured_catalog,
+    read_accounts,
+    runs_demo_sor,
+)
 from telephony.fast_paths import FastPath, realtime_fast_paths, summary
 from tools.catalog import Catalog
 
@@ -308,6 +313,14 @@ async def serve(settings: Settings, with_worker: bool) -> int:
     demo_sor = runs_demo_sor(settings)
     catalog: Catalog | None = None if demo_sor else load_configured_catalog(settings)
     try:
+        if settings.agents_file is not None:
+            # A bad agents file stops here too (the demo's catalog is checked without its SOR).
+            check_catalog = catalog or load_configured_catalog(settings)
+            try:
+                load_configured_agents(settings, check_catalog)
+            finally:
+                if check_catalog is not catalog:
+                    await check_catalog.aclose()
         sock = bind_listener(settings.host, settings.port)
     except BaseException:
         if catalog is not None:

@@ -157,6 +157,9 @@ class Settings(BaseSettings):
     # (TOOLS_FILE). Both unset: the restaurant demo.
     tools: str | None = None
     tools_file: Path | None = None
+    # Agents that take turns on a call (YAML: name, instructions, tools, handoffs, disclose),
+    # checked against the catalog at start; unset: one agent with every tool.
+    agents_file: Path | None = None
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.errors import StartupError
 from app.settings import Settings
+from tools.agents import AgentSet, AgentsFileError, load_agents_file
 from tools.catalog import Catalog, CatalogContext
 from tools.executor import make_app, make_enqueue
 from tools.gateway import ToolPipeline
@@ -46,6 +47,7 @@ class ToolWiring:
     registry: Registry
     catalog: Catalog
     enqueue: Enqueue
+    agents: AgentSet | None = None
 
 
 def plugin_of(settings: Settings) -> str | None:
@@ -84,6 +86,19 @@ def load_configured_catalog(
         plugin=plugin_of(settings),
         tools_file=settings.tools_file,
     )
+
+
+def load_configured_agents(settings: Settings, catalog: Catalog) -> AgentSet | None:
+    """The agents of AGENTS_FILE checked against `catalog` (None: unset, one agent);
+    StartupError (one line: the file, the problem, the fix) for a file that cannot run."""
+    if settings.agents_file is None:
+        return None
+    try:
+        agents = load_agents_file(settings.agents_file, catalog.registry.names())
+    except AgentsFileError as exc:
+        raise StartupError(str(exc)) from None
+    log.info("agents: %s (starting with %s)", ", ".join(agents.agents), agents.start)
+    return agents
 
 
 def read_accounts(path: Path, tenant_id: str) -> list[Account]:
@@ -131,6 +146,7 @@ def build_tools(
 ) -> ToolWiring:
     """The ToolGateway every call of this process uses, over `catalog`."""
     # Deferral runs on the admitting connection, so this app is never opened here.
+    agents = load_configured_agents(settings, catalog)
     enqueue = make_enqueue(make_app(database_url, max_pool_size=1))
     pipeline = ToolPipeline(
         engine,
@@ -143,7 +159,12 @@ def build_tools(
             window_s=settings.pin_failure_window_s,
             lockout_s=settings.pin_lockout_s,
         ),
+        agents=agents,
     )
     return ToolWiring(
-        pipeline=pipeline, registry=catalog.registry, catalog=catalog, enqueue=enqueue
+        pipeline=pipeline,
+        registry=catalog.registry,
+        catalog=catalog,
+        enqueue=enqueue,
+        agents=agents,
     )

@@ -50,6 +50,8 @@ class CallEventKind(StrEnum):
     VERIFICATION_LOCKED = "verification_locked"
     # A keypad PIN entry: how many digits, never which.
     PIN_ENTERED = "pin_entered"
+    # Another agent took the call (from, to, reason); the session went on with its tools.
+    AGENT_HANDOFF = "agent_handoff"
 
 
 @dataclass(frozen=True, slots=True)

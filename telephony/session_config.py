@@ -77,9 +77,12 @@ class BridgeConfig:
     max_tool_calls_in_flight: int = 4
 
 
-def instructions_text(config: BridgeConfig, resumed_transcript: Sequence[str] = ()) -> str:
-    """The full instructions: persona, the call rules, and a resume note after a reconnect."""
-    parts = [config.instructions.strip(), CALL_RULES]
+def instructions_text(
+    config: BridgeConfig, resumed_transcript: Sequence[str] = (), persona: str | None = None
+) -> str:
+    """The full instructions: persona (the active agent's, when agents are declared), the
+    call rules, and a resume note after a reconnect."""
+    parts = [(persona or config.instructions).strip(), CALL_RULES]
     if resumed_transcript:
         parts.append(RESUMED_NOTE.format(transcript="\n".join(resumed_transcript)))
     return "\n\n".join(parts)
@@ -96,12 +99,13 @@ def session_update(
     audio_format: AudioFormat,
     tools: Sequence[dict[str, Any]],
     resumed_transcript: Sequence[str] = (),
+    persona: str | None = None,
 ) -> RealtimeSessionCreateRequestParam:
     """The `session` of the one GA `session.update` a call sends (again after a reconnect)."""
     session: RealtimeSessionCreateRequestParam = {
         "type": "realtime",
         "output_modalities": ["audio"],
-        "instructions": instructions_text(config, resumed_transcript),
+        "instructions": instructions_text(config, resumed_transcript, persona),
         "audio": {
             "input": {
                 # Same G.711 codec as the leg: no transcoding on the audio path.
@@ -120,3 +124,16 @@ def session_update(
         "tool_choice": "auto",
     }
     return session
+
+
+def agent_update(
+    config: BridgeConfig, persona: str, tools: Sequence[dict[str, Any]]
+) -> RealtimeSessionCreateRequestParam:
+    """The `session` of a handoff's `session.update`: the new agent's instructions and tools
+    (audio, voice and turn detection stay as they are)."""
+    return {
+        "type": "realtime",
+        "instructions": instructions_text(config, (), persona),
+        "tools": cast(Any, list(tools)),
+        "tool_choice": "auto",
+    }

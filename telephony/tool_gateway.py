@@ -73,12 +73,31 @@ class FunctionCallRequest:
     turn_id: int
     # What the call can attest of the caller (None: nothing, so no confirmation counts).
     evidence: CallerEvidence | None = field(default=None, compare=False, repr=False)
+    # The agent talking when the model asked (None: no agents declared, one agent).
+    agent: str | None = None
 
     @property
     def function_call_id(self) -> str:
         """The model's id of this function call (`call_id` on the wire), by the name the
         tool layer uses: there `call_id` is always our call row's id."""
         return self.call_id
+
+
+@dataclass(frozen=True, slots=True)
+class SessionChange:
+    """Another agent takes the call: the session continues with its instructions and tools.
+
+    The call side applies it without dropping the call: a `session.update`, then a note to the
+    new agent (`note`: the operations still open, to which the call side adds a summary of the
+    conversation so far), then the function output and a response.
+    """
+
+    agent: str
+    instructions: str
+    tools: list[dict[str, Any]]
+    from_agent: str | None = None
+    reason: str = ""
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +111,8 @@ class ToolReply:
     operation_id: str | None = None
     # The operation waits for the caller's yes: what the model says next is its readback.
     awaiting_confirmation: bool = False
+    # A handoff: the agent, instructions and tools the session continues with.
+    session_change: SessionChange | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,3 +96,19 @@ def test_overlapping_items_go_on_separate_rows_and_the_axis_covers_the_recording
     assert lanes.duration_ms >= 12_300  # the recording runs to 12.3 s on the axis
     assert lanes.ticks[0] == (0, "0.0 s") and lanes.pct(lanes.duration_ms) == 100
     assert seconds(83_500) == "1:23.5"
+
+
+def test_a_handoff_shows_on_the_call_lane_naming_both_agents() -> None:
+    view = {
+        **VIEW,
+        "events": [
+            *VIEW["events"][:-1],
+            ev("call", "agent_handoff", 10000, from_agent="host", to_agent="manager",
+               reason="a deposit question"),
+            VIEW["events"][-1],
+        ],
+    }  # fmt: skip
+    lanes = {lane.key: lane for lane in layout(view).lanes}
+    (handoff,) = [i for i in lanes["call"].items if i.label.startswith("handoff")]
+    assert handoff.label == "handoff host → manager"
+    assert "reason=a deposit question" in handoff.title

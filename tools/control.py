@@ -19,7 +19,8 @@ from tools.registry import ToolKind, ToolSpec
 CONFIRM_OPERATION = "confirm_operation"
 VERIFY_PIN = "verify_pin"
 RESOLVE_CONFLICT = "resolve_conflict"
-CONTROL_TOOL_NAMES = frozenset({CONFIRM_OPERATION, VERIFY_PIN, RESOLVE_CONFLICT})
+HANDOFF_TO_AGENT = "handoff_to_agent"
+CONTROL_TOOL_NAMES = frozenset({CONFIRM_OPERATION, VERIFY_PIN, RESOLVE_CONFLICT, HANDOFF_TO_AGENT})
 
 
 class _Args(BaseModel):
@@ -80,6 +81,27 @@ RESOLVE_CONFLICT_SPEC = ToolSpec(
         "explicit answer: move it, keep both, or leave it as it is (drop the newer one)."
     ),
     args_model=ResolveConflictArgs,
+    kind=ToolKind.CONTROL,
+)
+
+
+class HandoffArgs(_Args):
+    agent: str = Field(
+        min_length=1, max_length=40, description="The agent to hand the caller to (by name)."
+    )
+    reason: str = Field(
+        min_length=1, max_length=300, description="Why, in a few words (the new agent reads it)."
+    )
+
+
+HANDOFF_SPEC = ToolSpec(
+    name=HANDOFF_TO_AGENT,
+    description=(
+        "Hand the caller to another agent of this business when what they want is that "
+        "agent's job (its name is in the list below). Tell the caller in one short sentence "
+        "first; requests already under way go on and their results reach the new agent."
+    ),
+    args_model=HandoffArgs,
     kind=ToolKind.CONTROL,
 )
 

@@ -55,6 +55,7 @@ SETTABLE = frozenset(
         "response_id",
         "message_id",
         "reason",
+        "agent",
         "next_attempt_at",
         "offered_at",
         "heard_at",
@@ -86,6 +87,7 @@ class DeliveryRecord:
     offered_at: datetime | None
     heard_at: datetime | None
     finished_at: datetime | None
+    agent: str | None = None  # the agent active when it was offered (or kept from it)
 
     @classmethod
     def from_row(cls, row: Any) -> DeliveryRecord:

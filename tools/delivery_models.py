@@ -55,6 +55,8 @@ class Delivery(SQLModel, table=True):
     response_id: str | None = Field(default=None, max_length=128)  # response that carried it
     message_id: uuid.UUID | None = None  # the SMS that carries it (last one)
     reason: str | None = Field(default=None, sa_column=Column(Text))  # the last decision's
+    # The agent active in the call when the outcome was offered there, or kept from it.
+    agent: str | None = Field(default=None, max_length=40)
     next_attempt_at: datetime | None = _ts()
     created_at: datetime | None = _ts(nullable=False, default_now=True)
     updated_at: datetime | None = _ts(nullable=False, default_now=True)

@@ -23,9 +23,11 @@ from telephony.tool_gateway import (
     ConfirmationEvidence,
     FunctionCallRequest,
     KeypadEntry,
+    SessionChange,
     ToolReply,
 )
 from tools import ledger
+from tools.agents import Agent, AgentSet
 from tools.compensation import admit_compensation
 from tools.conflicts import (
     conflict_key,
@@ -34,7 +36,14 @@ from tools.conflicts import (
     held_still_output,
     keep_both_readback,
 )
-from tools.control import ConfirmOperationArgs, ResolveConflictArgs, VerifyPinArgs
+from tools.control import (
+    HANDOFF_SPEC,
+    HANDOFF_TO_AGENT,
+    ConfirmOperationArgs,
+    HandoffArgs,
+    ResolveConflictArgs,
+    VerifyPinArgs,
+)
 from tools.errors import IdempotencyConflict, InvalidArguments, ToolError, UnknownTool
 from tools.identity import (
     CallerIdentity,
@@ -116,8 +125,11 @@ class ToolPipeline:
         max_pin_attempts: int = 3,
         handle_timeout_s: float = 15.0,
         lockout: LockoutPolicy | None = None,
+        agents: AgentSet | None = None,
     ) -> None:
         self._engine = engine
+        # Agents declared (AGENTS_FILE): each call talks to one at a time, with its tools.
+        self.agents = agents
         self._registry = registry
         self._enqueue = enqueue
         self._read = read_executor
@@ -136,6 +148,98 @@ class ToolPipeline:
 
     def definitions(self) -> list[dict[str, Any]]:
         return self._registry.definitions()
+
+    # --- agents --------------------------------------------------------------------------
+
+    def starting_session(self) -> SessionChange | None:
+        """The first agent's session when agents are declared (None: one agent, every tool)."""
+        if self.agents is None:
+            return None
+        return self._session_of(self.agents.get(None))
+
+    def _offers(self, agent: Agent, name: str) -> bool:
+        """Whether `agent` is offered the tool `name` (its own tools and the control tools)."""
+        if name == HANDOFF_TO_AGENT:
+            return bool(agent.handoffs)
+        spec = self._spec(name)
+        return spec is not None and (spec.kind is ToolKind.CONTROL or name in agent.tools)
+
+    def _session_of(
+        self, agent: Agent, *, from_agent: str | None = None, reason: str = "", note: str = ""
+    ) -> SessionChange:
+        tools = [s.definition() for s in self._registry if self._offers(agent, s.name)]
+        if agent.handoffs:
+            tools.append(HANDOFF_SPEC.definition())
+        instructions = agent.instructions.strip() + (
+            f"\n\nYou are the {agent.name} agent."
+            + (
+                f" Hand the caller to another agent ({', '.join(agent.handoffs)}) with "
+                f"{HANDOFF_TO_AGENT} when what they want is that agent's job."
+                if agent.handoffs
+                else ""
+            )
+        )
+        return SessionChange(
+            agent=agent.name,
+            instructions=instructions,
+            tools=tools,
+            from_agent=from_agent,
+            reason=reason,
+            note=note,
+        )
+
+    async def _handoff(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        request: FunctionCallRequest,
+        tc: ToolCallRecord,
+        args: HandoffArgs,
+    ) -> ToolReply:
+        """Another agent takes the call; the operations still open stay the call's."""
+        assert self.agents is not None
+        current = self.agents.get(request.agent)
+        norm = args.model_dump(mode="json")
+        if args.agent not in current.handoffs:
+            targets = ", ".join(current.handoffs) or "nobody"
+            out = denied_output(
+                f"You can hand the caller only to: {targets}. Carry on helping them yourself.",
+                rule="handoff",
+            )
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason="not a handoff target", arguments=norm,
+                output=out,
+            )  # fmt: skip
+            return _reply(out)
+        target = self.agents.get(args.agent)
+        open_ops = await ledger.operations_for_call(
+            conn, ctx.call_id, [S.AWAITING_CONFIRMATION, *IN_FLIGHT]
+        )
+        if open_ops:
+            lines = [
+                f"- {self._describe(op)}: {op.status.value.replace('_', ' ')} "
+                f"(operation_id {op.operation_id})"
+                for op in open_ops
+            ]
+            note = (
+                "Requests of this call still open (their results will reach you; never say "
+                "one is done before you are told):\n" + "\n".join(lines)
+            )
+        else:
+            note = "No request of this call is still open."
+        out = {
+            "status": "handed_off",
+            "agent": target.name,
+            "message": bounded(
+                f"The caller is now with the {target.name} agent, who carries on from here."
+            ),
+        }
+        await ledger.complete_tool_call(
+            conn, tc.id, decision="handoff", reason=f"{current.name} -> {target.name}",
+            arguments=norm, output=out,
+        )  # fmt: skip
+        change = self._session_of(target, from_agent=current.name, reason=args.reason, note=note)
+        return ToolReply(output=out, wants_response=True, session_change=change)
 
     # --- the ToolGateway surface ---------------------------------------------------------
 
@@ -169,6 +273,8 @@ class ToolPipeline:
             log.exception("could not record failed tool call %s", request.function_call_id)
 
     def _spec(self, name: str) -> ToolSpec | None:
+        if name == HANDOFF_TO_AGENT and self.agents is not None:
+            return HANDOFF_SPEC
         return self._registry.get(name) if name in self._registry else None
 
     async def _record_call(
@@ -294,6 +400,12 @@ class ToolPipeline:
             tc, created = await self._record_call(conn, ctx, request)
             if not created:
                 return await self._replay(conn, tc)
+            if (
+                spec is not None
+                and self.agents is not None
+                and not self._offers(self.agents.get(request.agent), spec.name)
+            ):
+                spec = None  # not this agent's tool: as unknown as any other
             if spec is None:
                 name = _storable(request.name, 64)
                 out = error_output(f"There is no tool called {name}. Use only the tools offered.")
@@ -319,6 +431,8 @@ class ToolPipeline:
                 return _reply(out)
             identity = verification.snapshot()
             if spec.kind is ToolKind.CONTROL:
+                if isinstance(args, HandoffArgs) and self.agents is not None:
+                    return await self._handoff(conn, ctx, request, tc, args)
                 if isinstance(args, ConfirmOperationArgs):
                     return await self._confirm(conn, ctx, request, tc, args, identity)
                 if isinstance(args, ResolveConflictArgs):
@@ -454,6 +568,7 @@ class ToolPipeline:
                 overflow=None if awaiting or decision.overflow is None else decision.overflow.value,
                 conflict_key=ckey,
                 held_by_operation_id=held_by.operation_id if held_by else None,
+                agent=request.agent,
                 actor="policy",
                 reason=reason,
                 data={"rule": decision.rule, "provider_call_id": request.function_call_id},

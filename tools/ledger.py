@@ -163,6 +163,7 @@ async def admit_operation(
     overflow: str | None = None,
     conflict_key: str | None = None,
     held_by_operation_id: uuid.UUID | None = None,
+    agent: str | None = None,
     actor: str = "policy",
     reason: str = "admitted by policy",
     data: Mapping[str, Any] | None = None,
@@ -202,6 +203,7 @@ async def admit_operation(
             overflow=overflow,
             conflict_key=conflict_key,
             held_by_operation_id=held_by_operation_id,
+            agent=agent,
         )
         .on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"])
         .returning(*ops_t.c)

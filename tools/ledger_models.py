@@ -117,6 +117,8 @@ class Operation(SQLModel, table=True):
     # it) and that evidence (the readback item, heard ms, the caller's item or digit).
     confirmed_by: str | None = Field(default=None, max_length=16)
     confirmation: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB))
+    # The agent that asked for it (AGENTS_FILE; None: one agent). The call owns it, not them.
+    agent: str | None = Field(default=None, max_length=40)
     created_at: datetime | None = _ts(nullable=False, default_now=True)
     updated_at: datetime | None = _ts(nullable=False, default_now=True)
     committed_at: datetime | None = _ts()
@@ -187,6 +189,7 @@ class OperationRecord:
     # Who confirmed it ("caller": the call observed their answer) and that evidence.
     confirmed_by: str | None = None
     confirmation: dict[str, Any] | None = None
+    agent: str | None = None  # the agent that asked for it
 
     @classmethod
     def from_row(cls, row: Any) -> OperationRecord:

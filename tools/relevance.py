@@ -4,7 +4,8 @@ A pure function over facts (gathered from the ledger, the calls table and the li
 whoever asks). Each check is answered and kept in the decision, so the delivery's trail
 says why: same caller and call; not already communicated; still current (a newer
 operation of the same caller on the same conflict key contradicts it, or newer turns only
-moved the talk on); may be disclosed on this channel; must a conflicting effect be settled
+moved the talk on); may be disclosed on this channel (in a live call: by the agent active
+now, whichever agent admitted it); must a conflicting effect be settled
 first. A contradicted outcome is still told, with the conflict, never as if it answered the
 newer request.
 """
@@ -73,6 +74,10 @@ class GateFacts:
     sms_capable: bool = False  # the caller's number is a number an SMS can reach
     opted_out: bool = False
     needs_verification: bool = False  # the tool acts on something only its owner may know
+    # The agent talking in the live call now (AGENTS_FILE), and whether it may tell this
+    # tool's results; one that may not leaves it to another channel (SMS).
+    active_agent: str | None = None
+    agent_may_disclose: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +140,16 @@ def decide(f: GateFacts) -> GateDecision:
 
     # Which channel, and may it be disclosed there?
     if f.call is CallState.LIVE_HERE:
+        if f.active_agent is not None:
+            checks["agent"] = f.active_agent
+        if not f.agent_may_disclose:
+            checks["channel"] = "sms"
+            return _text(
+                f,
+                checks,
+                f"the active agent ({f.active_agent}) may not disclose it: by SMS",
+                contradicted,
+            )
         checks["disclosure"] = "the same call that asked, and its caller"
         if f.cuts > f.max_reoffers:
             checks["channel"] = "sms"

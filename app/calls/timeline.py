@@ -332,6 +332,7 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "call_ended": ("reason",),
     "pin_entered": ("digits", "outcome"),
     "verification_locked": ("subject", "failures", "locked_until"),
+    "agent_handoff": ("from_agent", "to_agent", "reason"),
     "stream_abusive": ("budget", "reason"),
     "foreign_media_dropped": ("source",),
 }

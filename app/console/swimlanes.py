@@ -41,6 +41,7 @@ _CALL_LANE_KINDS = {
     "dtmf": "keypad",
     "pin_entered": "PIN entered",
     "verification_locked": "verification locked",
+    "agent_handoff": "handoff",
     "stream_abusive": "ended as abusive",
     "foreign_media_dropped": "foreign RTP dropped",
     "malformed_frame": "bad frame",
@@ -408,6 +409,8 @@ def _call_lane(events: list[dict[str, Any]]) -> Lane:
             label = f"keypad {d.get('digit', '')}".strip()
         if e["kind"] == "pin_entered":
             label = f"PIN entered ({d.get('digits')} digits)"  # never which digits
+        if e["kind"] == "agent_handoff":
+            label = f"handoff {d.get('from_agent')} → {d.get('to_agent')}"
         if e["kind"] in ("call_ended", "call_rejected") and d.get("reason"):
             label = f"{label}: {d['reason']}"
         detail = ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("excerpt",))

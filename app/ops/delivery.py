@@ -43,6 +43,7 @@ from telephony.tool_gateway import (
     LateResult,
 )
 from tools import deliveries, ledger
+from tools.agents import AgentSet
 from tools.deliveries import DeliveryRecord, LedgerContext, SmsRecord
 from tools.delivery_states import DeliveryState
 from tools.ledger import OperationRecord
@@ -122,6 +123,8 @@ async def evaluate(
     live_caller: str | None = None,
     turns_since: int | None = None,
     max_reoffers: int = 2,
+    agents: AgentSet | None = None,
+    active_agent: str | None = None,
 ) -> DeliveryDecision:
     """Gather the facts and ask the relevance gate (nothing is recorded here)."""
     ctx = await deliveries.ledger_context(conn, op)
@@ -154,6 +157,8 @@ async def evaluate(
         sms_capable=sms_capable(op.caller),
         opted_out=ctx.opted_out,
         needs_verification=bool(spec and spec.needs_verification),
+        active_agent=active_agent,
+        agent_may_disclose=agents is None or agents.may_disclose(active_agent, op.tool),
     )
     undone = [
         describe_operation(registry.get(c.tool), _as_record(op, c))
@@ -256,8 +261,11 @@ class ResultDelivery:
         holder: str = "replica",
         max_reoffers: int = 2,
         sms: SmsChannel | None = None,
+        agents: AgentSet | None = None,
     ) -> None:
         self._engine = engine
+        # Agents declared: a result is told by the agent active when it lands, if it may.
+        self.agents = agents
         self._registry = registry
         self._find_live = find_live
         self._live_call_ids = live_call_ids
@@ -345,6 +353,7 @@ class ResultDelivery:
                 if isinstance(turn, int) and op.turn_id is not None
                 else None
             )
+            agent = getattr(entry.live, "agent", None) if self.agents is not None else None
             found = await evaluate(
                 conn,
                 self._registry,
@@ -354,9 +363,21 @@ class ResultDelivery:
                 live_caller=entry.from_number,
                 turns_since=turns_since,
                 max_reoffers=self.max_reoffers,
+                agents=self.agents,
+                active_agent=agent,
             )
             gate = found.gate
             await record_decision(conn, delivery, gate, self.actor)
+            if agent is not None and agent != delivery.agent:
+                # The ledger keeps who was talking when the result landed (told or kept back).
+                await deliveries.update(
+                    conn,
+                    delivery.id,
+                    D.PENDING,
+                    actor=self.actor,
+                    reason=f"the active agent is {agent}",
+                    agent=agent,
+                )
             if gate.action is Action.ANNOUNCE:
                 moved = await deliveries.move(
                     conn,

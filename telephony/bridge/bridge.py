@@ -35,6 +35,7 @@ from openai.types.realtime.input_audio_buffer_dtmf_event_received_event import (
     InputAudioBufferDtmfEventReceivedEvent,
 )
 
+from telephony.bridge.agent import ActiveAgent
 from telephony.bridge.audio_path import AudioPath
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import LocalPlayout, Playout, ServerPlayout
@@ -132,14 +133,20 @@ class Bridge:
             if sideband is not None
             else LocalPlayout(self.port, leg, self.turns, history, self._audio_changed)
         )
+        # The agent talking (agents declared: the first one, until a handoff).
+        starting = getattr(gateway, "starting_session", None)
+        self.active_agent = ActiveAgent(
+            starting() if starting is not None else None, gateway.definitions
+        )
         self.link: ModelLink = RealtimeLink(
             self.port,
             config,
             client,
             leg.audio_format,
-            gateway.definitions,
+            self.active_agent.tools,
             history,
             sideband_call_sid=sideband.call_sid if sideband is not None else None,
+            persona=self.active_agent.persona,
         )
         self.audio = AudioPath(self.port, leg, self.playout, ctx, gateway, evidence)
         self.utterances = Utterances(
@@ -161,7 +168,14 @@ class Bridge:
             self.playout,
             evidence,
             lambda: self._session,
+            self.active_agent,
+            history,
         )
+
+    @property
+    def agent(self) -> str | None:
+        """The agent talking now (None: no agents declared); late results ask who it is."""
+        return self.active_agent.name
 
     # Counters for benchmarks and tests.
 
@@ -336,7 +350,9 @@ class Bridge:
                     self.utterances.queue(
                         CreateRequest(
                             "greeting",
-                            instructions=instructions_text(self.config)
+                            instructions=instructions_text(
+                                self.config, persona=self.active_agent.persona()
+                            )
                             + "\n\n"
                             + self.config.greeting_instructions,
                         )

@@ -48,6 +48,10 @@ class ModelSession(Protocol):
 
     async def create_response(self, event_id: str, instructions: str | None) -> bool: ...
 
+    async def update_session(self, persona: str, tools: list[dict[str, Any]]) -> bool:
+        """Another agent's instructions and tools on the same connection (a handoff)."""
+        ...
+
 
 # Handlers the read loop calls: an audio delta, and any other (parsed) server event, which
 # answers a reason when the session must be given up.

@@ -40,7 +40,7 @@ from telephony.realtime_wire import (
     nowait_sender,
     raw_sender,
 )
-from telephony.session_config import BridgeConfig, session_update
+from telephony.session_config import BridgeConfig, agent_update, session_update
 from telephony.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class RealtimeSession:
     __slots__ = (
         "_append_watch",
         "_call_id",
+        "_config",
         "_send_frame",
         "_send_now",
         "_timeout_s",
@@ -93,9 +94,15 @@ class RealtimeSession:
     )
 
     def __init__(
-        self, conn: AsyncRealtimeConnection, generation: int, call_id: str, timeout_s: float
+        self,
+        conn: AsyncRealtimeConnection,
+        generation: int,
+        call_id: str,
+        timeout_s: float,
+        config: BridgeConfig | None = None,
     ) -> None:
         self.conn = conn
+        self._config = config or BridgeConfig()
         self.generation = generation
         self.items: set[str] = set()
         self.slot = ResponseSlot()
@@ -146,6 +153,11 @@ class RealtimeSession:
             send = self.conn.response.create(event_id=event_id)
         return await self._send(send)
 
+    async def update_session(self, persona: str, tools: list[dict[str, Any]]) -> bool:
+        return await self._send(
+            self.conn.session.update(session=agent_update(self._config, persona, tools))
+        )
+
     async def close(self) -> None:
         lane = lane_of(self.conn)
         if lane is not None:
@@ -189,12 +201,14 @@ class RealtimeLink:
         tools: Callable[[], list[dict[str, Any]]],
         history: deque[str],
         sideband_call_sid: str | None = None,
+        persona: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._port = port
         self._config = config
         self._client = client
         self._audio_format = audio_format
         self._tools = tools
+        self._persona = persona  # the active agent's instructions (None: the config's)
         self._history = history
         # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
         self._sideband_call_sid = sideband_call_sid
@@ -230,7 +244,11 @@ class RealtimeLink:
                         await conn.session.update(
                             event_id=SESSION_UPDATE_EVENT_ID,
                             session=session_update(
-                                self._config, self._audio_format, self._tools(), history
+                                self._config,
+                                self._audio_format,
+                                self._tools(),
+                                history,
+                                self._persona(),
                             ),
                         )
                         await self._await_session_updated(conn)
@@ -261,7 +279,11 @@ class RealtimeLink:
             else:
                 self._generation += 1
                 session = RealtimeSession(
-                    conn, self._generation, self._port.call_id, self._config.send_timeout_s
+                    conn,
+                    self._generation,
+                    self._port.call_id,
+                    self._config.send_timeout_s,
+                    self._config,
                 )
                 return session, attempts, None
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))

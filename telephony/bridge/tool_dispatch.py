@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from telephony.bridge.agent import ActiveAgent, handoff_note
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
@@ -27,6 +28,7 @@ from telephony.tool_gateway import (
     CallContext,
     ConfirmationEvidence,
     FunctionCallRequest,
+    SessionChange,
     ToolGateway,
     ToolReply,
 )
@@ -49,6 +51,8 @@ class ToolDispatch:
         playout: Playout,
         evidence: EvidenceLog,
         current: Callable[[], ModelSession | None],
+        agent: ActiveAgent | None = None,
+        history: Iterable[str] = (),
     ) -> None:
         self._port = port
         self._ctx = ctx
@@ -60,6 +64,8 @@ class ToolDispatch:
         self._playout = playout
         self._evidence = evidence
         self._current = current  # the bridge's session now (None between sessions)
+        self._agent = agent or ActiveAgent(None, gateway.definitions)
+        self._history = history  # the conversation so far, for a new agent's note
         self._seen: set[str] = set()  # function_call_ids acted on
         # Function calls per response, and those running now (bounded by the config).
         self._calls_per_response: dict[str, int] = {}
@@ -88,6 +94,7 @@ class ToolDispatch:
             response_id=response_id,
             turn_id=self._utterances.turn_of(response_id),
             evidence=self,
+            agent=self._agent.name,
         )
         redacts = getattr(self._gateway, "redacts_arguments", None)
         secret = redacts is not None and redacts(request.name)
@@ -179,6 +186,8 @@ class ToolDispatch:
                 response="call_ended",
             )
             return
+        if reply.session_change is not None:
+            await self._hand_off(session, reply.session_change)
         output = json.dumps(reply.output, separators=(",", ":"), default=str)
         # A re-attached sideband joins the same conversation: the function call is still there.
         if session.generation == generation or self._link.keeps_conversation:
@@ -201,6 +210,24 @@ class ToolDispatch:
             **extra,
         )
         await self._utterances.drain()
+
+    async def _hand_off(self, session: ModelSession, change: SessionChange) -> None:
+        """Another agent takes the call on the same session: its instructions and tools
+        (session.update), then a note with the conversation so far and the operations still
+        open; the function output and a response follow as for any call."""
+        before = self._agent.take(change)
+        updated = await session.update_session(change.instructions, change.tools)
+        noted = await session.add_note(handoff_note(change, self._history))
+        log.info("call %s: handed off %s -> %s", self._port.call_id, before, change.agent)
+        self._port.emit(
+            CallEventKind.AGENT_HANDOFF,
+            from_agent=before,
+            to_agent=change.agent,
+            reason=change.reason[:300],
+            tools=[str(t.get("name")) for t in change.tools],
+            session_updated=updated,
+            noted=noted,
+        )
 
     def _decide(self, request: FunctionCallRequest, reply: ToolReply) -> str:
         """Whether the answer is spoken now: only for the current turn, caller not speaking."""
