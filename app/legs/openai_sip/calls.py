@@ -231,9 +231,13 @@ class OpenAISipService:
     def session(self) -> dict[str, Any]:
         """The accept body: the session every leg gets, in the interconnect's codec."""
         config: BridgeConfig = self.runtime.bridge_config
-        body: dict[str, Any] = dict(
-            session_update(config, "audio/pcmu", self.runtime.gateway.definitions())
-        )
+        gateway = self.runtime.gateway
+        # Agents declared: the call is accepted with the first agent's instructions and tools.
+        starting = getattr(gateway, "starting_session", None)
+        agent = starting() if starting is not None else None
+        tools = agent.tools if agent is not None else gateway.definitions()
+        persona = agent.instructions if agent is not None else None
+        body: dict[str, Any] = dict(session_update(config, "audio/pcmu", tools, (), persona))
         body["model"] = config.model
         return body
 
