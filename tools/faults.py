@@ -18,6 +18,7 @@ from typing import Any
 Action = Callable[[Mapping[str, Any]], Awaitable[None]]
 
 POINTS: Mapping[str, str] = {
+    "gateway.requested": "a completed function call reached the tool gateway; nothing decided",
     "executor.claimed": "the operation is running (claimed, attempt counted), nothing sent yet",
     "executor.answered": "the provider has answered an attempt; the answer is not recorded yet",
 }

@@ -26,7 +26,7 @@ from telephony.tool_gateway import (
     SessionChange,
     ToolReply,
 )
-from tools import ledger
+from tools import faults, ledger
 from tools.agents import Agent, AgentSet
 from tools.compensation import admit_compensation
 from tools.conflicts import (
@@ -244,6 +244,9 @@ class ToolPipeline:
     # --- the ToolGateway surface ---------------------------------------------------------
 
     async def handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
+        await faults.reach(
+            "gateway.requested", call_id=ctx.call_id, function_call_id=request.function_call_id
+        )
         try:
             async with asyncio.timeout(self.handle_timeout_s):
                 return await self._handle(ctx, request)

@@ -97,6 +97,9 @@ class FunctionCallStep(BaseModel):
     # The same call this many times in one response (each its own call_id): a model that
     # fans out, as the per-response and in-flight caps must withstand.
     repeat: int = Field(default=1, ge=1, le=100)
+    # How long the arguments take to stream (default: a few tens of ms): a slow model gives
+    # a caller time to cut in before the call is complete.
+    arguments_ms: int | None = Field(default=None, ge=0, le=60_000)
 
     @field_validator("preamble", mode="before")
     @classmethod

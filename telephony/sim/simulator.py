@@ -1595,8 +1595,13 @@ class SimulatedSession:
         arguments = call.rendered_arguments(output=self._latest_output)
         pieces = max(1, min(4, len(arguments) // 12))
         size = math.ceil(len(arguments) / pieces)
+        pause_s = (
+            ARGUMENT_DELTA_DELAY_S
+            if call.arguments_ms is None
+            else call.arguments_ms / 1000 / pieces
+        )
         for start in range(0, len(arguments), size):
-            if not await self._pause(response, ARGUMENT_DELTA_DELAY_S):
+            if not await self._pause(response, pause_s):
                 break
             delta = arguments[start : start + size]
             item.arguments += delta
