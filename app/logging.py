@@ -6,6 +6,8 @@ import logging
 import re
 from typing import Any
 
+from tools.outage import QuietOutageFilter
+
 # E.164 numbers (+ and 7-15 digits, maybe spaced) and bare runs of 10-15 digits; dates,
 # times and ids with fewer digits are left readable.
 # Over-long runs are masked whole: a 104-digit `To` must not leave 85 digits in clear.
@@ -95,6 +97,9 @@ def configure_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter(LOG_FORMAT))
     handler.addFilter(RedactingFilter())
+    # A database outage is logged once when it starts and once when it ends (tools.outage),
+    # not as a traceback or a warning from every library loop that noticed it.
+    handler.addFilter(QuietOutageFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -41,6 +41,7 @@ from app.tool_wiring import build_tools, load_configured_catalog
 from telephony.session_config import BASE_INSTRUCTIONS, BridgeConfig
 from telephony.tool_gateway import ToolGateway
 from tools.catalog import Catalog
+from tools.outage import quiet_library_outages
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        quiet_library_outages()
         own_catalog = catalog is None
         tool_catalog = catalog if catalog is not None else load_configured_catalog(settings)
         own_engine = engine is None

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from tools.outage import DATABASE
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str], None]
@@ -79,7 +81,8 @@ class PgListener:
             except Exception as exc:
                 # Notifications sent while reconnecting are lost; `on_listen` subscribers
                 # catch up from the database once the connection is back.
-                log.warning("notification listener lost its connection (%s); reconnecting", exc)
+                if not DATABASE.failed("notification listener", exc):
+                    log.warning("notification listener lost its connection (%s); reconnecting", exc)
                 await asyncio.sleep(self._reconnect_s)
 
     def _dispatch(self, channel: str, payload: str) -> None:

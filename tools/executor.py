@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import socket
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -32,7 +33,9 @@ from tools import faults, ledger
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
+from tools.outage import DATABASE, DatabaseHealth
 from tools.provider import ActionResult, Outcome, Provider
+from tools.queue_connector import OutageTolerantConnector
 from tools.reconcile import Reconciler, plan_retry
 from tools.registry import Registry, ToolSpec
 from tools.states import OperationStatus
@@ -42,6 +45,12 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "execute_operation"
 QUEUE = "operations"
+# A provider's answer that cannot be recorded (the database is away) is tried again, first
+# after this long, doubling up to the most, for so long; after that the sweeper's deadline and
+# the reconciler take over (they ask the provider by the idempotency key).
+RECORD_RETRY_FIRST_S = 0.1
+RECORD_RETRY_MAX_S = 0.5
+RECORD_RETRY_FOR_S = 600.0
 
 
 def _libpq_url(url: str) -> str:
@@ -53,7 +62,7 @@ def _libpq_url(url: str) -> str:
 
 def make_app(database_url: str, *, max_pool_size: int = 10) -> procrastinate.App:
     """A Procrastinate app on `database_url` (open it with `await app.open_async()`)."""
-    connector = procrastinate.PsycopgConnector(
+    connector = OutageTolerantConnector(
         conninfo=_libpq_url(database_url), min_size=1, max_size=max_pool_size
     )
     return procrastinate.App(connector=connector)
@@ -105,8 +114,10 @@ class Executor:
         deadline_margin_s: float = 2.0,
         callback_base_url: str | None = None,
         rng: random.Random | None = None,
+        health: DatabaseHealth = DATABASE,
     ) -> None:
         self.app = app
+        self.health = health
         self.engine = engine
         self.registry = registry
         self.provider = provider
@@ -187,7 +198,29 @@ class Executor:
             reference=result.reference,
             result=result.result,
         )
-        return await self.record(running, spec, result)
+        return await self._record_until_stored(running, spec, result)
+
+    async def _record_until_stored(
+        self, running: OperationRecord, spec: ToolSpec, result: ActionResult
+    ) -> OperationRecord | None:
+        """Record the provider's answer, trying again while the database does not answer:
+        the answer is in hand only here, and the operation must move on within a moment of
+        the database's return, not wait in `running` for a sweep and a reconciliation."""
+        delay = RECORD_RETRY_FIRST_S
+        give_up = time.monotonic() + RECORD_RETRY_FOR_S
+        while True:
+            try:
+                recorded = await self.record(running, spec, result)
+            except Exception as exc:
+                if time.monotonic() > give_up or not self.health.failed(
+                    "recording an operation's outcome", exc
+                ):
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECORD_RETRY_MAX_S)
+                continue
+            self.health.ok()
+            return recorded
 
     async def record(
         self, running: OperationRecord, spec: ToolSpec, result: ActionResult

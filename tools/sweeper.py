@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tools import ledger
 from tools.ledger_models import operations_table as ops_t
+from tools.outage import DATABASE
 from tools.reconcile import Reconciler
 from tools.states import OperationStatus
 
@@ -188,8 +189,11 @@ class Sweeper:
                         len(report.reconciled),
                         len(report.expired),
                     )
-            except Exception:
-                log.exception("sweep failed; trying again next interval")
+            except Exception as exc:
+                if not DATABASE.failed("operation sweep", exc):
+                    log.exception("sweep failed; trying again next interval")
+            else:
+                DATABASE.ok()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await stop.wait()

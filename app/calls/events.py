@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls.store import call_events
 from telephony.call_events import CallEvent, CallEventKind
+from tools.outage import DATABASE
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class EventWriter:
         while True:
             try:
                 await self._write(batch)
+                DATABASE.ok()
                 return
             except IntegrityError:
                 # One bad call (unknown id, a seq taken by another process) must not sink the
@@ -176,7 +178,8 @@ class EventWriter:
                     log.error("dropping %d call events at shutdown: %s", len(batch), exc)
                     return
                 self.retries += 1
-                log.warning("call event write failed, retrying in %.1fs: %s", delay, exc)
+                if not DATABASE.failed("call event writer", exc):
+                    log.warning("call event write failed, retrying in %.1fs: %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
 

@@ -30,6 +30,7 @@ from app.calls.registry import CallPhase, CallRegistry
 from app.calls.store import CallStatus, EndSource, call_ended_data, call_events, calls, sources_of
 from telephony.call_events import CallEventKind
 from tools import deliveries
+from tools.outage import DATABASE
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +247,11 @@ class CallHeartbeat:
         while not self._stop.is_set():
             try:
                 await self.beat_once()
-            except Exception:
-                log.exception("call heartbeat failed; trying again next interval")
+            except Exception as exc:
+                if not DATABASE.failed("call heartbeat", exc):
+                    log.exception("call heartbeat failed; trying again next interval")
+            else:
+                DATABASE.ok()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await self._stop.wait()

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from tools.agents import AgentSet
 from tools.deliveries import DeliveryRecord, LedgerContext, SmsRecord
 from tools.delivery_states import DeliveryState
 from tools.ledger import OperationRecord
+from tools.outage import DATABASE
 from tools.registry import Registry
 from tools.relevance import (
     Action,
@@ -178,6 +180,11 @@ def _as_record(op: OperationRecord, other: deliveries.Related) -> OperationRecor
 
 
 HOLD_RECHECK_S = 30.0
+# A report that cannot be written (the database is away) is tried again this often, for so
+# long; after that the delivery sweep finds the delivery where the last written report left it.
+REPORT_RETRY_FIRST_S = 0.1
+REPORT_RETRY_MAX_S = 0.5
+REPORT_RETRY_FOR_S = 120.0
 
 
 def _hold_until() -> datetime:
@@ -231,10 +238,23 @@ class _Serial:
         try:
             while queue:
                 make = queue[0]
-                try:
-                    await make()
-                except Exception:
-                    log.exception("delivery report for call %s failed", key)
+                delay = REPORT_RETRY_FIRST_S
+                give_up = time.monotonic() + REPORT_RETRY_FOR_S
+                while True:
+                    try:
+                        await make()
+                    except Exception as exc:
+                        # What the caller heard is written once the database answers again
+                        # (in order, this call's later reports wait behind it): a lost
+                        # "heard" would have the outcome told again.
+                        if time.monotonic() < give_up and DATABASE.failed("delivery report", exc):
+                            await asyncio.sleep(delay)
+                            delay = min(delay * 2, REPORT_RETRY_MAX_S)
+                            continue
+                        log.exception("delivery report for call %s failed", key)
+                    else:
+                        DATABASE.ok()
+                    break
                 queue.popleft()
         finally:
             del self._queues[key]

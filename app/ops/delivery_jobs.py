@@ -39,6 +39,7 @@ from app.ops.delivery import (
 from app.ops.sms import SmsChannel
 from tools import deliveries, jobs, ledger, webhooks
 from tools.delivery_states import DeliveryState
+from tools.outage import DATABASE
 from tools.registry import Registry
 from tools.relevance import Action, CallState
 
@@ -249,8 +250,11 @@ class DeliverySweeper:
                 report = await self.sweep_once()
                 if any(report.values()):
                     log.info("delivery sweep: %s", {k: v for k, v in report.items() if v})
-            except Exception:
-                log.exception("delivery sweep failed; trying again next interval")
+            except Exception as exc:
+                if not DATABASE.failed("delivery sweep", exc):
+                    log.exception("delivery sweep failed; trying again next interval")
+            else:
+                DATABASE.ok()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await stop.wait()

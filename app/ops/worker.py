@@ -27,6 +27,7 @@ from tools import webhooks
 from tools.catalog import Catalog
 from tools.executor import QUEUE, TASK_NAME, Executor, make_app
 from tools.jobs import DELIVERY_QUEUE
+from tools.outage import quiet_library_outages
 from tools.provider import Provider
 from tools.registry import Registry
 from tools.sweeper import Sweeper
@@ -99,6 +100,7 @@ class OperationWorker:
 
     async def start(self) -> None:
         """Open the job queue connection and start the worker and sweeper tasks."""
+        quiet_library_outages()
         await self.app.open_async()
         self._stop.clear()
         worker = self.app.run_worker_async(
