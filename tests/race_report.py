@@ -14,6 +14,7 @@ ORDER = (
     "timeout_after_mutation_sent",
     "duplicate_result",
     "reconnect_while_action_active",
+    "handoff_before_async_tool_completes",
     "crash_between_committed_and_ack",
     "late_result_after_intent_change",
     "two_calls_one_resource",
