@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls.recording_store import RecordingInfo, get_recording
 from tests.e2e_support import Stack, event_rows, wait_until
+from tests.metrics_support import samples as metric_samples
 from tests.sip_support import Uac, UdpPeer, rtp_port_of, sdp_offer
 from tests.sipp_support import sip_stack
 from tests.test_e2e_call import hear_greeting, scenario
@@ -213,6 +214,6 @@ async def test_a_sprayer_on_another_host_gets_no_agent_audio_and_the_model_hears
     assert sum(p.payload != SILENCE for p in to_caller) > 0  # the caller heard the agent
     assert SPRAYER_VOICE[:1] not in appended  # the model never heard the sprayer
     assert CALLER_VOICE * 2 in appended  # …and heard the caller
-    assert f"voice_agent_sip_rtp_foreign_dropped_total {sent_by_sprayer}" in metrics
+    assert metric_samples(metrics)["voice_agent_sip_rtp_foreign_dropped_total"] == sent_by_sprayer
     dropped = [e["data"] for e in events if e["kind"] == "foreign_media_dropped"]
     assert dropped == [{"source": f"{sprayer_at[0]}:{sprayer_at[1]}"}]

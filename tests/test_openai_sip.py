@@ -22,6 +22,7 @@ from telephony.sim.interconnect import sign_webhook
 from telephony.sim.scenario import Scenario
 from tests.domains import RESTAURANT
 from tests.e2e_support import event_rows, wait_until
+from tests.metrics_support import samples as metric_samples
 from tests.openai_sip_support import SECRET, Interconnect, interconnect
 from tests.test_e2e_booking import (
     REQUESTED,
@@ -152,7 +153,7 @@ async def test_bad_or_stale_signature_gets_400_and_nothing_is_accepted_or_record
     assert [bad, stale, unsigned, tampered] == [400, 400, 400, 400]
     assert anonymous.status_code == 401  # no signature at all: not even an attempt
     assert counter == 5
-    assert "\nvoice_agent_openai_webhooks_bad_signature_total 5\n" in metrics
+    assert metric_samples(metrics)["voice_agent_openai_webhooks_bad_signature_total"] == 5
     assert ic.sim.requests_for(call.call_id) == []
     assert row is None and deliveries == 0
 

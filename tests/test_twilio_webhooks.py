@@ -20,6 +20,7 @@ from tests.e2e_support import (
     running_service,
     wait_until,
 )
+from tests.metrics_support import samples as metric_samples
 
 
 def _voice_params(call_sid: str) -> dict[str, str]:
@@ -180,12 +181,10 @@ async def test_health_readiness_and_metrics_answer(engine: AsyncEngine) -> None:
             metrics = (await http.get("/metrics")).text
     assert health.json() == {"status": "ok"}
     assert ready.status_code == 200
-    samples = dict(
-        line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#")
-    )
-    assert samples["voice_agent_calls_total"] == "1"
-    assert samples["voice_agent_calls_rejected_busy_total"] == "1"
-    assert samples["voice_agent_live_calls"] == "0"
+    samples = metric_samples(metrics)
+    assert samples["voice_agent_calls_total"] == 1
+    assert samples["voice_agent_calls_rejected_busy_total"] == 1
+    assert samples["voice_agent_live_calls"] == 0
     assert {
         "voice_agent_barge_ins_total",
         "voice_agent_event_queue_depth",
@@ -229,5 +228,5 @@ async def test_a_draining_service_answers_busy_fails_readiness_and_keeps_answere
     assert row["status"] == "busy"
     assert [(e["kind"], e["data"]) for e in rejected] == [("call_rejected", {"reason": "draining"})]
     assert ready.status_code == 503 and "draining" in ready.text
-    assert "voice_agent_draining 1" in metrics
-    assert "voice_agent_calls_rejected_draining_total 1" in metrics
+    assert metric_samples(metrics)["voice_agent_draining"] == 1
+    assert metric_samples(metrics)["voice_agent_calls_rejected_draining_total"] == 1

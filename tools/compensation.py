@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tools import ledger
+from tools import ledger, measures
 from tools.ledger import OperationRecord
 from tools.registry import Registry
 from tools.states import OperationStatus
@@ -49,6 +49,7 @@ async def admit_compensation(
         enqueue=enqueue,
     )
     if admission.created:
+        measures.COMPENSATIONS.inc()
         await ledger.record_event(
             conn,
             original.operation_id,

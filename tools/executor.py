@@ -29,7 +29,7 @@ from typing import Any
 import procrastinate
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tools import faults, ledger
+from tools import faults, ledger, measures
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
@@ -186,6 +186,7 @@ class Executor:
                     callback_url=self.callback_url(operation_id),
                 )
         except TimeoutError:
+            measures.TOOL_TIMEOUTS.labels(spec.kind.value).inc()
             result = ActionResult(Outcome.unknown, error="no answer within the deadline")
         except ToolError as exc:
             # The provider adapter could not even tell; treat as sent-and-lost.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,7 +27,7 @@ from telephony.tool_gateway import (
     SessionChange,
     ToolReply,
 )
-from tools import faults, ledger
+from tools import faults, ledger, measures
 from tools.agents import Agent, AgentSet
 from tools.compensation import admit_compensation
 from tools.conflicts import (
@@ -216,6 +217,7 @@ class ToolPipeline:
             conn, ctx.call_id, [S.AWAITING_CONFIRMATION, *IN_FLIGHT]
         )
         if open_ops:
+            measures.HANDOFFS_WITH_PENDING.inc()
             lines = [
                 f"- {self._describe(op)}: {op.status.value.replace('_', ' ')} "
                 f"(operation_id {op.operation_id})"
@@ -247,9 +249,15 @@ class ToolPipeline:
         await faults.reach(
             "gateway.requested", call_id=ctx.call_id, function_call_id=request.function_call_id
         )
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.handle_timeout_s):
-                return await self._handle(ctx, request)
+                reply = await self._handle(ctx, request)
+            spec = self._spec(request.name)
+            measures.TOOL_ADMISSION.labels(spec.kind.value if spec else "unknown").observe(
+                time.perf_counter() - started
+            )
+            return reply
         except Exception:
             # The call must survive any bug here; the model hears an honest non-answer.
             log.exception("tool call %s (%s) failed", request.function_call_id, request.name)
@@ -508,6 +516,7 @@ class ToolPipeline:
         key, existing = await self._intent(conn, ctx, spec, norm)
         if existing is not None:
             # The same human intent again (model retried, re-asked): one operation.
+            measures.DUPLICATES_SUPPRESSED.labels(spec.kind.value).inc()
             out = self._state_output(spec, existing)
             await ledger.complete_tool_call(
                 conn,
@@ -786,6 +795,7 @@ class ToolPipeline:
             )
         spec = self._registry.get(op.tool)
         if op.status is not S.AWAITING_CONFIRMATION:
+            measures.DUPLICATES_SUPPRESSED.labels(ToolKind.CONTROL.value).inc()
             return await finish(
                 "duplicate", "not awaiting confirmation", self._state_output(spec, op)
             )
@@ -954,6 +964,7 @@ class ToolPipeline:
             )
         spec = self._registry.get(op.tool)
         if op.status is not S.AWAITING_CONFIRMATION or op.conflict_key is None:
+            measures.DUPLICATES_SUPPRESSED.labels(ToolKind.CONTROL.value).inc()
             return await finish(
                 "duplicate", "nothing waiting to resolve", self._state_output(spec, op), op
             )

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tools import deliveries, webhooks
+from tools import deliveries, measures, webhooks
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger_models import EventRecord as EventRecord
 from tools.ledger_models import OperationRecord as OperationRecord
@@ -305,7 +305,26 @@ async def transition(
     if to in TERMINAL:
         # The outcome's delivery is durable work from the moment the outcome exists.
         await deliveries.open_for(conn, op)
+    await _measure(conn, op, prev, to)
     return op
+
+
+async def _measure(
+    conn: AsyncConnection, op: OperationRecord, prev: OperationStatus, to: OperationStatus
+) -> None:
+    """The engine's measures of one transition (tools.measures)."""
+    if to is S.COMMITTED:
+        admitted_at = await conn.scalar(
+            sa.select(sa.func.min(events_t.c.at)).where(
+                events_t.c.operation_id == op.operation_id,
+                events_t.c.to_status == S.ADMITTED.value,
+            )
+        )
+        measures.committed(admitted_at or op.created_at, op.committed_at)
+    elif to is S.FAILED_RETRYABLE:
+        measures.TOOL_RETRIES.labels(measures.MUTATION).inc()
+    elif to is S.CANCELLED and op.cancel_requested:
+        measures.CANCELLATIONS_CONFIRMED.inc()
 
 
 async def claim_for_execution(
@@ -380,6 +399,8 @@ async def request_cancel(
             data={"cancel_requested": False},
         )
         return op
+    if not op.cancel_requested:
+        measures.CANCELLATIONS_REQUESTED.inc()
     row = (
         await conn.execute(
             ops_t.update()

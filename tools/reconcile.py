@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tools import ledger
+from tools import ledger, measures
 from tools.compensation import compensate
 from tools.errors import IdempotencyConflict, OperationNotFound, ToolError
 from tools.ledger import OperationRecord
@@ -128,6 +128,7 @@ class Reconciler:
         try:
             finding = await self.provider.lookup(op, spec)
         except ToolError as exc:
+            measures.RECONCILIATION_FAILURES.inc()
             log.warning("cannot reconcile %s yet: %s", operation_id, exc)
             async with self.engine.begin() as conn:
                 await schedule_recheck(

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from procrastinate.jobs import Status as JobStatus
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tools import ledger
+from tools import ledger, measures
 from tools.ledger_models import operations_table as ops_t
 from tools.outage import DATABASE
 from tools.reconcile import Reconciler
@@ -103,6 +103,12 @@ class Sweeper:
         report.requeued = await self._requeue_orphans(now)
         async with self.engine.begin() as conn:
             report.expired = await ledger.expire_confirmations(conn, now, actor=self.actor)
+            measures.OPERATIONS_UNKNOWN.set(
+                await conn.scalar(
+                    sa.select(sa.func.count()).where(ops_t.c.status == S.UNKNOWN.value)
+                )
+                or 0
+            )
         return report
 
     async def _requeue_orphans(self, now: datetime) -> list[uuid.UUID]:

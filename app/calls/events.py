@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.calls import measures
 from app.calls.store import call_events
 from telephony.call_events import CallEvent, CallEventKind
 from tools.outage import DATABASE
@@ -66,6 +67,7 @@ class EventWriter:
     def emit(self, event: CallEvent) -> None:
         """Queue one event for writing; counts it as dropped if the queue is full."""
         self.kind_counts[str(event.kind)] += 1
+        measures.observe(event)
         try:
             self._queue.put_nowait(event)
         except asyncio.QueueFull:

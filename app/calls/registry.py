@@ -41,6 +41,7 @@ class LiveCallEntry:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # Changed only through CallRegistry.went_live (set-up -> live, once).
     phase: CallPhase = CallPhase.SETTING_UP
+    leg: str = ""  # how the call reached us (app.models.LegKind), for the live-calls gauge
 
 
 class CallRegistry:
@@ -105,14 +106,20 @@ class CallRegistry:
         self._reserved.pop(call_sid, None)
 
     def attach(
-        self, call_sid: str, call_id: str, live: LiveCall, from_number: str | None = None
+        self,
+        call_sid: str,
+        call_id: str,
+        live: LiveCall,
+        from_number: str | None = None,
+        *,
+        leg: str = "",
     ) -> LiveCallEntry:
         """The stream of `call_sid` started: its reservation becomes a call in this process,
         in set-up until `went_live` (every leg attaches first, then moves its row to
         in_progress, then calls `went_live`)."""
         self._reserved.pop(call_sid, None)
         entry = LiveCallEntry(
-            call_sid=call_sid, call_id=call_id, live=live, from_number=from_number
+            call_sid=call_sid, call_id=call_id, live=live, from_number=from_number, leg=leg
         )
         self._live[call_sid] = entry
         return entry
@@ -155,6 +162,13 @@ class CallRegistry:
 
     def live_count(self) -> int:
         return len(self._live)
+
+    def live_by_leg(self) -> dict[str, int]:
+        """Calls whose stream runs here, by leg."""
+        counts: dict[str, int] = {}
+        for entry in self._live.values():
+            counts[entry.leg or "unknown"] = counts.get(entry.leg or "unknown", 0) + 1
+        return counts
 
     async def end(self, call_sid: str, reason: str) -> LiveCallEntry | None:
         """End the live call of `call_sid` (if it runs here); returns its entry."""

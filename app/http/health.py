@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,6 +24,8 @@ from telephony.call_events import CallEventKind
 router = APIRouter()
 
 READY_TIMEOUT_S = 2.0
+# The classic text format, which every Prometheus (2.x too) reads.
+EXPOSITION_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz")
@@ -63,60 +69,87 @@ def metrics_app(main: Any) -> Starlette:
     return Starlette(routes=[Route("/metrics", endpoint)])
 
 
-def render_metrics(runtime: Runtime) -> Response:
-    """The exposition text of this process's counters."""
-    registry, events = runtime.registry, runtime.events
-    samples = [
-        ("voice_agent_live_calls", "gauge", "Calls whose media stream runs here.",
-         registry.live_count()),
-        ("voice_agent_calls_total", "counter", "Calls answered by this process.",
-         registry.answered_total),
-        ("voice_agent_calls_rejected_busy_total", "counter", "Calls refused at capacity.",
-         registry.rejected_busy_total),
-        ("voice_agent_calls_rejected_draining_total", "counter",
-         "Calls refused while stopping.", registry.rejected_draining_total),
-        ("voice_agent_draining", "gauge", "1 while the process is stopping.",
-         int(registry.draining)),
-        ("voice_agent_barge_ins_total", "counter", "Barge-ins (caller interrupted the agent).",
-         events.kind_counts[str(CallEventKind.BARGE_IN)]),
-        ("voice_agent_results_heard_total", "counter", "Late results heard in full in a call.",
-         events.kind_counts[str(CallEventKind.RESULT_HEARD)]),
-        ("voice_agent_results_cut_total", "counter", "Late results cut before the end.",
-         events.kind_counts[str(CallEventKind.RESULT_CUT)]),
-        ("voice_agent_results_offered_total", "counter", "Late results handed to a call here.",
-         runtime.delivery.offered if runtime.delivery is not None else 0),
-        ("voice_agent_sms_sends_total", "counter", "SMS create requests made by this process.",
-         runtime.sms.sent if runtime.sms is not None else 0),
-        ("voice_agent_streams_rejected_total", "counter",
-         "Media streams refused for their token.", runtime.streams_rejected),
-        ("voice_agent_event_queue_depth", "gauge", "Call events waiting to be written.",
-         events.queue_depth),
-        ("voice_agent_events_written_total", "counter", "Call events written.", events.written),
-        ("voice_agent_events_dropped_total", "counter", "Call events that could not be written.",
-         events.dropped),
-    ]  # fmt: skip
-    interconnect = runtime.openai_sip
-    if interconnect is not None:
-        samples += [
-            ("voice_agent_openai_webhooks_bad_signature_total", "counter",
-             "OpenAI webhooks refused for their signature.", interconnect.bad_signatures),
-            ("voice_agent_openai_webhooks_duplicate_total", "counter",
-             "OpenAI webhook deliveries seen before (answered 200, nothing done).",
-             interconnect.duplicates),
-            ("voice_agent_openai_sip_accepted_total", "counter",
-             "OpenAI SIP interconnect calls accepted.", interconnect.accepted),
-            ("voice_agent_openai_sip_rejected_total", "counter",
-             "OpenAI SIP interconnect calls rejected (busy, not ours, draining).",
-             sum(interconnect.rejected.values())),
+class RuntimeCollector(Collector):
+    """This process's call counters (read from the runtime at each scrape), beside the
+    engine's and the audio path's measures in prometheus-client's own registry."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        runtime = self._runtime
+        registry, events = runtime.registry, runtime.events
+        kinds = events.kind_counts
+        samples: list[tuple[str, str, str, float]] = [
+            ("voice_agent_live_calls", "gauge", "Calls whose media stream runs here.",
+             registry.live_count()),
+            ("voice_agent_calls", "counter", "Calls answered by this process.",
+             registry.answered_total),
+            ("voice_agent_calls_rejected_busy", "counter", "Calls refused at capacity.",
+             registry.rejected_busy_total),
+            ("voice_agent_calls_rejected_draining", "counter",
+             "Calls refused while stopping.", registry.rejected_draining_total),
+            ("voice_agent_draining", "gauge", "1 while the process is stopping.",
+             int(registry.draining)),
+            ("voice_agent_barge_ins", "counter", "Barge-ins (caller interrupted the agent).",
+             kinds[str(CallEventKind.BARGE_IN)]),
+            ("voice_agent_results_heard", "counter", "Late results heard in full in a call.",
+             kinds[str(CallEventKind.RESULT_HEARD)]),
+            ("voice_agent_results_cut", "counter", "Late results cut before the end.",
+             kinds[str(CallEventKind.RESULT_CUT)]),
+            ("voice_agent_results_offered", "counter", "Late results handed to a call here.",
+             runtime.delivery.offered if runtime.delivery is not None else 0),
+            ("voice_agent_sms_sends", "counter", "SMS create requests made by this process.",
+             runtime.sms.sent if runtime.sms is not None else 0),
+            ("voice_agent_streams_rejected", "counter",
+             "Media streams refused for their token.", runtime.streams_rejected),
+            ("voice_agent_event_queue_depth", "gauge", "Call events waiting to be written.",
+             events.queue_depth),
+            ("voice_agent_events_written", "counter", "Call events written.", events.written),
+            ("voice_agent_events_dropped", "counter",
+             "Call events that could not be written.", events.dropped),
         ]  # fmt: skip
-    sip = runtime.sip
-    if sip is not None:
-        samples.append(
-            ("voice_agent_sip_rtp_foreign_dropped_total", "counter",
-             "RTP packets dropped from sources the signalling did not name (strict RTP).",
-             sip.media_stats.foreign_packets)
+        interconnect = runtime.openai_sip
+        if interconnect is not None:
+            samples += [
+                ("voice_agent_openai_webhooks_bad_signature", "counter",
+                 "OpenAI webhooks refused for their signature.", interconnect.bad_signatures),
+                ("voice_agent_openai_webhooks_duplicate", "counter",
+                 "OpenAI webhook deliveries seen before (answered 200, nothing done).",
+                 interconnect.duplicates),
+                ("voice_agent_openai_sip_accepted", "counter",
+                 "OpenAI SIP interconnect calls accepted.", interconnect.accepted),
+                ("voice_agent_openai_sip_rejected", "counter",
+                 "OpenAI SIP interconnect calls rejected (busy, not ours, draining).",
+                 sum(interconnect.rejected.values())),
+            ]  # fmt: skip
+        sip = runtime.sip
+        if sip is not None:
+            samples.append(
+                ("voice_agent_sip_rtp_foreign_dropped", "counter",
+                 "RTP packets dropped from sources the signalling did not name (strict RTP).",
+                 sip.media_stats.foreign_packets)
+            )  # fmt: skip
+        for name, kind, help_text, value in samples:
+            family: Metric = (
+                CounterMetricFamily(name, help_text, value=value)
+                if kind == "counter"
+                else GaugeMetricFamily(name, help_text, value=value)
+            )
+            yield family
+        by_leg = GaugeMetricFamily(
+            "voice_agent_live_calls_by_leg", "Calls whose media stream runs here, by leg.",
+            labels=["leg"],
         )  # fmt: skip
-    lines: list[str] = []
-    for name, kind, help_text, value in samples:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        for leg, count in sorted(registry.live_by_leg().items()):
+            by_leg.add_metric([leg], count)
+        yield by_leg
+
+
+def render_metrics(runtime: Runtime) -> Response:
+    """The exposition text of this process: its call counters, and the engine's and the
+    audio path's measures (prometheus-client's registry: histograms, labels)."""
+    own = CollectorRegistry(auto_describe=False)
+    own.register(RuntimeCollector(runtime))
+    body = generate_latest(own) + generate_latest(REGISTRY)
+    return Response(body, media_type=EXPOSITION_TYPE)

@@ -298,7 +298,9 @@ class CallSession:
             announcements=runtime.delivery,
         )
         self.bridge = bridge
-        self.entry = runtime.registry.attach(self.call_sid, row.id, bridge, self.caller.from_number)
+        self.entry = runtime.registry.attach(
+            self.call_sid, row.id, bridge, self.caller.from_number, leg=str(self.leg)
+        )
         self.entry.socket = socket
         return bridge
 

@@ -43,7 +43,7 @@ from telephony.tool_gateway import (
     CallContext,
     LateResult,
 )
-from tools import deliveries, ledger
+from tools import deliveries, ledger, measures
 from tools.agents import AgentSet
 from tools.deliveries import DeliveryRecord, LedgerContext, SmsRecord
 from tools.delivery_states import DeliveryState
@@ -463,6 +463,8 @@ class ResultDelivery:
         found: DeliveryDecision,
         turns_since: int | None,
     ) -> LateResult:
+        if found.gate.contradicted and delivery.cuts == 0:
+            measures.LATE_RESULTS_AFTER_TURN_CHANGE.inc()  # once per outcome, not per retelling
         if op.tool in self._registry:
             text = announcement_text(
                 self._registry.get(op.tool),
@@ -531,7 +533,7 @@ class ResultDelivery:
                         response_id=report.response_id,
                     )
                 case AnnouncementStatus.HEARD:
-                    await deliveries.move(
+                    moved = await deliveries.move(
                         conn,
                         delivery_id,
                         D.OFFERED,
@@ -542,6 +544,12 @@ class ResultDelivery:
                         heard_at=sa.func.now(),
                         response_id=report.response_id or delivery.response_id,
                     )
+                    if moved is not None:
+                        op = await ledger.get_operation(conn, delivery.operation_id)
+                        if op is not None and op.committed_at is not None:
+                            measures.COMMIT_TO_HEARD.observe(
+                                max(0.0, (datetime.now(UTC) - op.committed_at).total_seconds())
+                            )
                 case AnnouncementStatus.CUT | AnnouncementStatus.NOT_SPOKEN:
                     cut = report.status is AnnouncementStatus.CUT
                     why = (

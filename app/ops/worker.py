@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 import procrastinate
+from prometheus_client import start_http_server
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
@@ -275,6 +276,12 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics_server = None
+    if settings.metrics_bind:
+        # This process's engine measures (commits, retries, timeouts...), as serve exports its.
+        host, _, port = settings.metrics_bind.rpartition(":")
+        metrics_server, _thread = start_http_server(int(port), addr=host.strip("[]"))
+        log.info("worker metrics on http://%s/metrics (METRICS_BIND)", settings.metrics_bind)
     try:
         await worker.start()
         print(f"operation worker {worker.worker_id} running", flush=True)
@@ -289,6 +296,8 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await worker.stop()
         await catalog.aclose()
         await engine.dispose()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     if died:
         # Nobody asked it to stop: the job queue failed (its error is logged above).
         log.error("operation worker %s stopped by itself", worker.worker_id)

@@ -345,7 +345,11 @@ class Bridge:
             if self.audio.has_down_lane:
                 self.link.open_lane(session, self.audio.take_delta_now)
             if first:
-                self._emit(CallEventKind.REALTIME_CONNECTED, attempts=attempts)
+                self._emit(
+                    CallEventKind.REALTIME_CONNECTED,
+                    attempts=attempts,
+                    connect_ms=round((time.monotonic() - started) * 1000, 1),
+                )
                 if self.config.greeting:
                     self.utterances.queue(
                         CreateRequest(

@@ -1,0 +1,34 @@
+"""What calls measure of their audio path, from the events they emit (the bridge knows no
+metrics library): how fast a barge-in silenced the agent, and how long the speech model took
+to answer the call. Exported on this process's `/metrics` (prometheus-client's registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import Histogram
+
+from telephony.call_events import CallEvent, CallEventKind
+
+BARGE_IN_CLEAR = Histogram(
+    "voice_agent_barge_in_clear_seconds",
+    "The caller's speech_started received to the leg's audio cleared (Twilio clear sent, "
+    "RTP queue flushed, the server's buffer cleared).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+)
+REALTIME_CONNECT = Histogram(
+    "voice_agent_realtime_connect_seconds",
+    "A call's first connection to the speech model, attempts included, until configured.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+
+
+def observe(event: CallEvent) -> None:
+    """Take what the audio path's measures need from one call event (cheap: a kind check)."""
+    kind = event.kind
+    if kind is CallEventKind.BARGE_IN:
+        ms = event.data.get("clear_latency_ms")
+        if isinstance(ms, int | float):
+            BARGE_IN_CLEAR.observe(ms / 1000)
+    elif kind is CallEventKind.REALTIME_CONNECTED:
+        ms = event.data.get("connect_ms")
+        if isinstance(ms, int | float):
+            REALTIME_CONNECT.observe(ms / 1000)
