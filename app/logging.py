@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from datetime import UTC, datetime
 from typing import Any
 
+from tools import log_context
 from tools.outage import QuietOutageFilter
 
 # E.164 numbers (+ and 7-15 digits, maybe spaced) and bare runs of 10-15 digits; dates,
@@ -92,10 +95,54 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _QUIET = ("alembic.runtime.plugins",)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """Root logging to stderr with redaction on every handler."""
+class JsonFormatter(RedactingFormatter):
+    """`LOG_FORMAT=json`: one JSON object a line, redacted as the text format is, with the
+    ids the line is about (`call_id`, `operation_id`) and the trace it belongs to (`trace_id`,
+    `span_id`) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        try:
+            message = record.getMessage()
+        except Exception:
+            message = f"(unformattable record {record.msg!r})"
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": redact(message),
+        }
+        for name, var in (
+            ("call_id", log_context.call_id),
+            ("operation_id", log_context.operation_id),
+        ):
+            value = getattr(record, name, None) or var.get()
+            if value:
+                out[name] = str(value)
+        out.update(_trace_ids())
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+            record.exc_text = None
+        if record.stack_info:
+            out["stack"] = redact(self.formatStack(record.stack_info))
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def _trace_ids() -> dict[str, str]:
+    """The current span's ids (W3C hex), if OpenTelemetry is recording one."""
+    try:
+        from opentelemetry import trace
+    except ImportError:  # pragma: no cover - the API ships with the SDK we depend on
+        return {}
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return {}
+    return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Root logging to stderr with redaction on every handler (`fmt`: text or json)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(RedactingFormatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else RedactingFormatter(LOG_FORMAT))
     handler.addFilter(RedactingFilter())
     # A database outage is logged once when it starts and once when it ends (tools.outage),
     # not as a traceback or a warning from every library loop that noticed it.

@@ -214,6 +214,9 @@ class Settings(BaseSettings):
     speech_cache_dir: Path | None = None  # unset: DATA_DIR/speech-cache
 
     log_level: str = "INFO"
+    # text: one readable line per record; json: one JSON object per line with call_id,
+    # operation_id, trace_id and span_id where a line has them (for a log pipeline).
+    log_format: Literal["text", "json"] = "text"
     worker_concurrency: int = Field(default=4, ge=1)
 
     # The restaurant demo's system of record (`voice-agent sor`), and the shared secret that

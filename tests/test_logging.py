@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
 import logging
 
 import pytest
+from pydantic import ValidationError
 
-from app.logging import RedactingFilter, redact
+from app.logging import JsonFormatter, RedactingFilter, redact
+from app.settings import Settings
+from tools import log_context
 
 
 @pytest.mark.parametrize(
@@ -68,3 +74,53 @@ def test_filter_redacts_formatted_arguments_of_a_record() -> None:
     message = records[0].getMessage()
     assert "tok_SECRET_1" not in message
     assert "7654321" not in message
+
+
+async def test_json_lines_carry_the_call_and_operation_of_the_task_that_wrote_them() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("test.json_lines")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+    async def call_task() -> None:
+        log_context.call_id.set("c0ffee00-0000-4000-8000-000000000001")
+
+        async def spawned() -> None:  # a task the call spawns inherits its call
+            logger.warning("caller +15551234567 said token=abc123")
+
+        await asyncio.create_task(spawned())
+
+    async def job_task() -> None:
+        log_context.operation_id.set("0b5e0000-0000-4000-8000-000000000002")
+        try:
+            raise RuntimeError("provider said api_key=sk-live-1")
+        except RuntimeError:
+            logger.exception("job failed")
+
+    try:
+        await asyncio.gather(call_task(), job_task())
+        logger.info("no call here")
+    finally:
+        logger.removeHandler(handler)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    by_message = {line["message"]: line for line in lines}
+    said = by_message["caller [phone …67] said token=[redacted]"]
+    assert said["call_id"] == "c0ffee00-0000-4000-8000-000000000001"
+    assert "operation_id" not in said and said["level"] == "WARNING"
+    failed = by_message["job failed"]
+    assert failed["operation_id"] == "0b5e0000-0000-4000-8000-000000000002"
+    assert "call_id" not in failed
+    assert "RuntimeError" in failed["exception"] and "sk-live-1" not in failed["exception"]
+    assert "call_id" not in by_message["no call here"]
+    assert all(
+        line["logger"] == "test.json_lines" and line["ts"].endswith("+00:00") for line in lines
+    )
+
+
+def test_log_format_is_text_or_json() -> None:
+    assert Settings(log_format="json").log_format == "json"
+    with pytest.raises(ValidationError):
+        Settings(log_format="xml")

@@ -29,7 +29,7 @@ from typing import Any
 import procrastinate
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tools import faults, ledger, measures
+from tools import faults, ledger, log_context, measures
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
@@ -158,8 +158,11 @@ class Executor:
 
     async def execute(self, operation_id: uuid.UUID) -> OperationRecord | None:
         """One attempt of an operation; returns its record after the attempt (None: not ours)."""
+        log_context.operation_id.set(str(operation_id))  # this job's task only
         async with self.engine.connect() as conn:
             op = await ledger.get_operation(conn, operation_id)
+        if op is not None and op.call_id:
+            log_context.call_id.set(op.call_id)
         if op is None:
             log.warning("job for unknown operation %s", operation_id)
             return None

@@ -355,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # while they run; it covers their start and the commands that do not.
     signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     try:
-        configure_logging(args.log_level or get_settings().log_level)
+        settings = get_settings()
+        configure_logging(args.log_level or settings.log_level, settings.log_format)
         return int(args.func(args) or 0)
     except CatalogError as exc:
         # A catalog that cannot run: one line per problem, no traceback, non-zero exit.

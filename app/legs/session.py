@@ -61,6 +61,7 @@ from telephony.bridge import Bridge, BridgeConfig
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.legs.leg import CallLeg
 from telephony.tool_gateway import CallContext
+from tools import log_context
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,8 @@ class CallSession:
         runtime = self.runtime
         row = self.row
         assert row is not None and self.bridge is None
+        # Every line logged by this call's task, and the tasks it spawns, names the call.
+        log_context.call_id.set(row.id)
         ctx = CallContext(
             call_id=row.id,
             call_sid=self.call_sid,
