@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls.control import CallControl
 from app.calls.events import EventWriter
+from app.calls.holders import HolderLock
 from app.calls.liveness import CallHeartbeat
 from app.calls.registry import CallRegistry
 from app.console.install import install_console
@@ -165,6 +166,9 @@ def create_app(
             sms=LedgerSmsDeliveries(db, sms) if sms is not None else None,
         )
         await listener.start()
+        # Held for this process's life: another replica knows at once when it is gone.
+        holder_lock = HolderLock(db, holder, check_s=settings.call_heartbeat_s)
+        await holder_lock.start()
         heartbeat = CallHeartbeat(db, calls, holder=holder, interval_s=settings.call_heartbeat_s)
         heartbeat.start()
         try:
@@ -210,6 +214,7 @@ def create_app(
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
             await runtime.openai_sip.stop()
             await heartbeat.stop()
+            await holder_lock.stop()
             if runtime.sip is not None:
                 await runtime.sip.stop()
             await console.aclose()

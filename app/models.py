@@ -41,6 +41,12 @@ class Call(SQLModel, table=True):
     heartbeat_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
+    # A Twilio call whose stream was lost: when its holder released it for resumption, and
+    # the nonce of the one resume token that may take it over (app/legs/twilio/resume.py).
+    released_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    resume_nonce: str | None = Field(default=None, max_length=64)
     created_at: datetime = Field(
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=func.now())
     )

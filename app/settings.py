@@ -242,6 +242,10 @@ class Settings(BaseSettings):
     call_heartbeat_s: float = Field(default=5.0, gt=0)
     call_dead_after_s: float = Field(default=30.0, gt=0)
     media_idle_timeout_s: float = Field(default=15.0, gt=0)
+    # A Twilio stream lost without `stop` (its socket dropped) is released for this long, so
+    # the `<Connect action>` webhook can resume the call on any replica; after it the call is
+    # ended as dead (it is capped at CALL_DEAD_AFTER_S, when the sweep ends it anyway).
+    call_resume_window_s: float = Field(default=15.0, gt=0)
 
     # Late results in the call: an announcement cut by a barge-in is offered again at the
     # next safe moment at most this many times, then it goes by SMS.

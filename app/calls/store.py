@@ -98,6 +98,7 @@ class CallRow:
     created_at: datetime
     answered_at: datetime | None
     ended_at: datetime | None
+    released_at: datetime | None = None  # its stream was lost: released for a resume
 
     @classmethod
     def from_mapping(cls, row: Any) -> CallRow:
@@ -117,6 +118,7 @@ class CallRow:
             created_at=row["created_at"],
             answered_at=row["answered_at"],
             ended_at=row["ended_at"],
+            released_at=row.get("released_at"),
         )
 
     def as_json(self) -> dict[str, Any]:
