@@ -150,6 +150,8 @@ class TwimlOutcome:
     says: tuple[str, ...] = ()
     stream_url: str | None = None
     parameters: dict[str, str] = field(default_factory=dict)
+    # `<Connect action>`: where Twilio asks what next when the stream ends, the call still up.
+    action_url: str | None = None
 
 
 def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
@@ -173,7 +175,16 @@ def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
                 for p in stream.iter("Parameter")
                 if p.get("name")
             }
-            return TwimlOutcome("stream", http_status, body, verbs, says, stream.get("url"), params)
+            return TwimlOutcome(
+                "stream",
+                http_status,
+                body,
+                verbs,
+                says,
+                stream.get("url"),
+                params,
+                connect_el.get("action") or None,
+            )
     kind: TwimlKind = "other"
     if "Reject" in verbs:
         kind = "reject"
@@ -282,7 +293,8 @@ class CallerState(enum.Enum):
 _TRANSITIONS: dict[CallerState, set[CallerState]] = {
     CallerState.IDLE: {CallerState.DIALING, CallerState.ENDED},
     CallerState.DIALING: {CallerState.STREAMING, CallerState.ENDED},
-    CallerState.STREAMING: {CallerState.ENDED},
+    # A stream that ended with the call up: Twilio follows `<Connect action>` to the next.
+    CallerState.STREAMING: {CallerState.DIALING, CallerState.ENDED},
     CallerState.ENDED: set(),
 }
 
@@ -311,8 +323,11 @@ class FakeTwilioCaller:
         timeout: float = 10.0,
         call_sid: str | None = None,
         voice: SpeechSynthesizer | None = None,
+        failover_urls: tuple[str, ...] = (),
     ) -> None:
-        """`voice` speaks what `say` is given (None: `say` sends speech-like noise)."""
+        """`voice` speaks what `say` is given (None: `say` sends speech-like noise).
+        `failover_urls`: other servers behind the same public URL, tried in order when one
+        refuses the connection (what a proxy in front of replicas does)."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.server_url = server_url.rstrip("/")
@@ -330,9 +345,14 @@ class FakeTwilioCaller:
         self.call_sid = call_sid or new_call_sid()
         self.stream_sid = new_stream_sid()
         self.voice = voice
+        self.failover_urls = tuple(u.rstrip("/") for u in failover_urls)
 
         self.state = CallerState.IDLE
         self.twiml_outcome: TwimlOutcome | None = None
+        # What each `<Connect action>` request answered, and every stream's StreamSid.
+        self.action_outcomes: list[TwimlOutcome] = []
+        self.stream_sids: list[str] = []
+        self._action_url: str | None = None
         self.handshake_status: int | None = None
         self.close_code: int | None = None
         self.close_reason: str | None = None
@@ -398,20 +418,10 @@ class FakeTwilioCaller:
         """POST the signed voice webhook; on `<Connect><Stream>`, open the media stream."""
         self._set_state(CallerState.DIALING)
         params = self.voice_webhook_params()
-        url = self.public_url + self.voice_path
-        signature = RequestValidator(self.auth_token).compute_signature(url, params)
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
-            response = await client.post(
-                self.server_url + self.voice_path,
-                data=params,
-                headers={
-                    "X-Twilio-Signature": signature,
-                    "User-Agent": "TwilioProxy/1.1",
-                    "Content-Type": "application/x-www-form-urlencoded; charset=UTF-8",
-                },
-            )
+        response = await self._post_signed(self.public_url + self.voice_path, params)
         self.twiml_outcome = parse_twiml(response.text, response.status_code)
         outcome = self.twiml_outcome
+        self._action_url = outcome.action_url
         if outcome.kind != "stream" or not open_stream:
             if outcome.kind != "stream":
                 self._end(f"no stream: TwiML {outcome.kind}", None)
@@ -419,6 +429,55 @@ class FakeTwilioCaller:
         parameters = {**outcome.parameters, **(parameter_overrides or {})}
         await self.open_stream(outcome.stream_url, parameters)
         return outcome
+
+    def _servers(self) -> list[str]:
+        return [self.server_url, *self.failover_urls]
+
+    async def _post_signed(self, public_url: str, params: dict[str, str]) -> httpx.Response:
+        """POST a webhook as Twilio does: signed over `public_url`, sent to the server
+        behind it (the next one when a server refuses the connection)."""
+        signature = RequestValidator(self.auth_token).compute_signature(public_url, params)
+        path = public_url.removeprefix(self.public_url)
+        headers = {
+            "X-Twilio-Signature": signature,
+            "User-Agent": "TwilioProxy/1.1",
+            "Content-Type": "application/x-www-form-urlencoded; charset=UTF-8",
+        }
+        servers = self._servers()
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            for i, server in enumerate(servers):
+                try:
+                    return await client.post(server + path, data=params, headers=headers)
+                except httpx.ConnectError:
+                    if i == len(servers) - 1:
+                        raise
+        raise AssertionError("unreachable")
+
+    async def follow_action(self, why: str) -> None:
+        """The stream ended with the call up: ask `<Connect action>` what next, as Twilio
+        does, and follow it (a new `<Stream>`: open it; anything else: the call ends). What
+        the caller heard is kept across streams; audio not yet played is dropped."""
+        action = self._action_url
+        assert action is not None
+        self._action_url = None
+        self._playout.clear(self._now())  # unplayed audio and its marks died with the stream
+        self._set_state(CallerState.DIALING)
+        params = {**self.voice_webhook_params(), "CallStatus": "in-progress"}
+        try:
+            response = await self._post_signed(action, params)
+        except httpx.HTTPError as exc:
+            self._end(f"{why}; the action URL failed: {exc!r}", "server")
+            return
+        outcome = parse_twiml(response.text, response.status_code)
+        self.action_outcomes.append(outcome)
+        if outcome.kind != "stream":
+            self._end(f"{why}; the action answered {outcome.kind}", "server")
+            return
+        self._action_url = outcome.action_url
+        self.stream_sid = new_stream_sid()
+        self._stop_sent = False
+        self._ws = None
+        await self.open_stream(outcome.stream_url, outcome.parameters)
 
     def voice_webhook_params(self) -> dict[str, str]:
         """The form fields Twilio posts to the voice webhook of an inbound call."""
@@ -452,17 +511,10 @@ class FakeTwilioCaller:
             self._set_state(CallerState.DIALING)
         if stream_url is None:
             stream_url = http_to_ws(self.public_url) + "/twilio/media"
-        connect_url = self.connect_url_for(stream_url)
         # Twilio signs the WebSocket handshake too, over the stream URL as given in TwiML.
         signature = RequestValidator(self.auth_token).compute_signature(stream_url, {})
         try:
-            self._ws = await connect(
-                connect_url,
-                additional_headers={"X-Twilio-Signature": signature},
-                user_agent_header="Twilio.TmeWs/1.0",
-                open_timeout=self.timeout,
-                close_timeout=self.timeout,
-            )
+            self._ws = await self._connect_stream(stream_url, signature)
         except InvalidStatus as exc:
             self.handshake_status = exc.response.status_code
             self._end(f"stream handshake refused: HTTP {self.handshake_status}", None)
@@ -470,7 +522,9 @@ class FakeTwilioCaller:
         except (InvalidHandshake, OSError, TimeoutError) as exc:
             self._end(f"stream connection failed: {exc!r}", None)
             return False
-        self.stream_started_at = self._now()
+        if self.stream_started_at is None:
+            self.stream_started_at = self._now()
+        self.stream_sids.append(self.stream_sid)
         self._set_state(CallerState.STREAMING)
         self._spawn(self._receive_loop(), "receive")
         try:
@@ -482,6 +536,25 @@ class FakeTwilioCaller:
         self._spawn(self._media_loop(), "media")
         self._spawn(self._playout_loop(), "playout")
         return True
+
+    async def _connect_stream(self, stream_url: str, signature: str) -> ClientConnection:
+        urls = [self.connect_url_for(stream_url)]
+        if not self.stream_connect_url and urls[0] != stream_url:
+            public_ws = http_to_ws(self.public_url)
+            urls += [http_to_ws(u) + stream_url.removeprefix(public_ws) for u in self.failover_urls]
+        for i, url in enumerate(urls):
+            try:
+                return await connect(
+                    url,
+                    additional_headers={"X-Twilio-Signature": signature},
+                    user_agent_header="Twilio.TmeWs/1.0",
+                    open_timeout=self.timeout,
+                    close_timeout=self.timeout,
+                )
+            except OSError:
+                if i == len(urls) - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _send_opening(self, parameters: dict[str, str] | None) -> None:
         await self._send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
@@ -508,6 +581,11 @@ class FakeTwilioCaller:
     async def hangup(self) -> None:
         """The caller hangs up: send `stop` and close the stream (idempotent)."""
         await self._finish("caller", "caller hung up")
+
+    def drop_stream(self) -> None:
+        """The stream's socket breaks (a network fault), the call stays up: no `stop`; Twilio
+        then asks `<Connect action>` what next (`follow_action`, from the receive loop)."""
+        self._require_ws().transport.abort()
 
     async def end_by_twilio(self, reason: str = "call completed through the REST API") -> None:
         """Twilio ends the call (REST `Status=completed` or new TwiML): `stop`, then close."""
@@ -814,11 +892,17 @@ class FakeTwilioCaller:
                 await self._on_frame(raw)
         except ConnectionClosed:
             pass
-        if self.state is CallerState.STREAMING:
+        if self.state is CallerState.STREAMING and ws is self._ws:
             self._advance_playout()
             self.close_code = ws.close_code
             self.close_reason = ws.close_reason
-            self._end(f"server closed the stream: {ws.close_code} {ws.close_reason}", "server")
+            why = f"server closed the stream: {ws.close_code} {ws.close_reason}"
+            if self._action_url is not None and not self._stop_sent:
+                # The call is still up (nobody hung up): Twilio asks the action URL.
+                await self._stop_tasks()
+                await self.follow_action(why)
+                return
+            self._end(why, "server")
             for task in list(self._tasks):
                 if task is not asyncio.current_task():
                     task.cancel()

@@ -16,6 +16,8 @@ A scenario is JSON::
     }
 
 - `greeting` is played by the first `response.create` that arrives before any caller speech.
+  A `response.create` whose instructions say `Say exactly: "…"` (a resumed call's apology)
+  says that line instead, and takes no step.
 - Every other response consumes the next step. A step speaks its `reply`, calls its
   `function_call`, or both (the reply then plays before the call, like a preamble).
 - `caller_transcript` is how the caller's turn that precedes the step is transcribed.

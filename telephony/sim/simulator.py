@@ -39,6 +39,7 @@ import functools
 import json
 import logging
 import math
+import re
 import secrets
 import signal
 import sys
@@ -681,6 +682,15 @@ _RESPONSE_TRANSITIONS: dict[ResponseState, frozenset[ResponseState]] = {
 }
 
 
+def _told_to_say(event: ResponseCreate | None) -> str | None:
+    """The line in `Say exactly: "…"` of a response.create's instructions, if any."""
+    instructions = ((event.response if event else None) or {}).get("instructions")
+    if not isinstance(instructions, str):
+        return None
+    match = re.search(r'Say exactly: "([^"]+)"', instructions)
+    return match.group(1) if match else None
+
+
 @dataclass
 class _ResponsePlan:
     spoken: Reply | None
@@ -900,7 +910,7 @@ class SimulatedSession:
                     )
                 )
             case ResponseCreate():
-                await self._on_response_create()
+                await self._on_response_create(event)
             case ResponseCancel():
                 await self._on_response_cancel(event)
 
@@ -1264,13 +1274,20 @@ class SimulatedSession:
         )
         return _ResponsePlan(spoken, text, step.function_call)
 
-    async def _on_response_create(self) -> None:
+    async def _on_response_create(self, event: ResponseCreate | None = None) -> None:
         if self._active is not None:
             raise ClientEventError(
                 f"Conversation already has an active response in progress: {self._active.id}. "
                 "Wait until the response is finished before creating a new one.",
                 code="conversation_already_has_active_response",
             )
+        told = _told_to_say(event)
+        if told is not None:
+            # A response asked to say a given line (a resumed call's apology) says it, as a
+            # model following its instructions would.
+            self._greeting_pending = False
+            self._start_response(_ResponsePlan(Reply(text=told), told, None))
+            return
         self._start_response(self._next_plan())
 
     async def _on_response_cancel(self, event: ResponseCancel) -> None:
