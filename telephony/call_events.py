@@ -16,6 +16,8 @@ class CallEventKind(StrEnum):
     CALL_REJECTED = "call_rejected"
     STREAM_STARTED = "stream_started"
     STREAM_STOPPED = "stream_stopped"
+    STREAM_LOST = "stream_lost"  # the media socket dropped without `stop`: released to resume
+    STREAM_RESUMED = "stream_resumed"  # a new stream took the call over (another replica, maybe)
     CALL_ENDED = "call_ended"
     REALTIME_CONNECTED = "realtime_connected"
     REALTIME_DROPPED = "realtime_dropped"

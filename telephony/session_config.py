@@ -64,6 +64,9 @@ class BridgeConfig:
     max_queued_response_creates: int = 4
     # Whether the agent speaks first (a response.create right after the session is set up).
     greeting: bool = True
+    # What this call's session knows from before it (a resumed call's summary and the
+    # operations still open); added to the instructions, reconnects included.
+    context_note: str = ""
     greeting_instructions: str = "Greet the caller briefly and ask how you can help."
     # Text of the apology played (as a short audible clip) when the session cannot be restored.
     apology_text: str = (
@@ -83,6 +86,8 @@ def instructions_text(
     """The full instructions: persona (the active agent's, when agents are declared), the
     call rules, and a resume note after a reconnect."""
     parts = [(persona or config.instructions).strip(), CALL_RULES]
+    if config.context_note:
+        parts.append(config.context_note)
     if resumed_transcript:
         parts.append(RESUMED_NOTE.format(transcript="\n".join(resumed_transcript)))
     return "\n\n".join(parts)

@@ -33,6 +33,8 @@ _CALL_LANE_KINDS = {
     "call_rejected": "rejected",
     "stream_started": "media stream",
     "stream_stopped": "stream stopped",
+    "stream_lost": "stream lost",
+    "stream_resumed": "stream resumed",
     "realtime_connected": "Realtime connected",
     "realtime_dropped": "Realtime dropped",
     "realtime_reconnected": "Realtime back",

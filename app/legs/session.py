@@ -52,6 +52,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import store as call_store
+from app.calls import takeover as call_takeover
 from app.calls.recording import CallRecorder, RecordingLeg
 from app.calls.registry import LiveCallEntry
 from app.calls.store import CallRow, CallStatus, EndSource, call_ended_data
@@ -338,7 +339,41 @@ class CallSession:
         if entry is not None and entry.end_reason is None:
             entry.end_reason = reason[:128]
 
-    # ---- 4. end -------------------------------------------------------------------------
+    # ---- 4. end (or, Twilio, release) --------------------------------------------------
+
+    async def release(self, reason: str) -> bool:
+        """The stream was lost without the carrier's `stop` while the call may be up (Twilio
+        asks its `<Connect action>` URL next): the row stays in progress, released for a
+        resume on any replica (app/calls/takeover.py), and `stream_lost` goes on the timeline
+        in place of `call_ended`. False, with nothing done, when the row was not ours to
+        release (ended or taken meanwhile): end the call then."""
+        if self.ended or self.row is None or not self.admitted or not self.live:
+            return False
+        runtime = self.runtime
+        entry = self.entry
+        call_id = self.row.id
+        if runtime.delivery is not None and self.bridge is not None:
+            # What the caller heard of an announcement is durable before another stream
+            # (maybe another replica) takes the call.
+            await runtime.delivery.flush(call_id)
+        try:
+            released = await call_takeover.release(runtime.engine, call_id, runtime.holder)
+        except Exception:
+            log.exception("could not release call %s for a resume", call_id)
+            released = False
+        if not released:
+            return False
+        self.ended = True
+        try:
+            self.sink.emit_now(
+                CallEvent(call_id, CallEventKind.STREAM_LOST, {"reason": reason[:200]})
+            )
+            await runtime.events.flush(FLUSH_TIMEOUT_S)
+        finally:
+            if entry is not None:
+                runtime.registry.detach(entry)
+            runtime.registry.release_reservation(self.call_sid)
+        return True
 
     async def end(
         self,

@@ -8,15 +8,19 @@ Realtime failure.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from app.calls.store import CallRow
 from app.legs.session import CallSession
+from app.legs.twilio import resume
 from app.runtime import Runtime
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
 from telephony.legs.twilio.events import StartInfo
 from telephony.legs.twilio.leg import TextWebSocket, TwilioLeg
+from tools import deliveries
+from tools.delivery_states import DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +29,13 @@ HANGUP_TIMEOUT_S = 8.0
 
 
 async def run_media_session(
-    runtime: Runtime, ws: TextWebSocket, start: StartInfo, call: CallRow
+    runtime: Runtime, ws: TextWebSocket, start: StartInfo, call: CallRow, *, resumed: bool = False
 ) -> None:
-    """Bridge the call (its row went in_progress when the stream token was spent, in
-    routes_twilio._admit); afterwards end it (row, events, recording)."""
+    """Bridge the call (its row went in_progress, or was taken over with a resume token, when
+    the stream's token was spent in routes._admit); afterwards end it (row, events,
+    recording), or release it for a resume when its socket dropped without `stop`."""
     session = CallSession.of_row(runtime, call)
+    leg: TwilioLeg | None = None
     try:
         s = runtime.settings
         budget = StreamBudget(
@@ -52,19 +58,53 @@ async def run_media_session(
         async def hang_up(reason: str) -> None:
             await _hang_up_via_rest(runtime, session, reason)
 
-        bridge = session.build_bridge(leg, on_fatal=hang_up, socket=ws)
+        config = None
+        if resumed:
+            # The new session starts from the call so far and says sorry first.
+            context = await resume.resume_context(runtime, call.id)
+            config = dataclasses.replace(
+                runtime.bridge_config,
+                context_note=context.note,
+                greeting=True,
+                greeting_instructions=(
+                    "The caller's line dropped for a moment and is back. Say exactly: "
+                    f'"{context.first_line}" Then carry on from where you were.'
+                ),
+            )
+        bridge = session.build_bridge(leg, on_fatal=hang_up, socket=ws, config=config)
         await session.go_live(
             {
                 "stream_sid": start.stream_sid,
                 "encoding": start.media_format.encoding,
                 "sample_rate": start.media_format.sample_rate,
                 "tracks": start.tracks,
+                **({"resumed": True} if resumed else {}),
             },
             moved=True,
         )
+        if resumed:
+            session.sink.emit(
+                CallEvent(call.id, CallEventKind.STREAM_RESUMED, {"holder": runtime.holder})
+            )
+            await _offer_pending(runtime, call.id)
         await bridge.run()
     finally:
-        await session.end()
+        entry = session.entry
+        lost = leg is not None and leg.stream_lost and entry is not None and not entry.end_reason
+        if not (lost and await session.release("the media socket dropped without stop")):
+            await session.end()
+
+
+async def _offer_pending(runtime: Runtime, call_id: str) -> None:
+    """Results waiting for this call (the old holder's, or landed while it was away) are
+    offered here now: the replica holding the call hears their NOTIFY and acts."""
+    try:
+        async with runtime.engine.begin() as conn:
+            for delivery in await deliveries.for_call(conn, call_id):
+                if delivery.state is DeliveryState.PENDING:
+                    await deliveries.notify_ready(conn, delivery)
+    except Exception:
+        log.exception("call %s: could not offer its pending results", call_id)
 
 
 async def _hang_up_via_rest(runtime: Runtime, session: CallSession, reason: str) -> None:

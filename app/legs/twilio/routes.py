@@ -13,6 +13,7 @@ from sqlalchemy.exc import DataError, DBAPIError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from app.calls import store as call_store
+from app.calls import takeover
 from app.calls.control import publish_end
 from app.calls.store import CallStatus, EndSource, call_ended_data
 from app.deps import RuntimeDep
@@ -27,7 +28,7 @@ from app.errors import (
 from app.http.signatures import signed_form
 from app.http.slots import Slot
 from app.legs.session import Admission, Caller, CallSession, start_stream
-from app.legs.twilio import twiml
+from app.legs.twilio import resume, twiml
 from app.legs.twilio.media_session import run_media_session
 from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.logging import RateLimitedLog
@@ -103,8 +104,25 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         return _ended(row.status)
     # ADMITTED, or EXISTING: Twilio retrying the webhook of a call not over gets its stream.
     token = runtime.tokens.issue(call_sid, row.id)
-    stream_url = settings.public_ws_base() + "/twilio/media"
-    return _xml(twiml.connect_stream(stream_url, {"token": token, "call_id": row.id}))
+    return _xml(resume.stream_twiml(runtime, row, token))
+
+
+@router.post("/twilio/stream-ended")
+async def stream_ended(request: Request, runtime: RuntimeDep) -> Response:
+    """Twilio's `<Connect action>`: the stream ended, the call is up. Hang up a call that is
+    over; resume one whose stream was lost (app/legs/twilio/resume.py)."""
+    params = await signed_form(request, runtime.settings)
+    call_sid = params.get("CallSid", "")
+    if not call_sid:
+        raise BadRequest("no CallSid")
+    if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
+        return _xml(twiml.hangup())
+    try:
+        return _xml(await resume.decide(runtime, call_sid))
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls lookup failed") from exc
 
 
 @router.post("/twilio/status")
@@ -165,7 +183,8 @@ async def media(ws: WebSocket, runtime: RuntimeDep) -> None:
     finally:
         slot.release()  # no-op once admitted; a socket that closes gives it back here
     if call is not None:
-        await run_media_session(runtime, call[0], call[1], call[2])
+        guard, start, row = call
+        await run_media_session(runtime, guard, start, row, resumed=guard.resumed)
 
 
 async def _accept_and_admit(
@@ -183,7 +202,7 @@ async def _accept_and_admit(
     except WebSocketDisconnect:
         return None
     try:
-        call = await _admit(runtime, start)
+        call = await _admit(runtime, start, guard)
     except TokenRejected as exc:
         await _record_rejection(runtime, start, exc.reason)
         await _close(ws, ws_close_code(exc), f"stream token {exc.reason}")
@@ -224,18 +243,31 @@ async def _read_start(guard: FrameGuard) -> StartInfo:
     raise MalformedFrame("no start frame")
 
 
-async def _admit(runtime: Runtime, start: StartInfo) -> call_store.CallRow:
+async def _admit(runtime: Runtime, start: StartInfo, guard: FrameGuard) -> call_store.CallRow:
     """Verify and spend the stream token; move the call to in_progress exactly once."""
     claims = runtime.tokens.verify(start.custom_parameters.get("token"), start.call_sid)
-    # Across processes: only a ringing call can start its stream, so a replayed token fails here.
-    row = await start_stream(
-        runtime.engine, claims.call_id, holder=runtime.holder, stream_sid=start.stream_sid
-    )
+    if claims.resume:
+        # A lost stream's call, claimed for this token by the action webhook: the row
+        # becomes ours and the nonce is spent, so a replayed token fails here.
+        row = await takeover.take_over(
+            runtime.engine,
+            claims.call_id,
+            nonce=claims.nonce,
+            holder=runtime.holder,
+            stream_sid=start.stream_sid,
+        )
+    else:
+        # Across processes: only a ringing call can start its stream, so a replayed token
+        # fails here.
+        row = await start_stream(
+            runtime.engine, claims.call_id, holder=runtime.holder, stream_sid=start.stream_sid
+        )
     if row is None:
         raise TokenRejected("reused")
     # Spent in memory only once the database took the stream: a start the update refused
     # (an over-long streamSid, a database hiccup) must not burn the genuine stream's token.
     runtime.tokens.consume(claims)
+    guard.resumed = claims.resume
     return row
 
 
@@ -273,6 +305,7 @@ class FrameGuard:
         self._events = runtime.events
         self._max = runtime.settings.max_ws_frame_bytes
         self.call_id: str | None = None
+        self.resumed = False  # admitted with a resume token: a lost stream's call, taken over
         self.dropped = 0
         self.max_dropped_before_start = runtime.settings.media_max_frames_before_start
         self.budget: StreamBudget | None = None  # set once the stream is admitted

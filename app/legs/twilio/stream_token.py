@@ -44,6 +44,7 @@ class StreamClaims:
     call_id: str
     expires_at: float
     nonce: str
+    resume: bool = False  # a resume token: it takes over a call whose stream was lost
 
 
 class StreamTokens:
@@ -57,12 +58,23 @@ class StreamTokens:
 
     def issue(self, call_sid: str, call_id: str) -> str:
         """A token for the stream of `call_sid` (our row `call_id`)."""
-        payload = {
+        return self._issue(call_sid, call_id, secrets.token_urlsafe(12), resume=False)
+
+    def issue_resume(self, call_sid: str, call_id: str) -> tuple[str, str]:
+        """A resume token for a new stream of `call_sid`, and its nonce (which the row keeps:
+        only the token carrying it takes the call over, once)."""
+        nonce = secrets.token_urlsafe(12)
+        return self._issue(call_sid, call_id, nonce, resume=True), nonce
+
+    def _issue(self, call_sid: str, call_id: str, nonce: str, *, resume: bool) -> str:
+        payload: dict[str, object] = {
             "sid": call_sid,
             "cid": call_id,
             "exp": round(self._clock() + self._ttl_s, 3),
-            "n": secrets.token_urlsafe(12),
+            "n": nonce,
         }
+        if resume:
+            payload["r"] = 1
         body = _b64(json.dumps(payload, separators=(",", ":")).encode())
         return f"{_VERSION}.{body}.{self._sign(body)}"
 
@@ -89,6 +101,7 @@ class StreamTokens:
                 call_id=str(payload["cid"]),
                 expires_at=float(payload["exp"]),
                 nonce=str(payload["n"]),
+                resume=payload.get("r") == 1,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise TokenRejected("malformed") from exc

@@ -156,6 +156,9 @@ class TwilioLeg:
         self._tail_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._close_reason: str | None = None
+        # The socket went away under us without Twilio's `stop` (the call may well be up:
+        # Twilio then asks the `<Connect action>` URL, and the call can resume elsewhere).
+        self.stream_lost = False
         self.malformed_frames = 0
         self.budget = budget
         # The lane (app/legs/twilio/media_ws.py): where the socket offers it, a frame that
@@ -256,6 +259,8 @@ class TwilioLeg:
                 if self._over_budget():
                     yield LegClosed(f"abusive stream: {self._over_budget()}")
                     return
+                if self._close_reason is None:
+                    self.stream_lost = True
                 yield LegClosed(self._close_reason or f"disconnected: {type(exc).__name__}")
                 return
             budget = self.budget

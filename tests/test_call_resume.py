@@ -1,0 +1,214 @@
+"""A Twilio call survives the loss of its stream: `<Connect action>` asks us what next, and a
+call whose stream was lost (its replica killed, or its socket dropped without `stop`) resumes
+on a new stream, maybe on another replica, from a summary of the call so far; a call ended on
+purpose gets `<Hangup/>`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.errors import WS_POLICY_VIOLATION
+from telephony.sim.fake_caller import FakeTwilioCaller
+from telephony.sim.fake_twilio_api import FakeTwilioApi
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import RealtimeSimulator
+from tests.domains import RESTAURANT
+from tests.e2e_support import CONSOLE, call_row, call_stack, post_signed, wait_until
+from tests.server_proc import ServerProcess
+from tests.sor_support import start_sor
+from tests.test_delivery_crash import book_and_confirm, server_env
+from tests.test_e2e_booking import (
+    booking_scenario,
+    delivery_trail,
+    heard_text,
+    operations_of,
+    trail,
+    wait_for_delivery,
+    wait_for_operation,
+)
+from tests.test_e2e_call import hear_greeting, scenario
+from tools.restaurant.sor import Faults
+
+WAIT_S = 45.0
+APOLOGY = "Sorry, I lost you for a moment"
+PUBLIC = "http://voice.example"  # both replicas behind one public URL, as behind a proxy
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeTwilioApi]:
+    async with FakeTwilioApi(sms_step_delay_s=0.01) as fake:
+        yield fake
+
+
+async def test_a_replica_killed_mid_call_the_call_resumes_on_another_and_its_booking_is_told_once(
+    engine: AsyncEngine, clean_db: str, api: FakeTwilioApi
+) -> None:
+    # The restaurant books the table and never answers: the booking is running when A dies.
+    sor = await start_sor(clean_db, Faults(lose_response=1))
+    # Each replica talks to its own scripted model; B's says what it is asked to say.
+    told = Scenario.model_validate(
+        {"name": "resumed", "steps": [{"reply": {"text": "{note}", "audio_ms": 1200}}]}
+    )
+    async with (
+        RealtimeSimulator(booking_scenario(RESTAURANT, requested_ms=800)) as sim_a,
+        RealtimeSimulator(told) as sim_b,
+    ):
+        a = ServerProcess(server_env(clean_db, sim_a, api, sor.url, PUBLIC_BASE_URL=PUBLIC))
+        b = ServerProcess(server_env(clean_db, sim_b, api, sor.url, PUBLIC_BASE_URL=PUBLIC))
+        if os.environ.get("RESUME_TEST_LOGS"):
+            a.stderr_path = Path(os.environ["RESUME_TEST_LOGS"] + ".a")
+            b.stderr_path = Path(os.environ["RESUME_TEST_LOGS"] + ".b")
+        try:
+            await a.start()
+            await b.start()
+            caller = FakeTwilioCaller(a.url, public_url=PUBLIC, failover_urls=(b.url,))
+            api.attach(caller)
+            await book_and_confirm(caller)
+            call_id = str((await call_row(engine, caller.call_sid) or {})["id"])
+            op = await wait_for_operation(engine, call_id, "running", within=WAIT_S)
+            await wait_until(lambda: _inserted(sor), WAIT_S, "the SOR holds the booking")
+            heard_on_a = caller.heard_ms
+
+            await a.kill()  # SIGKILL: no shutdown code runs on A
+            # Twilio asks the action URL; the proxy sends it (and the new stream) to B.
+            await caller.wait_for(lambda c: len(c.stream_sids) == 2, WAIT_S)
+            await wait_until(lambda: _said(engine, call_id, APOLOGY), WAIT_S, "the apology")
+            committed = await wait_for_operation(engine, call_id, "committed", within=WAIT_S)
+            delivery = await wait_for_delivery(engine, op["operation_id"], "heard", within=WAIT_S)
+            row = await call_row(engine, caller.call_sid)
+            instructions = _instructions(sim_b.sessions[0])
+            async with httpx.AsyncClient(base_url=b.url, auth=CONSOLE) as http:
+                timeline = (await http.get(f"/api/calls/{call_id}/timeline")).json()
+            await caller.hangup()
+            ops = await operations_of(engine, call_id)
+            op_events = await trail(engine, op["operation_id"])
+            told_trail = await delivery_trail(engine, op["operation_id"])
+            effects = await sor.side_effects()
+        finally:
+            await a.stop()
+            await b.stop()
+            sor.release()
+            await sor.stop()
+
+    assert [o.kind for o in caller.action_outcomes] == ["stream"]
+    assert caller.heard_ms > heard_on_a
+    # B took the row over: in progress, held by B, the new stream's.
+    assert row is not None and row["status"] == "in_progress"
+    assert row["stream_sid"] == caller.stream_sids[1] and row["holder"] != ""
+    # B's session starts from the summary: what was said, and the booking still open.
+    assert "Please book it for tomorrow." in instructions
+    assert "Requests of this call still open" in instructions and ": running" in instructions
+    # One booking, committed once, told once in the new session, no SMS.
+    assert effects.bookings_inserted == 1
+    assert len(ops) == 1
+    assert [e["to_status"] for e in op_events if e["kind"] == "transition"].count("committed") == 1
+    assert delivery["channel"] == "call"
+    assert [e["to_state"] for e in told_trail if e["kind"] == "transition"].count("heard") == 1
+    assert api.messages_to(caller.from_number) == []
+    kinds = [e["kind"] for e in timeline["events"]]
+    assert "stream_resumed" in kinds and kinds.count("result_heard") == 1
+    said = await heard_text(engine, call_id)
+    # On B the caller heard the apology first (naming the open booking), then the result.
+    apology = next(i for i, t in enumerate(said) if t.startswith(APOLOGY))
+    assert "is still being confirmed" in said[apology]
+    assert any(committed["provider_ref"] in t for t in said[apology + 1 :])
+
+
+async def test_a_call_ended_on_purpose_gets_hangup_from_the_action_url(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, scenario()) as stack:
+        caller = stack.caller()
+        outcome = await caller.dial()
+        await hear_greeting(caller)
+        # Staff (or a goodbye) end the call here: our side closes the stream on purpose.
+        await stack.service.runtime.registry.end(caller.call_sid, "ended by staff")
+        await caller.wait_closed(15)
+        row = await call_row(engine, caller.call_sid)
+
+    assert outcome.action_url == stack.service.settings.public_base_url + "/twilio/stream-ended"
+    # Twilio asked what next, and was told to hang up: no second stream.
+    assert [o.kind for o in caller.action_outcomes] == ["hangup"]
+    assert len(caller.stream_sids) == 1
+    assert row is not None and row["status"] == "completed"
+
+
+async def test_a_socket_dropped_without_stop_resumes_the_call_and_its_token_works_once(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, scenario()) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear_greeting(caller)
+        before = caller.heard_ms
+        caller.drop_stream()  # the network between Twilio and us breaks; the call is up
+        await caller.wait_for(lambda c: len(c.stream_sids) == 2, 15)
+        resumed = caller.action_outcomes[0]
+        # The new session says sorry first (as asked in its first response's instructions).
+        await caller.wait_for(lambda c: c.heard_ms >= before + 600 and c.buffered_ms == 0, 15)
+        call_id = await stack.call_id(caller)
+        await wait_until(lambda: _said(engine, call_id, APOLOGY), 15, "the apology heard")
+        second = stack.sim.sessions[1]
+        instructions = _instructions(second)
+        row = await call_row(engine, caller.call_sid)
+
+        # The same resume token again (a replay) takes nothing over.
+        replay = FakeTwilioCaller(stack.service.url, call_sid=caller.call_sid, idle_audio=False)
+        opened = await replay.open_stream(resumed.stream_url, resumed.parameters)
+        await replay.wait_closed(10)
+        await caller.hangup()
+        kinds = [e["kind"] for e in await stack.events(caller)]
+        ended = await call_row(engine, caller.call_sid)
+
+    assert resumed.kind == "stream" and resumed.action_url is not None
+    assert caller.closed_by == "caller"
+    # The new Realtime session carries what was said before.
+    assert "Hello, how can I help?" in instructions
+    assert "Do not greet the caller again." in instructions
+    assert row is not None and row["status"] == "in_progress"
+    assert row["stream_sid"] == caller.stream_sids[1] and row["released_at"] is None
+    assert not opened or replay.close_code == WS_POLICY_VIOLATION
+    assert replay.close_code == WS_POLICY_VIOLATION
+    assert "stream_lost" in kinds and "stream_resumed" in kinds
+    assert kinds.count("call_ended") == 1
+    assert ended is not None and ended["status"] == "completed"
+
+
+async def test_an_unsigned_or_missigned_action_request_is_refused(engine: AsyncEngine) -> None:
+    async with call_stack(engine, scenario()) as stack:
+        caller = stack.caller()
+        await caller.dial(open_stream=False)
+        params = {"CallSid": caller.call_sid, "CallStatus": "in-progress"}
+        async with httpx.AsyncClient(timeout=10) as http:
+            unsigned = await http.post(stack.service.url + "/twilio/stream-ended", data=params)
+        forged = await post_signed(
+            stack.service, "/twilio/stream-ended", params, signature="bm90IGEgc2lnbmF0dXJl"
+        )
+        signed = await post_signed(stack.service, "/twilio/stream-ended", params)
+
+    assert unsigned.status_code == 403
+    assert forged.status_code == 403
+    # Signed, for a call whose stream never started: nothing to resume.
+    assert signed.status_code == 200 and "<Hangup" in signed.text
+
+
+async def _inserted(sor: Any) -> bool:
+    return bool((await sor.side_effects()).bookings_inserted == 1)
+
+
+async def _said(engine: AsyncEngine, call_id: str, text: str) -> bool:
+    return text in " ".join(await heard_text(engine, call_id))
+
+
+def _instructions(session: Any) -> str:
+    for _t, event in session.received:
+        if event.get("type") == "session.update":
+            return str(event["session"].get("instructions") or "")
+    return ""
