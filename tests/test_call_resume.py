@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,16 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.calls import takeover
+from app.calls.holders import HolderLock, holder_alive
+from app.calls.liveness import end_dead_calls
 from app.errors import WS_POLICY_VIOLATION
+from app.ops.delivery import call_state_of
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator
+from tests.delivery_support import make_call
 from tests.domains import RESTAURANT
 from tests.e2e_support import CONSOLE, call_row, call_stack, post_signed, wait_until
 from tests.server_proc import ServerProcess
@@ -34,6 +40,7 @@ from tests.test_e2e_booking import (
     wait_for_operation,
 )
 from tests.test_e2e_call import hear_greeting, scenario
+from tools.relevance import CallState
 from tools.restaurant.sor import Faults
 
 WAIT_S = 45.0
@@ -212,3 +219,41 @@ def _instructions(session: Any) -> str:
         if event.get("type") == "session.update":
             return str(event["session"].get("instructions") or "")
     return ""
+
+
+async def test_a_released_call_is_left_alone_by_the_sweep_and_the_delivery_path_within_its_window(
+    engine: AsyncEngine,
+) -> None:
+    # Its holder last beat 25 s ago, then lost the stream and released the call.
+    call_id = await make_call(engine, heartbeat_at=datetime.now(UTC) - timedelta(seconds=25))
+    assert await takeover.release(engine, call_id, "test-holder")
+    assert not await takeover.release(engine, call_id, "test-holder")  # once
+    ended = await end_dead_calls(engine, dead_after_s=30)
+    async with engine.connect() as conn:
+        state, _row = await call_state_of(conn, call_id, dead_after_s=30)
+    # Only the nonce claimed last takes it over, once, and then it is the new holder's.
+    assert await takeover.claim(engine, call_id, holder="test-holder", nonce="n1")
+    assert await takeover.take_over(
+        engine, call_id, nonce="wrong", holder="b", stream_sid="MZ1"
+    ) is None  # fmt: skip
+    taken = await takeover.take_over(engine, call_id, nonce="n1", holder="b", stream_sid="MZ1")
+    again = await takeover.take_over(engine, call_id, nonce="n1", holder="c", stream_sid="MZ2")
+
+    assert ended == []
+    assert state is CallState.LIVE_ELSEWHERE
+    assert taken is not None and taken.holder == "b" and taken.released_at is None
+    assert again is None
+
+
+async def test_a_holder_is_alive_while_its_lock_is_held_and_dead_at_once_after(
+    engine: AsyncEngine,
+) -> None:
+    lock = HolderLock(engine, "replica-under-test")
+    await lock.start()
+    alive = await holder_alive(engine, "replica-under-test")
+    await lock.stop()
+    gone = await holder_alive(engine, "replica-under-test")
+
+    assert alive is True
+    assert gone is False
+    assert await holder_alive(engine, "never-started") is False
