@@ -23,8 +23,10 @@ Where a call begins and ends, per leg:
   by moving the row to in_progress (`routes._admit` -> `start_stream`, before anything is
   attached, so a replayed token displaces nothing), then `media_session.run_media_session`
   builds the bridge and goes live. It ends when the bridge stops (`stop`, a dead socket,
-  `/twilio/status`, staff, shutdown) -> `end` in `run_media_session`. A status callback for
-  a call no process runs ends the row in `routes.status_callback`.
+  `/twilio/status`, staff, shutdown) -> `end` in `run_media_session`, or, when its socket
+  dropped without `stop`, `release` there: Twilio then asks `POST /twilio/stream-ended`
+  (`resume.decide`) and a new stream takes the call over (`routes._admit` -> `take_over`). A
+  status callback for a call no process runs ends the row in `routes.status_callback`.
 - SIP, our user agent (app/legs/sip.py): it begins at an INVITE (`SipService._on_event` ->
   `_call` -> `admit`), the bridge is built at once, and it goes live at the 200
   (`SipService._bridge` -> `go_live`). It ends at a BYE, a CANCEL, our hang-up or a failed
