@@ -37,6 +37,7 @@ class ServerProcess:
     proc: asyncio.subprocess.Process | None = None
     # Where the process's stderr (its log stream) goes; unset: discarded.
     stderr_path: Path | None = None
+    args: tuple[str, ...] = ()  # after `serve` (e.g. --no-worker)
 
     @property
     def url(self) -> str:
@@ -66,6 +67,7 @@ class ServerProcess:
             "-m",
             "app.cli",
             "serve",
+            *self.args,
             cwd=ROOT,
             env=env,
             stdout=asyncio.subprocess.DEVNULL,

@@ -29,7 +29,7 @@ from typing import Any
 import procrastinate
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tools import faults, ledger, log_context, measures
+from tools import faults, ledger, log_context, measures, tracing
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
@@ -161,8 +161,29 @@ class Executor:
         log_context.operation_id.set(str(operation_id))  # this job's task only
         async with self.engine.connect() as conn:
             op = await ledger.get_operation(conn, operation_id)
+            events = await ledger.get_events(conn, operation_id) if op is not None else []
         if op is not None and op.call_id:
             log_context.call_id.set(op.call_id)
+        # The call's trace goes on here, in whatever process runs the job (tools.tracing).
+        parent = tracing.context_from(events[0].data if events else None)
+        with tracing.tracer.start_as_current_span(
+            f"operation {op.tool if op else 'unknown'}",
+            context=parent,
+            attributes={
+                tracing.OPERATION_ID: str(operation_id),
+                tracing.CALL_ID: (op.call_id if op else None) or "",
+                tracing.IDEMPOTENCY_KEY: op.idempotency_key if op else "",
+                tracing.AGENT: (op.agent if op else None) or "",
+            },
+        ) as span:
+            after = await self._execute(operation_id, op)
+            if after is not None:
+                span.add_event(after.status.value, {"attempt": after.attempts})
+            return after
+
+    async def _execute(
+        self, operation_id: uuid.UUID, op: OperationRecord | None
+    ) -> OperationRecord | None:
         if op is None:
             log.warning("job for unknown operation %s", operation_id)
             return None

@@ -27,7 +27,7 @@ from telephony.tool_gateway import (
     SessionChange,
     ToolReply,
 )
-from tools import faults, ledger, measures
+from tools import faults, ledger, measures, tracing
 from tools.agents import Agent, AgentSet
 from tools.compensation import admit_compensation
 from tools.conflicts import (
@@ -250,6 +250,25 @@ class ToolPipeline:
             "gateway.requested", call_id=ctx.call_id, function_call_id=request.function_call_id
         )
         started = time.perf_counter()
+        # The GenAI conventions' tool span; the design's fields beside them.
+        with tracing.tracer.start_as_current_span(
+            f"execute_tool {request.name}",
+            attributes={
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": request.name,
+                "gen_ai.tool.call.id": request.function_call_id,
+                "gen_ai.response.id": request.response_id,
+                "gen_ai.conversation.id": ctx.call_id,
+                tracing.CALL_ID: ctx.call_id,
+                tracing.TURN_ID: request.turn_id,
+                tracing.AGENT: request.agent or "",
+            },
+        ) as span:
+            return await self._handle_measured(ctx, request, started, span)
+
+    async def _handle_measured(
+        self, ctx: CallContext, request: FunctionCallRequest, started: float, span: Any
+    ) -> ToolReply:
         try:
             async with asyncio.timeout(self.handle_timeout_s):
                 reply = await self._handle(ctx, request)
@@ -257,6 +276,11 @@ class ToolPipeline:
             measures.TOOL_ADMISSION.labels(spec.kind.value if spec else "unknown").observe(
                 time.perf_counter() - started
             )
+            if reply.operation_id:
+                span.set_attribute(tracing.OPERATION_ID, reply.operation_id)
+            status = reply.output.get("status") if isinstance(reply.output, dict) else None
+            if status:
+                span.add_event("answered", {"status": str(status)})
             return reply
         except Exception:
             # The call must survive any bug here; the model hears an honest non-answer.
@@ -583,7 +607,12 @@ class ToolPipeline:
                 agent=request.agent,
                 actor="policy",
                 reason=reason,
-                data={"rule": decision.rule, "provider_call_id": request.function_call_id},
+                # The trace goes on from here when a worker runs it (tools.tracing).
+                data={
+                    "rule": decision.rule,
+                    "provider_call_id": request.function_call_id,
+                    **tracing.carrier(),
+                },
                 enqueue=None if awaiting else self._enqueue,
             )
         except IdempotencyConflict as exc:

@@ -22,7 +22,19 @@ def _serve(args: argparse.Namespace) -> int:
         settings.port = args.port
     if args.simulator:
         settings.realtime_simulator = True
-    return run_server(settings, with_worker=not args.no_worker)
+    return _traced("voice-agent", lambda: run_server(settings, with_worker=not args.no_worker))
+
+
+def _traced(service: str, run: Any) -> int:
+    """Run a long-lived command with this process's traces exported (if OTEL_* asks)."""
+    from app.tracing import configure_tracing
+
+    provider = configure_tracing(service)
+    try:
+        return int(run())
+    finally:
+        if provider is not None:
+            provider.shutdown()  # the last spans go out before the process does
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -36,7 +48,10 @@ def _worker(args: argparse.Namespace) -> int:
     asyncio.run(load_configured_catalog(settings).aclose())
     # Workers never migrate (serve and `db upgrade` do): an old schema is a clear stop.
     require_migrated(resolve_database_url(settings.database_url, settings.data_dir))
-    return asyncio.run(run_worker(settings, concurrency=args.concurrency))
+    return _traced(
+        "voice-agent-worker",
+        lambda: asyncio.run(run_worker(settings, concurrency=args.concurrency)),
+    )
 
 
 def _database_url() -> str:

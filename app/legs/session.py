@@ -51,6 +51,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import store as call_store
@@ -64,7 +66,7 @@ from telephony.bridge import Bridge, BridgeConfig
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.legs.leg import CallLeg
 from telephony.tool_gateway import CallContext
-from tools import log_context
+from tools import log_context, tracing
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,7 @@ class CallSession:
         self.ended = False
         self._recorder: CallRecorder | None = None
         self._started = time.monotonic()
+        self._span: trace.Span | None = None
 
     @classmethod
     def of_row(cls, runtime: Runtime, row: CallRow) -> CallSession:
@@ -279,8 +282,18 @@ class CallSession:
         runtime = self.runtime
         row = self.row
         assert row is not None and self.bridge is None
-        # Every line logged by this call's task, and the tasks it spawns, names the call.
+        # Every line logged by this call's task, and the tasks it spawns, names the call; and
+        # the call's span is their parent (tool calls, and through the ledger the operations).
         log_context.call_id.set(row.id)
+        self._span = tracing.tracer.start_span(
+            "call",
+            attributes={
+                tracing.CALL_ID: row.id,
+                "voice_agent.leg": str(self.leg),
+                "gen_ai.conversation.id": row.id,
+            },
+        )
+        otel_context.attach(trace.set_span_in_context(self._span))
         ctx = CallContext(
             call_id=row.id,
             call_sid=self.call_sid,
@@ -428,3 +441,5 @@ class CallSession:
                     runtime.registry.detach(entry)
         finally:
             runtime.registry.release_reservation(self.call_sid)
+            if self._span is not None:
+                self._span.end()

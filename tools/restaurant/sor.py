@@ -178,6 +178,8 @@ class SystemOfRecord:
         self._background: set[asyncio.Task[None]] = set()
         self._release = asyncio.Event()
         self._http: httpx.AsyncClient | None = None
+        # The W3C traceparent each booking request carried, by idempotency key.
+        self.traceparents: dict[str, str] = {}
         self.app = self._build_app()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -512,6 +514,9 @@ class SystemOfRecord:
             callback_url: str | None = Header(default=None, alias=CALLBACK_URL_HEADER),
         ) -> JSONResponse:
             await latency()
+            if idempotency_key and (parent := request.headers.get("traceparent")):
+                # As a real system's access log would: which trace each request belonged to.
+                sor.traceparents[idempotency_key[:200]] = parent[:128]
             try:
                 raw = await request.json()
                 req = BookingRequest.model_validate(raw)

@@ -1,0 +1,41 @@
+"""Traces of the engine's work (OpenTelemetry API: a no-op until a process configures an SDK).
+
+A tool call is a span that follows the OpenTelemetry GenAI conventions (`execute_tool`); an
+admitted operation carries its trace context on its ledger row (the `traceparent` in the data
+of its first event), so the worker that runs it later, in another process, continues the same
+trace, and the provider request it makes carries a W3C `traceparent` (the HTTP client's
+instrumentation). Attributes hold ids, never a caller's number or a tool's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context, trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+tracer = trace.get_tracer("voice_agent")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+# The design's correlation fields, as span attributes.
+CALL_ID = "voice_agent.call_id"
+TURN_ID = "voice_agent.turn_id"
+OPERATION_ID = "voice_agent.operation_id"
+IDEMPOTENCY_KEY = "voice_agent.idempotency_key"
+AGENT = "voice_agent.agent"
+
+
+def carrier() -> dict[str, str]:
+    """The current trace context as headers to store (`traceparent`); empty when none."""
+    out: dict[str, str] = {}
+    if trace.get_current_span().get_span_context().is_valid:
+        _PROPAGATOR.inject(out)
+    return out
+
+
+def context_from(data: Mapping[str, Any] | None) -> context.Context | None:
+    """The trace context stored by `carrier` (None when there is none)."""
+    if not data or not isinstance(data.get("traceparent"), str):
+        return None
+    return _PROPAGATOR.extract({"traceparent": data["traceparent"]})
