@@ -70,6 +70,11 @@ async def test_a_handoff_updates_the_session_with_the_new_agents_instructions_an
         "check_availability", "book_table", "get_booking", *CONTROL,
     }  # fmt: skip
     assert {t["name"] for t in handoff["session"]["tools"]} == {*manager["tools"], *CONTROL}
+    # Each agent's handoff tool names exactly whom that agent may hand the caller to.
+    host = yaml.safe_load(AGENTS.read_text())["agents"][0]
+    for update, agent in ((first, host), (handoff, manager)):
+        [tool] = [t for t in update["session"]["tools"] if t["name"] == "handoff_to_agent"]
+        assert tool["parameters"]["properties"]["agent"]["enum"] == agent["handoffs"]
     assert handoff["session"]["instructions"].startswith(manager["instructions"])
     assert "audio" not in handoff["session"]  # the audio path stays as it is
     assert len(stack.sim.sessions) == 1  # not a new connection: the call was not dropped

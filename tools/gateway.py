@@ -170,7 +170,11 @@ class ToolPipeline:
     ) -> SessionChange:
         tools = [s.definition() for s in self._registry if self._offers(agent, s.name)]
         if agent.handoffs:
-            tools.append(HANDOFF_SPEC.definition())
+            handoff = HANDOFF_SPEC.definition()
+            # The model sees exactly whom this agent may hand to: its schema names them.
+            agent_arg = handoff["parameters"]["properties"]["agent"]
+            agent_arg["enum"] = list(agent.handoffs)
+            tools.append(handoff)
         instructions = agent.instructions.strip() + (
             f"\n\nYou are the {agent.name} agent."
             + (
