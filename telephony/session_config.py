@@ -67,6 +67,9 @@ class BridgeConfig:
     # What this call's session knows from before it (a resumed call's summary and the
     # operations still open); added to the instructions, reconnects included.
     context_note: str = ""
+    # The agent that starts this call's session (None: the first declared one); a resumed
+    # call goes on with the agent that was talking when its stream was lost.
+    start_agent: str | None = None
     greeting_instructions: str = "Greet the caller briefly and ask how you can help."
     # Text of the apology played (as a short audible clip) when the session cannot be restored.
     apology_text: str = (

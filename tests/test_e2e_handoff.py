@@ -19,7 +19,7 @@ from openai.types.realtime import SessionUpdateEvent
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.domains import RestaurantBackend
-from tests.e2e_support import CONSOLE
+from tests.e2e_support import CONSOLE, wait_until
 from tests.handoff_support import (
     AGENTS,
     CONTROL,
@@ -91,3 +91,28 @@ async def test_a_handoff_updates_the_session_with_the_new_agents_instructions_an
     assert [(e["data"]["from_agent"], e["data"]["to_agent"]) for e in shown] == [
         ("host", "manager")
     ]
+
+
+async def test_a_call_whose_stream_is_lost_after_a_handoff_resumes_with_the_agent_then_talking(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord
+) -> None:
+    backend = RestaurantBackend(sor)
+    async with handoff_stack(engine, clean_db, sor, AGENTS) as stack:
+        caller, call_id = await hand_off_while_booking(stack, backend)
+        caller.drop_stream()  # the network between Twilio and us breaks; the call is up
+        await caller.wait_for(lambda c: len(c.stream_sids) == 2, 15)
+        await wait_until(lambda: len(stack.sim.sessions) == 2, 15, "the resumed session")
+        resumed = stack.sim.sessions[1]
+        await wait_until(
+            lambda: bool(resumed.received_events("session.update")), 15, "its session.update"
+        )
+        first = resumed.received_events("session.update")[0]
+        backend.release()
+        await wait_for_operation(engine, call_id, "committed")
+        await caller.hangup()
+
+    manager = yaml.safe_load(AGENTS.read_text())["agents"][1]
+    # The new session goes on with the manager (who had the caller), not the first agent.
+    assert {t["name"] for t in first["session"]["tools"]} == {*manager["tools"], *CONTROL}
+    assert first["session"]["instructions"].startswith(manager["instructions"])
+    assert "The line to this caller dropped for a moment" in first["session"]["instructions"]

@@ -152,11 +152,12 @@ class ToolPipeline:
 
     # --- agents --------------------------------------------------------------------------
 
-    def starting_session(self) -> SessionChange | None:
-        """The first agent's session when agents are declared (None: one agent, every tool)."""
+    def starting_session(self, agent: str | None = None) -> SessionChange | None:
+        """The session a call starts with when agents are declared: `agent`'s (a resumed
+        call's), else the first one's (None: no agents, one agent with every tool)."""
         if self.agents is None:
             return None
-        return self._session_of(self.agents.get(None))
+        return self._session_of(self.agents.get(agent))
 
     def _offers(self, agent: Agent, name: str) -> bool:
         """Whether `agent` is offered the tool `name` (its own tools and the control tools)."""

@@ -136,7 +136,7 @@ class Bridge:
         # The agent talking (agents declared: the first one, until a handoff).
         starting = getattr(gateway, "starting_session", None)
         self.active_agent = ActiveAgent(
-            starting() if starting is not None else None, gateway.definitions
+            starting(config.start_agent) if starting is not None else None, gateway.definitions
         )
         self.link: ModelLink = RealtimeLink(
             self.port,

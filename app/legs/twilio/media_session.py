@@ -65,6 +65,7 @@ async def run_media_session(
             config = dataclasses.replace(
                 runtime.bridge_config,
                 context_note=context.note,
+                start_agent=context.agent,
                 greeting=True,
                 greeting_instructions=(
                     "The caller's line dropped for a moment and is back. Say exactly: "

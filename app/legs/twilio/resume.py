@@ -90,6 +90,7 @@ class ResumeContext:
 
     note: str  # added to the session's instructions
     first_line: str  # what the caller hears first
+    agent: str | None = None  # the agent that was talking (agents declared), else None
 
 
 async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
@@ -100,13 +101,21 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
             .where(
                 call_events.c.call_id == uuid.UUID(call_id),
                 call_events.c.kind.in_(
-                    [CallEventKind.CALLER_TRANSCRIPT.value, CallEventKind.AGENT_TRANSCRIPT.value]
+                    [
+                        CallEventKind.CALLER_TRANSCRIPT.value,
+                        CallEventKind.AGENT_TRANSCRIPT.value,
+                        CallEventKind.AGENT_HANDOFF.value,
+                    ]
                 ),
             )
             .order_by(call_events.c.seq)
         )
         said: list[str] = []
+        agent: str | None = None
         for kind, data in rows.all():
+            if kind == CallEventKind.AGENT_HANDOFF.value:
+                agent = str((data or {}).get("to_agent") or "") or agent
+                continue
             text = str((data or {}).get("text") or "").strip()
             if text:
                 who = "Caller" if kind == CallEventKind.CALLER_TRANSCRIPT.value else "You"
@@ -137,4 +146,4 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
         first += f" — your request for {pending[0]} is still being confirmed."
     else:
         first += ". Where were we?"
-    return ResumeContext(note, first)
+    return ResumeContext(note, first, agent)
