@@ -424,3 +424,95 @@ async def test_console_pages_and_live_refresh_run_under_the_csp_with_no_violatio
     assert moved is not None
     assert seen == {key: [] for key in seen}
     assert blocked == "TypeError"  # require-trusted-types-for 'script'
+
+
+# Where an item is drawn, in ms on the timeline's axis: its left edge (a point drawn flipped
+# has its mark at its right edge) along its track, scaled by the axis' duration.
+DRAWN_MS = """(el) => {
+  const box = el.getBoundingClientRect();
+  const track = el.closest('.track').getBoundingClientRect();
+  const duration = Number(el.closest('.lanes').dataset.durationMs);
+  const x = el.classList.contains('flip') ? box.right : box.left;
+  return (x - track.left) / track.width * duration;
+}"""
+
+
+async def test_a_booking_call_draws_the_readback_after_the_request_at_the_times_the_api_reports(
+    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord, browser: Any
+) -> None:
+    scenario = load_scenario(None)
+    async with call_stack(
+        engine, scenario, with_worker=True, database_url=clean_db, sor_base_url=sor.url
+    ) as stack:
+        caller = stack.caller(from_number="+15557650124")
+        await demo_script(caller, scenario, lambda _line: None)
+        await caller.aclose()
+        call_id = await stack.call_id(caller)
+        await stack.events(caller)
+        await wait_until(lambda: _has_recording(engine, call_id), 20, "the call's recording stored")
+        base = stack.service.url
+        page = await log_in(browser, base, *CONSOLE, viewport={"width": 1400, "height": 1000})
+        failed: list[str] = []
+        page.on(
+            "response",
+            lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
+        )
+        await page.goto(f"{base}/console/calls/{call_id}")
+        await js_true(page, "document.querySelector('#call-live[data-connected]')")
+        api = await (await page.request.get(f"{base}/api/calls/{call_id}/timeline")).json()
+        readback = page.locator(".lane-agent .item[title*=': Please confirm']").first
+        tool = page.locator(".lane-tools .item", has_text="book_table").first
+        request = page.locator(".lane-caller .item[title*=': Lovely, please book it']").first
+        drawn = {
+            "readback": await readback.evaluate(DRAWN_MS),
+            "tool": await tool.evaluate(DRAWN_MS),
+            "request": await request.evaluate(DRAWN_MS),
+        }
+        # A browser asks every page for its icon (/favicon.ico when the page names none).
+        icon = await page.locator("link[rel=icon]").get_attribute("href")
+        icon_status = (await page.request.get(f"{base}{icon}")).status
+        transcript = await page.locator(".transcript li .text").all_inner_texts()
+        t_labels = await page.locator(".transcript li .t").all_inner_texts()
+        # Every other console page: nothing it asks for is missing.
+        op_id = next(op["operation_id"] for op in api["operations"])
+        for path in ("/console/calls", "/console/operations", f"/console/operations/{op_id}"):
+            await page.goto(f"{base}{path}")
+            await page.wait_for_load_state("networkidle")
+        await page.context.close()
+
+    events = api["events"]
+    said = next(
+        e for e in events
+        if e["kind"] == "agent_transcript" and e["data"]["text"].startswith("Please confirm")
+    )  # fmt: skip
+    asked = next(
+        e for e in events if e["source"] == "tool_call" and e["data"]["tool"] == "book_table"
+    )
+    spoke = next(
+        e for e in events
+        if e["kind"] == "speech_started"
+        and e["data"].get("turn_id") == next(
+            t["data"].get("turn_id") for t in events
+            if t["kind"] == "caller_transcript" and t["data"]["text"].startswith("Lovely")
+        )
+    )  # fmt: skip
+    print(f"api: readback {said['t_ms']} ms, book_table {asked['t_ms']} ms, request "
+          f"{spoke['t_ms']} ms; drawn {drawn}")  # fmt: skip
+    assert abs(drawn["readback"] - said["t_ms"]) <= 20, (drawn, said)
+    assert abs(drawn["tool"] - asked["t_ms"]) <= 20, (drawn, asked)
+    assert abs(drawn["request"] - spoke["t_ms"]) <= 20, (drawn, spoke)
+    # The readback begins once the model asked for the booking, which the caller asked for.
+    assert drawn["request"] < drawn["tool"] < drawn["readback"], drawn
+    # The model's request comes no later than when its tool call's row was written.
+    the_call = next(
+        e for e in events
+        if e["kind"] == "function_call" and e["data"].get("name") == "book_table"
+    )  # fmt: skip
+    assert the_call["t_ms"] <= said["t_ms"], (the_call, said)
+    request_line = next(i for i, t in enumerate(transcript) if t.startswith("Lovely"))
+    readback_line = next(i for i, t in enumerate(transcript) if t.startswith("Please confirm"))
+    assert request_line < readback_line, transcript
+    assert all(e["t_ms"] >= 0 for e in events), [e for e in events if e["t_ms"] < 0]
+    assert not any(label.startswith(("-", "\N{MINUS SIGN}")) for label in t_labels), t_labels
+    assert not failed, failed
+    assert icon_status == 200

@@ -8,7 +8,10 @@ from app.console.swimlanes import layout, seconds
 
 
 def ev(source: str, kind: str, t_ms: float, **data: Any) -> dict[str, Any]:
-    return {"source": source, "seq": None, "kind": kind, "at": "", "t_ms": t_ms, "data": data}
+    entry = {"source": source, "seq": None, "kind": kind, "at": "", "t_ms": t_ms, "data": data}
+    if kind == "agent_transcript":  # the timeline places speech at its start, says its end
+        entry["until_ms"] = t_ms + data.get("heard_ms", 0)
+    return entry
 
 
 VIEW: dict[str, Any] = {
@@ -21,9 +24,9 @@ VIEW: dict[str, Any] = {
         ev("call", "speech_stopped", 2500, turn_id=1),
         ev("call", "caller_transcript", 2700, turn_id=1, text="Book a table for four"),
         ev("call", "barge_in", 6000, item_id="item_2", played_ms=1500, truncated=True),
-        ev("call", "agent_transcript", 4000, item_id="item_1", text="One moment.", cut=False,
+        ev("call", "agent_transcript", 3200, item_id="item_1", text="One moment.", cut=False,
            heard_ms=800, audio_ms=800),
-        ev("call", "agent_transcript", 6100, item_id="item_2", text="Good news, we", cut=True,
+        ev("call", "agent_transcript", 4500, item_id="item_2", text="Good news, we", cut=True,
            heard_ms=1500, audio_ms=6000, full_text="Good news, we have a table at eight."),
         ev("tool_call", "tool_call", 3000, tool="book_table", decision="needs_confirmation",
            operation_id="op1", arguments={"name": "Ada"}),
@@ -36,7 +39,7 @@ VIEW: dict[str, Any] = {
         ev("operation", "op_decision", 8200, operation_id="op1", tool="book_table",
            actor="delivery", reason="announced in call"),
         ev("call", "result_announced", 8300, operation_ids=["op1"]),
-        ev("call", "agent_transcript", 9500, item_id="item_3", text="It is booked.", cut=False,
+        ev("call", "agent_transcript", 8500, item_id="item_3", text="It is booked.", cut=False,
            heard_ms=1000, audio_ms=1000),
         ev("call", "dtmf", 9600, digit="•"),
         ev("call", "call_ended", 11000, reason="stop"),
@@ -112,3 +115,27 @@ def test_a_handoff_shows_on_the_call_lane_naming_both_agents() -> None:
     (handoff,) = [i for i in lanes["call"].items if i.label.startswith("handoff")]
     assert handoff.label == "handoff host → manager"
     assert "reason=a deposit question" in handoff.title
+
+
+def test_speech_is_drawn_where_it_was_heard_and_the_transcript_keeps_the_lanes_order() -> None:
+    view = {
+        "call": {"id": "c"},
+        "operations": [],
+        "events": [
+            ev("call", "speech_started", 1000, turn_id=1),
+            ev("call", "speech_stopped", 2500, turn_id=1),
+            ev("tool_call", "tool_call", 2600, tool="book_table", decision="needs_confirmation"),
+            # Heard from 2800 ms for 3000 ms; the caller's words were transcribed after that.
+            ev("call", "agent_transcript", 2800, text="Please confirm", heard_ms=3000,
+               audio_ms=3000),
+            ev("call", "caller_transcript", 3100, turn_id=1, text="Book it"),
+        ],
+    }  # fmt: skip
+    lanes = layout(view)
+    agent = next(lane for lane in lanes.lanes if lane.key == "agent")
+    (readback,) = agent.items
+    assert (readback.start_ms, readback.end_ms) == (2800, 5800)  # not its end minus its length
+    assert [(line.speaker, line.t_ms) for line in lanes.transcript] == [
+        ("caller", 1000),
+        ("agent", 2800),
+    ]

@@ -97,3 +97,40 @@ def test_compact_json_arguments_wrap_between_fields_not_inside_them() -> None:
     assert len(lines) > 1
     for field in ('"date":"2026-12-02"', '"party_size":4', '"name":"Alexandra Smith"'):
         assert any(field in line for line in lines), (field, lines)
+
+
+async def test_speech_spans_what_was_heard_and_no_entry_is_before_zero(
+    engine: AsyncEngine,
+) -> None:
+    row, _ = await call_store.create_call(
+        engine, call_sid="CA" + "2" * 32, tenant_id="default", from_number=None, to_number=None
+    )
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    mono0 = 5_000_000_000
+
+    def at(ms: int, kind: CallEventKind, **data: Any) -> CallEvent:
+        return CallEvent(
+            row.id, kind, data, mono0 + ms * 1_000_000, t0 + timedelta(milliseconds=ms)
+        )
+
+    writer = EventWriter(engine)
+    writer.start()
+    for event in (
+        at(0, CallEventKind.CALL_STARTED),
+        # The greeting began playing 200 ms before the call's first event was written.
+        at(2400, CallEventKind.AGENT_TRANSCRIPT, text="Hi", heard_ms=2600, audio_ms=2600,
+           started_mono_ns=mono0 - 200_000_000),
+        # No playout stamp: recorded when the caller stopped hearing it, 800 ms in.
+        at(5000, CallEventKind.AGENT_TRANSCRIPT, text="Sure", heard_ms=800, audio_ms=1100),
+    ):  # fmt: skip
+        writer.emit(event)
+    await writer.close()
+
+    timeline = await load_timeline(engine, row.id)
+    assert timeline is not None
+    shown = [(e["kind"], e["t_ms"], e.get("until_ms")) for e in timeline["events"]]
+    assert shown == [
+        ("agent_transcript", 0.0, 2600.0),
+        ("call_started", 200.0, None),
+        ("agent_transcript", 4400.0, 5200.0),
+    ]

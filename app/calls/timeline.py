@@ -13,8 +13,10 @@ Four sources are merged by time into one ordered list of entries, each tagged wi
   every SMS status (`delivery_sms`: pending, queued, sent, delivered, undelivered, failed).
 
 Every entry has `source, seq, kind, at, t_ms, data`; `seq` is the call event's sequence
-number (None for the other sources). Agent speech (`agent_transcript`, recorded once its audio
-has played or was cut) is stamped and placed at the moment the caller began hearing it.
+number (None for the other sources). One clock orders them all: `t_ms` is milliseconds since
+the call's first entry, never negative. Agent speech (`agent_transcript`, recorded once its
+audio has played or was cut) is placed from the moment the caller began hearing it (`t_ms`) to
+the moment they stopped (`until_ms`, `t_ms` plus what was heard); the page draws it there.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
                 "t_ms": _t_ms(mono_ns, at, origin_mono, origin_at),
                 "data": row.data,
             }
+            if row.kind == "agent_transcript":
+                entry["until_ms"] = round(entry["t_ms"] + _heard_ms(row.data), 1)
             keyed.append((entry["t_ms"], _RANK["call"], row.seq, entry))
     for tc in tc_rows:
         entry = _tool_call_entry(tc, origin_at)
@@ -153,9 +157,11 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
         entry = _delivery_entry(dev, origin_at)
         keyed.append((entry["t_ms"], _RANK["delivery"], dev.id, entry))
     keyed.sort(key=lambda k: k[:3])
+    events = [k[3] for k in keyed]
+    _from_zero(events)
     return {
         "call": call.as_json(),
-        "events": [k[3] for k in keyed],
+        "events": events,
         "operations": [_operation_summary(op) for op in op_rows],
         "deliveries": [_delivery_summary(d, sms_rows) for d in dl_rows],
     }
@@ -165,14 +171,36 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
 _MAX_SPEECH_NS = 3600 * 1_000_000_000
 
 
+def _heard_ms(data: Any) -> float:
+    heard = data.get("heard_ms") if isinstance(data, dict) else None
+    return float(heard) if isinstance(heard, int | float) and heard > 0 else 0.0
+
+
 def _stamp(row: Any) -> tuple[int, datetime]:
     """(monotonic ns, wall time) an event is placed at: agent speech at its start."""
+    if row.kind != "agent_transcript":
+        return row.mono_ns, row.at
     started = row.data.get("started_mono_ns") if isinstance(row.data, dict) else None
-    if row.kind == "agent_transcript" and isinstance(started, int):
+    back_ns: float = -1
+    if isinstance(started, int):
         back_ns = row.mono_ns - started
-        if 0 <= back_ns <= _MAX_SPEECH_NS:
-            return started, row.at - timedelta(microseconds=back_ns / 1000)
-    return row.mono_ns, row.at
+    if not 0 <= back_ns <= _MAX_SPEECH_NS:
+        # No playout stamp (an older row, a leg that cannot tell): it was recorded when the
+        # caller stopped hearing it, so it began what they heard before that.
+        back_ns = _heard_ms(row.data) * 1_000_000
+    return round(row.mono_ns - back_ns), row.at - timedelta(microseconds=back_ns / 1000)
+
+
+def _from_zero(events: list[dict[str, Any]]) -> None:
+    """Shift the axis so its first entry is at 0: speech heard before the call's first event
+    (a greeting started as the stream opened) never shows at a negative offset."""
+    first = min((e["t_ms"] for e in events), default=0.0)
+    if first >= 0:
+        return
+    for e in events:
+        e["t_ms"] = round(e["t_ms"] - first, 1)
+        if "until_ms" in e:
+            e["until_ms"] = round(e["until_ms"] - first, 1)
 
 
 def _earliest(*groups: Sequence[Any]) -> datetime:

@@ -141,10 +141,15 @@ def _caller_lane(events: list[dict[str, Any]], end_ms: float) -> tuple[Lane, lis
         elif kind == "caller_transcript":
             text = str(data.get("text") or "")
             turn = data.get("turn_id")
-            lines.append(
-                TranscriptLine(t, "caller", text, turn_id=turn if isinstance(turn, int) else None)
-            )
             target = by_turn.get(data.get("turn_id"))
+            # The words are placed where the caller began saying them, as the lane draws them
+            # (the transcription itself arrives later, often while the agent answers).
+            said_at = target.start_ms if target is not None else t
+            lines.append(
+                TranscriptLine(
+                    said_at, "caller", text, turn_id=turn if isinstance(turn, int) else None
+                )
+            )
             if target is None:
                 target = Item(t, None, "", "", "speech caller point")
                 lane.items.append(target)
@@ -161,12 +166,9 @@ def _caller_lane(events: list[dict[str, Any]], end_ms: float) -> tuple[Lane, lis
 def _agent_lane(events: list[dict[str, Any]]) -> tuple[Lane, list[TranscriptLine]]:
     lane = Lane("agent", "Agent")
     lines: list[TranscriptLine] = []
-    barge_ins: dict[str, float] = {}
     for e in events:
         if e["kind"] == "barge_in":
             d = e["data"]
-            if d.get("item_id"):
-                barge_ins[str(d["item_id"])] = e["t_ms"]
             title = (
                 f"barge-in: the caller had heard {d.get('played_ms')} ms; "
                 f"truncated {d.get('truncated')}, cancelled {d.get('cancelled')}"
@@ -193,9 +195,11 @@ def _agent_lane(events: list[dict[str, Any]]) -> tuple[Lane, list[TranscriptLine
             )
             lines.append(TranscriptLine(e["t_ms"], "agent", "", full, "never heard"))
             continue
-        heard_end = barge_ins.get(str(d.get("item_id")), e["t_ms"]) if cut else e["t_ms"]
-        start = heard_end - heard
-        end = start + audio
+        # The timeline places speech where the caller began hearing it and says when they
+        # stopped; the rest of its audio (cut by a barge-in) was generated, never heard.
+        start = float(e["t_ms"])
+        heard_end = float(e.get("until_ms", start + heard))
+        end = max(start + audio, heard_end)
         unheard = full[len(text) :].strip() if cut and full.startswith(text) else ""
         title = (
             full
