@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run demo test races lint bench
+.PHONY: install run demo test races cluster cluster-test lint bench
 
 # pip's own output is long and its slow phase is silent: one line per package and a note
 # before the slow phase instead; the whole output is kept in $(VENV)/install.log.
@@ -44,6 +44,15 @@ test: install
 # printing one line (state, side effects, order checked, heard) in the summary's "races" part.
 races: install
 	$(BIN)/pytest -m races -p no:randomly -v
+
+# Two serve replicas, a worker, nginx and Kamailio on loopback, in the foreground (Ctrl+C stops
+# it all); .cluster/endpoints.json says where each part is. Needs kamailio and nginx installed.
+cluster: install
+	$(BIN)/voice-agent cluster
+
+# The cluster's own tests (`make test` runs them too where kamailio and nginx are installed).
+cluster-test: install
+	VOICE_AGENT_REQUIRE_CLUSTER=1 $(BIN)/pytest -m cluster -p no:randomly -v -s
 
 lint: install
 	$(BIN)/ruff check .

@@ -308,6 +308,20 @@ def test_options_is_answered_with_what_we_support(h: Harness) -> None:
     assert "INVITE" in (ok.headers.get_first("allow") or "")
 
 
+def test_a_draining_server_answers_options_503_but_serves_live_dialogs(h: Harness) -> None:
+    uac = Uac()
+    h.answered_call(uac)
+    h.feed(uac.ack())
+    h.core.stop_accepting()
+    (probe,) = h.feed(Uac().options())
+    assert isinstance(probe, SipResponse) and probe.status_code == 503
+    assert probe.headers.get_first("retry-after") == "5"
+    # The live call still gets its in-dialog requests answered.
+    (ok,) = h.feed(uac.options(in_dialog=True))
+    assert isinstance(ok, SipResponse) and ok.status_code == 200
+    assert statuses(h.feed(uac.bye())) == [200]
+
+
 def test_record_route_is_echoed_in_order_and_becomes_the_route_set(h: Harness) -> None:
     uac = Uac(extra_headers=[
         "Record-Route: <sip:p1.example;lr>",

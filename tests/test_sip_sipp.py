@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from telephony.legs.sip.dialog import CallState
 from telephony.sim.simulator import synthesize_speech
 from tests.e2e_support import Stack, call_row, event_rows, wait_until
+from tests.sip_support import Uac, UdpPeer
 from tests.sipp_support import (
     RecordingGateway,
     count_in_trace,
@@ -259,6 +260,14 @@ async def test_while_draining_an_invite_gets_503_with_retry_after_and_a_draining
     async with sip_stack(engine) as stack:
         stack.service.runtime.registry.stop_accepting()  # what SIGTERM does first
         sip = stack.service.runtime.sip
+        # A dispatcher's health probe hears it too, and takes this replica out.
+        peer = await UdpPeer.open()
+        try:
+            peer.send(Uac(port=peer.port).options(), ("127.0.0.1", sip.port))
+            probe = await peer.response(503, within=5.0)
+            assert probe.headers.get_first("retry-after") == "5"
+        finally:
+            peer.close()
         run = await run_sipp(sip.port, "cap.xml", tmp_path, calls=1, limit=1, extra=["-trace_msg"])
         assert run.returncode == 0, run.explain()
         # Every copy of the INVITE gets the 503: sipp resends the INVITE when the answer

@@ -67,6 +67,7 @@ class CallRegistry:
         self.rejected_busy_total = 0
         self.rejected_draining_total = 0
         self.draining = False
+        self._drain_listeners: list[Callable[[], None]] = []
 
     def _purge(self) -> None:
         now = self._clock()
@@ -78,9 +79,22 @@ class CallRegistry:
         self._purge()
         return len(self._live) + len(self._reserved)
 
+    def on_drain(self, listener: Callable[[], None]) -> None:
+        """Call `listener` once when draining starts (a leg that refuses calls before they
+        reach the registry, such as SIP's health answer, must know too)."""
+        if self.draining:
+            listener()
+        else:
+            self._drain_listeners.append(listener)
+
     def stop_accepting(self) -> None:
         """Start draining: from now on every new call is refused."""
+        if self.draining:
+            return
         self.draining = True
+        listeners, self._drain_listeners = self._drain_listeners, []
+        for listener in listeners:
+            listener()
 
     def try_reserve(self, call_sid: str) -> bool:
         """Hold a slot for `call_sid`; False at capacity or while draining. A retried webhook

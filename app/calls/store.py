@@ -48,6 +48,9 @@ TERMINAL = frozenset(
 _TRANSITIONS: dict[CallStatus, frozenset[CallStatus]] = {
     CallStatus.RINGING: frozenset({CallStatus.IN_PROGRESS} | TERMINAL),
     CallStatus.IN_PROGRESS: frozenset(TERMINAL - {CallStatus.REJECTED, CallStatus.BUSY}),
+    # Refused before it began (this replica was full or stopping) and offered again with the
+    # same Call-ID: a SIP dispatcher's failover to another replica, which takes it.
+    CallStatus.BUSY: frozenset({CallStatus.RINGING}),
 }
 
 # Twilio CallStatus values that mean the call is over, and what we record for them.

@@ -132,6 +132,27 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.cli.cluster import ClusterConfig, run_cluster
+
+    return run_cluster(
+        ClusterConfig(
+            directory=Path(args.dir),
+            host=args.host,
+            http_port=args.http_port,
+            sip_port=args.sip_port,
+            replicas=args.replicas,
+            workers=args.workers,
+            rtp_base=args.rtp_base,
+            database_url=args.database_url,
+            simulator=args.simulator,
+            ds_ping_interval_s=args.ds_ping_interval,
+        )
+    )
+
+
 def _sor(args: argparse.Namespace) -> int:
     from app.settings import get_settings
     from tools.restaurant.sor import run_sor
@@ -345,6 +366,39 @@ def build_parser() -> argparse.ArgumentParser:
         "PostgreSQL in DATA_DIR)",
     )
     p.set_defaults(func=_sor)
+
+    p = sub.add_parser(
+        "cluster",
+        help="replicas, workers, nginx and Kamailio on this machine, in the foreground",
+    )
+    p.add_argument("--dir", default=".cluster", help="logs, configs and endpoints.json")
+    p.add_argument("--host", default="127.0.0.1", help="the loopback address every part uses")
+    p.add_argument("--http-port", type=_port, default=8080, help="nginx's port")
+    p.add_argument("--sip-port", type=_port, default=5060, help="Kamailio's port (UDP and TCP)")
+    p.add_argument("--replicas", type=_positive, default=2, help="`serve --no-worker` replicas")
+    p.add_argument("--workers", type=_positive, default=1, help="`worker` processes")
+    p.add_argument(
+        "--rtp-base",
+        type=_port,
+        default=20000,
+        help="first RTP port; each replica takes the next 500 (0: any free port)",
+    )
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="its database (default: DATABASE_URL, else TEST_DATABASE_URL, else an embedded "
+        "PostgreSQL in DIR/data)",
+    )
+    p.add_argument(
+        "--simulator", action="store_true", help="calls talk to the local Realtime simulator"
+    )
+    p.add_argument(
+        "--ds-ping-interval",
+        type=_positive,
+        default=2,
+        help="seconds between Kamailio's OPTIONS probes of each replica",
+    )
+    p.set_defaults(func=_cluster)
     return parser
 
 

@@ -226,6 +226,14 @@ class CallSession:
         except Exception:
             registry.release_reservation(self.call_sid)
             raise
+        if not created and row.status == CallStatus.BUSY:
+            # Refused elsewhere (a replica full or stopping) and offered here by the
+            # caller's proxy: it rings again, here; its timeline keeps the refusal.
+            reopened = await call_store.transition(
+                runtime.engine, row.id, CallStatus.RINGING, ended_at=None, end_reason=None
+            )
+            if reopened is not None:
+                row, created = reopened, True
         self.row = row
         if not created:
             if row.status in call_store.TERMINAL:

@@ -108,6 +108,9 @@ class SipService:
             else settings.max_live_calls
         )
         self.core = UserAgentServer(self._config(settings, bind_port), digest=_digest(settings))
+        # Draining: OPTIONS gets 503 (INVITEs get theirs from admission), so a dispatcher
+        # stops sending calls here.
+        runtime.registry.on_drain(self.core.stop_accepting)
         self.transport = SipTransport(
             self.core,
             self.bind_host,

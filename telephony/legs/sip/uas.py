@@ -59,6 +59,7 @@ DTMF_KEYS = frozenset("0123456789*#ABCD")
 MIN_SE = 90  # RFC 4028 section 4
 ERROR_LOG_INTERVAL_S = 60.0
 HOUSEKEEPING_S = 5.0
+DRAIN_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +181,14 @@ class UserAgentServer:
         self._events: list[SipEvent] = []
         self._last_error_log = -ERROR_LOG_INTERVAL_S
         self._house = _Housekeeping()
+        self.draining = False
+
+    def stop_accepting(self) -> None:
+        """The process is stopping: out-of-dialog OPTIONS get 503 from now on, so a dispatcher's
+        health probe takes this server out and sends no more calls here. Requests inside live
+        dialogs are served as before; a new INVITE still reaches the application, which records
+        it and refuses it with 503 (reason `draining`)."""
+        self.draining = True
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -357,7 +366,9 @@ class UserAgentServer:
             self._on_new_invite(req, flow, now)
         elif req.method == "OPTIONS":
             tx = self._new_tx(req, flow)
-            if tx is not None:
+            if tx is not None and self.draining:
+                self._respond(tx, 503, now, headers=[("Retry-After", str(DRAIN_RETRY_AFTER_S))])
+            elif tx is not None:
                 self._respond(tx, 200, now, headers=self._capabilities())
         else:
             status = 405 if req.method in NOT_ALLOWED else 481 if req.method in DIALOG_ONLY else 501
