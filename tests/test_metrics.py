@@ -25,6 +25,8 @@ ENGINE_NAMES = (
     "voice_agent_operation_commit_seconds",
     "voice_agent_commit_to_heard_seconds",
     "voice_agent_operations_unknown",
+    "voice_agent_deliveries_waiting",
+    "voice_agent_delivery_oldest_waiting_seconds",
     "voice_agent_duplicates_suppressed_total",
     "voice_agent_tool_timeouts_total",
     "voice_agent_tool_retries_total",

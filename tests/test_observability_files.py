@@ -25,7 +25,7 @@ METRIC = re.compile(r"\bvoice_agent_[a-z0-9_]+\b")
 ALERTED = {
     "voice_agent_operations_unknown",
     "voice_agent_reconciliation_failures_total",
-    "voice_agent_results_offered_total",
+    "voice_agent_delivery_oldest_waiting_seconds",
     "voice_agent_events_dropped_total",
     "voice_agent_calls_rejected_busy_total",
 }

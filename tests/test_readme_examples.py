@@ -75,7 +75,10 @@ CONFIGURATION = README[README.index("## Configuration") : README.index("## How t
 # Settings deliberately left out of the table, each with the reason (none today).
 NOT_IN_TABLE: dict[str, str] = {}
 # Rows in the table that are not our settings, each with the reason.
-NOT_OURS: dict[str, str] = {"FORWARDED_ALLOW_IPS": "uvicorn reads it itself (proxy headers)"}
+NOT_OURS: dict[str, str] = {
+    "FORWARDED_ALLOW_IPS": "uvicorn reads it itself (proxy headers)",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "the OpenTelemetry SDK reads the OTEL_* variables itself",
+}
 
 
 def test_every_setting_is_in_the_readmes_configuration_table() -> None:

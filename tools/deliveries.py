@@ -854,3 +854,17 @@ async def sms_due(conn: AsyncConnection, now: datetime, limit: int = 100) -> lis
         {"now": now, "n": limit, "task": jobs.SMS_TASK, "arg": "message_id"},
     )
     return [r.id for r in rows.all()]
+
+
+async def waiting(conn: AsyncConnection, now: datetime) -> tuple[int, float]:
+    """Deliveries not yet at an end (the outcome not yet told, texted or given up), and how
+    long the oldest of them has waited, in seconds (0 when none waits)."""
+    row = (
+        await conn.execute(
+            sa.select(sa.func.count(), sa.func.min(dl_t.c.created_at)).where(
+                dl_t.c.state.not_in([s.value for s in SETTLED])
+            )
+        )
+    ).one()
+    oldest = row[1]
+    return int(row[0]), max(0.0, (now - oldest).total_seconds()) if oldest is not None else 0.0

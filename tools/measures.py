@@ -88,6 +88,14 @@ HANDOFFS_WITH_PENDING = Counter(
     "voice_agent_handoffs_with_pending_operations",
     "Agent handoffs made while the call had operations still open.",
 )
+DELIVERIES_WAITING = Gauge(
+    "voice_agent_deliveries_waiting",
+    "Outcomes not yet told, texted or given up (deliveries not at an end), as of the last sweep.",
+)
+DELIVERY_OLDEST_WAITING = Gauge(
+    "voice_agent_delivery_oldest_waiting_seconds",
+    "How long the oldest delivery not at an end has waited, as of the last sweep.",
+)
 RECONCILIATION_FAILURES = Counter(
     "voice_agent_reconciliation_failures",
     "Reconciliations that could not ask the provider (it errored or has no lookup).",

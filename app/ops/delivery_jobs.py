@@ -37,7 +37,7 @@ from app.ops.delivery import (
     settle_without_telling,
 )
 from app.ops.sms import SmsChannel
-from tools import deliveries, jobs, ledger, webhooks
+from tools import deliveries, jobs, ledger, measures, webhooks
 from tools.delivery_states import DeliveryState
 from tools.outage import DATABASE
 from tools.registry import Registry
@@ -241,6 +241,10 @@ class DeliverySweeper:
         report["webhooks_recovered"] = await webhooks.recover(
             self.engine, stuck_after_s=self.config.webhook_policy.timeout_s * 3
         )
+        async with self.engine.connect() as conn:
+            count, oldest_s = await deliveries.waiting(conn, now)
+        measures.DELIVERIES_WAITING.set(count)
+        measures.DELIVERY_OLDEST_WAITING.set(oldest_s)
         return report
 
     async def run(self, stop: asyncio.Event) -> None:
