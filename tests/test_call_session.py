@@ -99,3 +99,42 @@ async def test_every_leg_admits_goes_live_and_ends_once_through_the_same_steps(
         assert isinstance(ended["duration_ms"], int) and ended["duration_ms"] >= 0, leg
         shapes.add(frozenset(ended))
     assert shapes == {frozenset({"reason", "source", "duration_ms"})}
+
+
+async def test_an_invite_refused_busy_by_one_replica_rings_on_the_next_one_its_proxy_tries(
+    engine: AsyncEngine,
+) -> None:
+    """A dispatcher fails a call over with the same Call-ID: the replica that refused it
+    wrote its row `busy`; the next replica takes it (the row rings again, not 482), and the
+    timeline keeps the refusal before the call."""
+    async with sip_stack(engine) as full, sip_stack(engine) as other:
+        full.service.runtime.registry.stop_accepting()  # this replica is stopping
+        peer, rtp_peer = await UdpPeer.open(), await UdpPeer.open()
+        uac = Uac(port=peer.port)
+        try:
+            offer = sdp_offer(port=rtp_peer.port, formats="0 101")
+            peer.send(uac.invite(offer), ("127.0.0.1", full.service.runtime.sip.port))
+            refused = await peer.message(_final, within=15)
+            assert isinstance(refused, SipResponse) and refused.status_code == 503
+            start = len(peer.got)
+            peer.send(uac.invite(offer), ("127.0.0.1", other.service.runtime.sip.port))
+            answered = await peer.message(_final, within=15, start=start)
+            assert isinstance(answered, SipResponse) and answered.status_code == 200
+            uac.learn(answered)
+            peer.send(uac.ack(), ("127.0.0.1", other.service.runtime.sip.port))
+            await wait_until(lambda: len(rtp_peer.got) > 5, 15, "agent audio flowing")
+            row = await call_row(engine, uac.call_id)
+            start = len(peer.got)
+            peer.send(uac.bye(), ("127.0.0.1", other.service.runtime.sip.port))
+            await peer.response(200, start=start)
+        finally:
+            peer.close()
+            rtp_peer.close()
+        await wait_until(lambda: other.service.runtime.sip.live_calls() == 0, 15, "call over")
+        await other.service.runtime.events.flush()
+        await full.service.runtime.events.flush()
+        assert row is not None
+        kinds = [e["kind"] for e in await event_rows(engine, row["id"])]
+    assert row["status"] == "in_progress"
+    assert kinds.index("call_rejected") < kinds.index("stream_started")
+    assert kinds.count("call_ended") == 1
