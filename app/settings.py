@@ -295,6 +295,9 @@ class Settings(BaseSettings):
     sse_max_lifetime_s: float = Field(default=300.0, gt=0)
     # `/metrics` on its own `host:port` (meant for a private network); unset: on the main port.
     metrics_bind: str | None = None
+    # A link from the console to a call's or an operation's trace in your tracing UI, with
+    # `{trace_id}` where the id goes (Jaeger: https://jaeger.example/trace/{trace_id}).
+    trace_url_template: str | None = None
     # Caller verification: this many wrong PINs within the window, across calls, per account
     # and per caller number, lock verification for PIN_LOCKOUT_S.
     pin_max_failures: int = Field(default=3, ge=1)
@@ -331,6 +334,16 @@ class Settings(BaseSettings):
         if value is not None:
             host, _ = host_port(value, "0.0.0.0:5060")
             _ip_literal(host, "the address to listen on, e.g. 0.0.0.0:5060")
+        return value
+
+    @field_validator("trace_url_template")
+    @classmethod
+    def _trace_url_template(cls, value: str | None) -> str | None:
+        if value is not None and "{trace_id}" not in value:
+            raise ValueError(
+                "TRACE_URL_TEMPLATE must say where the trace id goes, as {trace_id} "
+                "(for example https://jaeger.example/trace/{trace_id})"
+            )
         return value
 
     @field_validator("metrics_bind")

@@ -35,6 +35,7 @@ S = OperationStatus
 PUBLIC = {
     ("POST", "/twilio/voice"),
     ("POST", "/twilio/status"),
+    ("POST", "/twilio/stream-ended"),
     ("POST", "/twilio/sms-status"),
     ("POST", "/twilio/sms"),
     ("POST", "/openai/webhook"),
@@ -51,6 +52,7 @@ PUBLIC = {
 SIGNED = {
     ("POST", "/twilio/voice"),
     ("POST", "/twilio/status"),
+    ("POST", "/twilio/stream-ended"),
     ("POST", "/twilio/sms-status"),
     ("POST", "/twilio/sms"),
     ("POST", "/openai/webhook"),

@@ -14,23 +14,36 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
+from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.access.staff import Role
+from app.settings import Settings
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.simulator import RealtimeSimulator
+from tests.console_support import add_staff, logged_in
 from tests.domains import RESTAURANT
-from tests.e2e_support import wait_until
+from tests.e2e_support import CONSOLE, call_stack, wait_until
 from tests.server_proc import ROOT, ServerProcess
 from tests.sor_support import start_sor
 from tests.test_delivery_crash import book_and_confirm, call_id_of, server_env
-from tests.test_e2e_booking import booking_scenario, wait_for_operation
+from tests.test_e2e_booking import (
+    ask_to_book_and_confirm,
+    booking_scenario,
+    wait_for_operation,
+)
 
 WAIT_S = 45.0
 
@@ -199,3 +212,59 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
     values = " ".join(str(v) for s in spans for v in s.attributes.values())
     assert caller.from_number not in values and "Alex" not in values
     print(f"one trace {call.trace_id}: {len(spans)} spans from serve and worker")
+
+
+@pytest.fixture
+def spans_in_process() -> InMemorySpanExporter:
+    """This test process exports its spans to memory (the SDK's provider is set once per
+    process; a later test reuses it)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+async def test_the_console_links_a_call_and_its_operation_to_their_trace(
+    engine: AsyncEngine, clean_db: str, spans_in_process: InMemorySpanExporter
+) -> None:
+    template = "https://traces.example/trace/{trace_id}"
+    async with RESTAURANT.start(clean_db) as backend:
+        catalog = backend.catalog()
+        async with call_stack(
+            engine,
+            booking_scenario(RESTAURANT),
+            with_worker=True,
+            catalog=catalog,
+            database_url=clean_db,
+            trace_url_template=template,
+        ) as stack:
+            caller = stack.caller()
+            call_id = await ask_to_book_and_confirm(stack, caller)
+            op = await wait_for_operation(engine, call_id, "committed")
+            await caller.hangup()
+            await stack.events(caller)
+            async with httpx.AsyncClient(base_url=stack.service.url, auth=CONSOLE) as http:
+                timeline = (await http.get(f"/api/calls/{call_id}/timeline")).json()
+            await add_staff(engine, "tracer", Role.VIEWER)
+            async with logged_in(stack.service.url, "tracer") as (http, _csrf):
+                call_page = (await http.get(f"/console/calls/{call_id}")).text
+                op_page = (await http.get(f"/console/operations/{op['operation_id']}")).text
+    tools = [s for s in spans_in_process.get_finished_spans() if s.name.startswith("execute_tool")]
+    ours = {
+        f"{s.context.trace_id:032x}"
+        for s in tools
+        if s.attributes.get("voice_agent.call_id") == call_id
+    }
+    trace_id = timeline["call"]["trace_id"]
+    assert ours == {trace_id}
+    link = template.replace("{trace_id}", trace_id)
+    assert f'href="{link}"' in call_page
+    assert f'href="{link}"' in op_page  # the operation is in the call's trace
+
+
+def test_trace_url_template_must_say_where_the_id_goes() -> None:
+    with pytest.raises(ValidationError, match="trace_id"):
+        Settings(trace_url_template="https://traces.example/trace/")

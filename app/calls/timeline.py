@@ -159,8 +159,20 @@ async def load_timeline(engine: AsyncEngine, call_id: str) -> dict[str, Any] | N
     keyed.sort(key=lambda k: k[:3])
     events = [k[3] for k in keyed]
     _from_zero(events)
+    call_json = call.as_json()
+    # The call's trace (when traces are exported): its stream said which.
+    call_json["trace_id"] = next(
+        (
+            str(e["data"]["trace_id"])
+            for e in events
+            if e["kind"] == "stream_started"
+            and isinstance(e.get("data"), dict)
+            and e["data"].get("trace_id")
+        ),
+        None,
+    )
     return {
-        "call": call.as_json(),
+        "call": call_json,
         "events": events,
         "operations": [_operation_summary(op) for op in op_rows],
         "deliveries": [_delivery_summary(d, sms_rows) for d in dl_rows],

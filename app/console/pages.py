@@ -167,6 +167,14 @@ async def calls_list(
     return response
 
 
+def trace_url(request: Request, trace_id: str | None) -> str | None:
+    """The link to a trace in the deployment's tracing UI (TRACE_URL_TEMPLATE), if any."""
+    template = request.app.state.runtime.settings.trace_url_template
+    if not trace_id or not template:
+        return None
+    return str(template).replace("{trace_id}", trace_id)
+
+
 @router.get("/calls/{call_id}", response_class=HTMLResponse)
 async def call_page(
     call_id: uuid.UUID,
@@ -183,6 +191,7 @@ async def call_page(
         "call": view["call"],
         "lanes": lanes,
         "recording": view["recording"],
+        "trace_url": trace_url(request, view["call"].get("trace_id")),
     }
     name = _page_or_fragment(request, context, "call")
     return _render(request, name, who, context)
@@ -213,6 +222,15 @@ async def operations_list(
     return _render(request, name, who, context, status=400 if error else 200)
 
 
+def _operation_trace_id(detail: dict[str, Any]) -> str | None:
+    """The trace an operation belongs to: the traceparent its admission stored."""
+    events = detail.get("events") or []
+    data = events[0].get("data") if events else None
+    parent = data.get("traceparent") if isinstance(data, dict) else None
+    parts = parent.split("-") if isinstance(parent, str) else []
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
 @router.get("/operations/{operation_id}", response_class=HTMLResponse)
 async def operation_page(
     operation_id: uuid.UUID,
@@ -222,12 +240,15 @@ async def operation_page(
     who: ViewerPageDep,
 ) -> Response:
     detail = await operation_detail(engine, console, operation_id, who)
+    trace_id = _operation_trace_id(detail)
     context = {
         "nav": "operations",
         "d": detail,
         "op": detail["operation"],
         "titles": TITLES,
         "states": STATE_TITLES,
+        "trace_id": trace_id,
+        "trace_url": trace_url(request, trace_id),
     }
     name = _page_or_fragment(request, context, "operation")
     return _render(request, name, who, context)

@@ -124,6 +124,9 @@ class CallOut(BaseModel):
     created_at: str | None
     answered_at: str | None
     ended_at: str | None
+    trace_id: str | None = Field(
+        None, description="The call's OpenTelemetry trace id, when traces are exported."
+    )
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 

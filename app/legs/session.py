@@ -353,6 +353,8 @@ class CallSession:
         runtime.registry.went_live(entry)
         self.live = True
         data = {"leg": str(self.leg), "call_sid": self.call_sid, **stream}
+        if self._span is not None and (span_context := self._span.get_span_context()).is_valid:
+            data["trace_id"] = f"{span_context.trace_id:032x}"  # the console links the trace
         self.sink.emit(CallEvent(entry.call_id, CallEventKind.STREAM_STARTED, data))
         return True
 
