@@ -60,6 +60,11 @@ class TextWebSocket(Protocol):
     async def close(self, code: int, reason: str) -> None: ...
 
 
+# WebSocket close codes that mean the peer broke the protocol (RFC 6455 7.4.1: protocol
+# error, unacceptable data, inconsistent data, policy, message too big): not a lost stream.
+BROKE_THE_PROTOCOL = frozenset({1002, 1003, 1007, 1008, 1009})
+
+
 def mark_name(epoch: int, item_id: str, end_ms: float) -> str:
     """Mark names carry what the echo confirms: playback epoch, end offset, item id.
 
@@ -258,6 +263,12 @@ class TwilioLeg:
             except Exception as exc:  # the socket is gone, whatever the server library says
                 if self._over_budget():
                     yield LegClosed(f"abusive stream: {self._over_budget()}")
+                    return
+                code = getattr(exc, "code", None)
+                if code in BROKE_THE_PROTOCOL:
+                    # The transport refused what the peer sent (a frame over its limit, bad
+                    # UTF-8): ended for cause, never resumed elsewhere.
+                    yield LegClosed(f"stream refused by the transport (close code {code})")
                     return
                 if self._close_reason is None:
                     self.stream_lost = True
