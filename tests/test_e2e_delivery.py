@@ -53,7 +53,12 @@ NOTE_MS = 1500  # the announcement's audio
 REQUESTED_MS = 1200
 
 
-def scenario(*after_requested: dict[str, Any], book: dict[str, Any] | None = None) -> Scenario:
+def scenario(
+    *after_requested: dict[str, Any],
+    book: dict[str, Any] | None = None,
+    requested_ms: int = REQUESTED_MS,
+    name: str = "e2e-delivery",
+) -> Scenario:
     """Book -> readback -> yes -> "requested" -> (more) -> the announcement `{note}`."""
     steps: list[dict[str, Any]] = [
         {
@@ -65,13 +70,13 @@ def scenario(*after_requested: dict[str, Any], book: dict[str, Any] | None = Non
         },
         {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
         {"caller_transcript": "Yes.", "function_call": CONFIRM},
-        {"reply": {"text": REQUESTED, "audio_ms": REQUESTED_MS}},
+        {"reply": {"text": REQUESTED, "audio_ms": requested_ms}},
         *after_requested,
         {"reply": {"text": "{note}", "audio_ms": NOTE_MS}},
     ]
     return Scenario.model_validate(
         {
-            "name": "e2e-delivery",
+            "name": name,
             "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
             "steps": steps,
             "fallback": {"text": "Anything else?", "audio_ms": 800},

@@ -7,12 +7,14 @@ import io
 import json
 import logging
 
+import psycopg
 import pytest
 from pydantic import ValidationError
 
 from app.logging import JsonFormatter, RedactingFilter, redact
 from app.settings import Settings
 from tools import log_context
+from tools.outage import DatabaseHealth, QuietOutageFilter
 
 
 @pytest.mark.parametrize(
@@ -124,3 +126,34 @@ def test_log_format_is_text_or_json() -> None:
     assert Settings(log_format="json").log_format == "json"
     with pytest.raises(ValidationError):
         Settings(log_format="xml")
+
+
+def test_only_the_database_drivers_errors_count_as_a_database_outage() -> None:
+    health = DatabaseHealth()
+    assert not health.failed("a provider", TimeoutError("no answer"))
+    assert not health.failed("an SMS", ConnectionRefusedError("refused"))
+    assert not health.down
+    gone = psycopg.OperationalError("connection failed: server closed the connection")
+    assert health.failed("call heartbeat", gone)
+    assert health.down
+    health.ok()
+    assert not health.down
+
+
+def test_a_provider_timeout_logged_with_its_traceback_is_kept_not_taken_for_an_outage() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    health = DatabaseHealth()
+    handler.addFilter(QuietOutageFilter(health))
+    logger = logging.getLogger("test.outage_filter")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        try:
+            raise TimeoutError("the provider did not answer")
+        except TimeoutError:
+            logger.exception("tool call failed")
+    finally:
+        logger.removeHandler(handler)
+    assert "tool call failed" in stream.getvalue()
+    assert not health.down

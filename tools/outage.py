@@ -27,7 +27,9 @@ _GONE_STATES = ("08", "57P01", "57P02", "57P03")
 
 def is_connection_error(exc: BaseException) -> bool:
     """Whether `exc` says the database could not be reached (or the connection broke), as
-    opposed to a statement it refused (a constraint, a timeout, a lock)."""
+    opposed to a statement it refused (a constraint, a timeout, a lock). Only the database
+    drivers' own errors count: a provider's timeout or a refused socket elsewhere is not a
+    database outage, and must be logged where it happened."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -46,8 +48,6 @@ def is_connection_error(exc: BaseException) -> bool:
             "PoolTimeout",
             "PoolClosed",
         }:
-            return True
-        if isinstance(current, ConnectionError | TimeoutError):
             return True
         current = current.__cause__ or current.__context__
     return False

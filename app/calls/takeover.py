@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,69 +27,47 @@ from app.calls.store import CallRow, CallStatus, calls
 _LIVE = CallStatus.IN_PROGRESS.value
 
 
+async def _move(engine: AsyncEngine, call_id: str, where: list[Any], **values: Any) -> Any:
+    """One conditional update of an in-progress call's holding (never its status); the
+    updated row's mapping, or None when the conditions no longer held."""
+    async with engine.begin() as conn:
+        result = await conn.execute(
+            sa.update(calls)
+            .where(calls.c.id == uuid.UUID(call_id), calls.c.status == _LIVE, *where)
+            .values(**values)
+            .returning(*calls.c)
+        )
+        return result.mappings().first()
+
+
 async def release(engine: AsyncEngine, call_id: str, holder: str) -> bool:
     """Let the call go for a resume (held by `holder`, in progress); False if it was not.
     The heartbeat is stamped now: the sweep and the delivery path leave the row alone for
     `CALL_DEAD_AFTER_S`, and the resume window (shorter) is the action webhook's to keep."""
     now = datetime.now(UTC)
-    async with engine.begin() as conn:
-        row = (
-            await conn.execute(
-                sa.update(calls)
-                .where(
-                    calls.c.id == uuid.UUID(call_id),
-                    calls.c.status == _LIVE,
-                    calls.c.holder == holder,
-                    calls.c.released_at.is_(None),
-                )
-                .values(released_at=now, heartbeat_at=now)
-                .returning(calls.c.id)
-            )
-        ).first()
-    return row is not None
+    where = [calls.c.holder == holder, calls.c.released_at.is_(None)]
+    return await _move(engine, call_id, where, released_at=now, heartbeat_at=now) is not None
 
 
 async def claim(engine: AsyncEngine, call_id: str, *, holder: str | None, nonce: str) -> bool:
     """Record the resume token's nonce while the row is still in progress and held by the
     same (gone) `holder`; False if anything moved meanwhile."""
     holder_is = calls.c.holder.is_(None) if holder is None else calls.c.holder == holder
-    async with engine.begin() as conn:
-        row = (
-            await conn.execute(
-                sa.update(calls)
-                .where(calls.c.id == uuid.UUID(call_id), calls.c.status == _LIVE, holder_is)
-                .values(resume_nonce=nonce)
-                .returning(calls.c.id)
-            )
-        ).first()
-    return row is not None
+    return await _move(engine, call_id, [holder_is], resume_nonce=nonce) is not None
 
 
 async def take_over(
     engine: AsyncEngine, call_id: str, *, nonce: str, holder: str, stream_sid: str
 ) -> CallRow | None:
     """The call becomes `holder`'s, its nonce spent; None unless `nonce` was the claimed one."""
-    async with engine.begin() as conn:
-        row = (
-            (
-                await conn.execute(
-                    sa.update(calls)
-                    .where(
-                        calls.c.id == uuid.UUID(call_id),
-                        calls.c.status == _LIVE,
-                        calls.c.resume_nonce == nonce,
-                    )
-                    .values(
-                        holder=holder,
-                        stream_sid=stream_sid,
-                        heartbeat_at=datetime.now(UTC),
-                        released_at=None,
-                        resume_nonce=None,
-                    )
-                    .returning(*calls.c)
-                )
-            )
-            .mappings()
-            .first()
-        )
+    row = await _move(
+        engine,
+        call_id,
+        [calls.c.resume_nonce == nonce],
+        holder=holder,
+        stream_sid=stream_sid,
+        heartbeat_at=datetime.now(UTC),
+        released_at=None,
+        resume_nonce=None,
+    )
     return CallRow.from_mapping(row) if row is not None else None

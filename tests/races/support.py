@@ -15,7 +15,6 @@ from telephony.sim.scenario import Scenario
 from tests.e2e_support import Stack, call_stack
 from tests.sor_support import CALLBACK_SECRET
 from tests.test_e2e_booking import (
-    CONFIRM,
     GREETING_MS,
     PREAMBLE_MS,
     READBACK_MS,
@@ -25,7 +24,7 @@ from tests.test_e2e_booking import (
     operations_of,
     trail,
 )
-from tests.test_e2e_delivery import BOOK, NOTE_MS
+from tests.test_e2e_delivery import BOOK, NOTE_MS, scenario
 from tools.restaurant.sor import SystemOfRecord
 
 __all__ = ["BOOK", "NOTE_MS", "REQUESTED"]
@@ -35,29 +34,8 @@ def booking(
     *after_requested: dict[str, Any], requested_ms: int = 1200, book: dict[str, Any] | None = None
 ) -> Scenario:
     """Greeting; "book it" -> readback; "yes" -> "requested, not confirmed yet"; (more); and
-    the late result, said as the engine worded it (`{note}`)."""
-    steps: list[dict[str, Any]] = [
-        {
-            "caller_transcript": "Please book a table for four tomorrow at eight.",
-            "function_call": {
-                **(book or BOOK),
-                "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS},
-            },
-        },
-        {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
-        {"caller_transcript": "Yes.", "function_call": CONFIRM},
-        {"reply": {"text": REQUESTED, "audio_ms": requested_ms}},
-        *after_requested,
-        {"reply": {"text": "{note}", "audio_ms": NOTE_MS}},
-    ]
-    return Scenario.model_validate(
-        {
-            "name": "race",
-            "greeting": {"text": "Luigi's, how can I help?", "audio_ms": GREETING_MS},
-            "steps": steps,
-            "fallback": {"text": "Anything else?", "audio_ms": 800},
-        }
-    )
+    the late result, said as the engine worded it (`{note}`): the delivery tests' script."""
+    return scenario(*after_requested, book=book, requested_ms=requested_ms, name="race")
 
 
 def stack_for(
