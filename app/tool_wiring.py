@@ -89,10 +89,23 @@ def load_configured_catalog(
 
 
 def load_configured_agents(settings: Settings, catalog: Catalog) -> AgentSet | None:
-    """The agents of AGENTS_FILE checked against `catalog` (None: unset, one agent);
-    StartupError (one line: the file, the problem, the fix) for a file that cannot run."""
+    """The agents of AGENTS_FILE checked against `catalog`, else those its tools file declares
+    (None: neither, one agent); StartupError (one line: the file, the problem, the fix) for a
+    file that cannot run, or agents declared in both places."""
     if settings.agents_file is None:
-        return None
+        if catalog.agents is not None:
+            log.info(
+                "agents (tools file): %s (starting with %s)",
+                ", ".join(catalog.agents.agents),
+                catalog.agents.start,
+            )
+        return catalog.agents
+    if catalog.agents is not None:
+        raise StartupError(
+            f"AGENTS_FILE {settings.agents_file}: the tools file {catalog.agents.source} "
+            "declares agents too. Fix: declare them in one place (unset AGENTS_FILE, or remove "
+            "`agents` from the tools file)"
+        )
     try:
         agents = load_agents_file(settings.agents_file, catalog.registry.names())
     except AgentsFileError as exc:

@@ -108,8 +108,10 @@ def session_update(
     tools: Sequence[dict[str, Any]],
     resumed_transcript: Sequence[str] = (),
     persona: str | None = None,
+    voice: str | None = None,
 ) -> RealtimeSessionCreateRequestParam:
-    """The `session` of the one GA `session.update` a call sends (again after a reconnect)."""
+    """The `session` of the one GA `session.update` a call sends (again after a reconnect);
+    `voice` is the active agent's (None: the deployment's)."""
     session: RealtimeSessionCreateRequestParam = {
         "type": "realtime",
         "output_modalities": ["audio"],
@@ -126,7 +128,7 @@ def session_update(
                     "interrupt_response": True,
                 },
             },
-            "output": {"format": _format(audio_format), "voice": config.voice},
+            "output": {"format": _format(audio_format), "voice": voice or config.voice},
         },
         "tools": cast(Any, list(tools)),
         "tool_choice": "auto",

@@ -98,6 +98,9 @@ class SessionChange:
     from_agent: str | None = None
     reason: str = ""
     note: str = ""
+    # The agent's own voice (None: the deployment's). The Realtime API fixes a session's voice
+    # once it has spoken, so a handoff keeps the voice until the next session (a reconnect).
+    voice: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

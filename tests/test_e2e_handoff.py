@@ -55,6 +55,7 @@ async def test_a_handoff_updates_the_session_with_the_new_agents_instructions_an
         async with httpx.AsyncClient(base_url=stack.service.url) as http:
             response = await http.get(f"/api/calls/{call_id}/timeline", auth=CONSOLE)
         updates = session_updates(stack)
+        errors = stack.sim.sessions[-1].sent_events("error")
         notes = [
             e["item"]["content"][0]["text"]
             for e in stack.sim.sessions[-1].received_events("conversation.item.create")
@@ -77,6 +78,10 @@ async def test_a_handoff_updates_the_session_with_the_new_agents_instructions_an
         assert tool["parameters"]["properties"]["agent"]["enum"] == agent["handoffs"]
     assert handoff["session"]["instructions"].startswith(manager["instructions"])
     assert "audio" not in handoff["session"]  # the audio path stays as it is
+    # The host speaks with its own voice; the Realtime API refuses a voice change once the
+    # session has spoken, so the manager keeps it on this session and the timeline says so.
+    assert first["session"]["audio"]["output"]["voice"] == host["voice"] == "marin"
+    assert not errors, errors
     assert len(stack.sim.sessions) == 1  # not a new connection: the call was not dropped
     # The manager is told the conversation so far and the booking still open.
     (note,) = [n for n in notes if "take over this phone call as the manager" in n]
@@ -87,6 +92,8 @@ async def test_a_handoff_updates_the_session_with_the_new_agents_instructions_an
     assert handed["data"]["from_agent"] == "host"
     assert handed["data"]["to_agent"] == "manager"
     assert handed["data"]["reason"] == "a deposit question"
+    assert handed["data"]["voice"] == "marin"
+    assert handed["data"]["voice_from_next_session"] == manager["voice"] == "cedar"
     shown = [e for e in response.json()["events"] if e["kind"] == "agent_handoff"]
     assert [(e["data"]["from_agent"], e["data"]["to_agent"]) for e in shown] == [
         ("host", "manager")
@@ -115,4 +122,6 @@ async def test_a_call_whose_stream_is_lost_after_a_handoff_resumes_with_the_agen
     # The new session goes on with the manager (who had the caller), not the first agent.
     assert {t["name"] for t in first["session"]["tools"]} == {*manager["tools"], *CONTROL}
     assert first["session"]["instructions"].startswith(manager["instructions"])
+    # A new session: the manager speaks with its own voice from its start.
+    assert first["session"]["audio"]["output"]["voice"] == manager["voice"]
     assert "The line to this caller dropped for a moment" in first["session"]["instructions"]

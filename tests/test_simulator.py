@@ -221,6 +221,29 @@ async def test_session_update_of_wrong_shape_is_an_invalid_request_error_naming_
     assert (error.error.code, error.error.param) == (code, param)
 
 
+async def test_the_voice_can_change_until_the_assistant_has_spoken_and_never_after(
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    sim = await _start(stack, {"greeting": "Hello there.", "steps": []})
+    conn = await _connect(stack, sim)
+    await _configure(conn)
+    voice = {"type": "realtime", "audio": {"output": {"voice": "cedar"}}}
+    await conn.session.update(session=voice)  # type: ignore[arg-type]
+    assert (await conn.recv()).type == "session.updated"  # nothing said yet: allowed
+    await conn.response.create()
+    await _recv_until(conn, "response.done")
+    # Once the assistant has spoken, the API refuses a new voice (the session survives) and
+    # takes an update that leaves the voice alone.
+    await conn.session.update(session={**voice, "audio": {"output": {"voice": "marin"}}})  # type: ignore[dict-item]
+    error = await conn.recv()
+    assert error.type == "error"
+    assert (error.error.type, error.error.code) == ("invalid_request_error", "cannot_update_voice")
+    await conn.session.update(session=voice)  # type: ignore[arg-type]
+    again = await conn.recv()
+    assert again.type == "session.updated"
+    assert again.session.audio.output.voice == "cedar"
+
+
 TABLE_FOR_TWO: dict[str, Any] = {
     "greeting": "Hello there.",
     "steps": [

@@ -41,6 +41,13 @@ AGENT_NAME = r"^[a-z][a-z0-9_-]{0,39}$"
 class AgentsFileError(ToolError):
     """An agents file that cannot run; the message is one line: file, problem, fix."""
 
+    def __init__(self, message: str, *, at: str, field: str, problem: str, fix: str) -> None:
+        super().__init__(message)
+        self.at = at  # file[:line]
+        self.field = field  # dotted path in the file ("" for the whole file)
+        self.problem = problem
+        self.fix = fix
+
 
 class AgentDecl(BaseModel):
     """One agent as the file declares it."""
@@ -52,6 +59,8 @@ class AgentDecl(BaseModel):
     tools: tuple[str, ...] = ()
     handoffs: tuple[str, ...] = ()
     disclose: tuple[str, ...] | None = None
+    # The voice this agent speaks with (a Realtime voice such as `marin`; None: VOICE's).
+    voice: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_-]{0,39}$")
 
 
 class AgentsFileModel(BaseModel):
@@ -72,6 +81,7 @@ class Agent:
     tools: frozenset[str]
     handoffs: tuple[str, ...]
     disclose: frozenset[str] | None  # None: every tool's results
+    voice: str | None = None  # None: the deployment's voice
 
     def may_disclose(self, tool: str) -> bool:
         return self.disclose is None or tool in self.disclose
@@ -95,11 +105,21 @@ class AgentSet:
         return self.get(agent).may_disclose(tool)
 
 
-def _fail(source: str, line: int | None, where: str, problem: str, fix: str) -> AgentsFileError:
+def _fail_at(
+    source: str, line: int | None, where: str, problem: str, fix: str, label: str
+) -> AgentsFileError:
     at = f"{source}:{line}" if line else source
     return AgentsFileError(
-        f"AGENTS_FILE {at}: {where + ': ' if where else ''}{problem}. Fix: {fix}"
+        f"{label} {at}: {where + ': ' if where else ''}{problem}. Fix: {fix}",
+        at=at,
+        field=where,
+        problem=problem,
+        fix=fix,
     )
+
+
+def _fail(source: str, line: int | None, where: str, problem: str, fix: str) -> AgentsFileError:
+    return _fail_at(source, line, where, problem, fix, "AGENTS_FILE")
 
 
 def load_agents_file(path: str | Path, tool_names: Iterable[str]) -> AgentSet:
@@ -138,18 +158,28 @@ def load_agents_text(text: str, tool_names: Iterable[str], *, source: str) -> Ag
     return check(decl, located, set(tool_names), source)
 
 
-def check(decl: AgentsFileModel, located: Located, known: set[str], source: str) -> AgentSet:
-    """The first problem of `decl` against the catalog, or the checked `AgentSet`."""
+def check(
+    decl: AgentsFileModel,
+    located: Located,
+    known: set[str],
+    source: str,
+    label: str = "AGENTS_FILE",
+    start_key: str = "start",
+) -> AgentSet:
+    """The first problem of `decl` against the catalog, or the checked `AgentSet`. `label`
+    names the setting the file came from in messages, `start_key` the field naming the first
+    agent (the tools file declares agents too, with `start_agent`)."""
+
+    def fail(line: int | None, where: str, problem: str, fix: str) -> AgentsFileError:
+        return _fail_at(source, line, where, problem, fix, label)
+
     if not decl.agents:
-        raise _fail(
-            source, located.line(("agents",)), "agents", "no agents", "declare one at least"
-        )
+        raise fail(located.line(("agents",)), "agents", "no agents", "declare one at least")
     offered = ", ".join(sorted(known)) or "none"
     names: dict[str, int] = {}
     for i, agent in enumerate(decl.agents):
         if agent.name in names:
-            raise _fail(
-                source,
+            raise fail(
                 located.line(("agents", i, "name")),
                 f"agents[{i}].name",
                 f"duplicate agent name {agent.name!r} (also agents[{names[agent.name]}])",
@@ -160,8 +190,7 @@ def check(decl: AgentsFileModel, located: Located, known: set[str], source: str)
         for field in ("tools", "disclose"):
             for j, tool in enumerate(getattr(agent, field) or ()):
                 if tool not in known:
-                    raise _fail(
-                        source,
+                    raise fail(
                         located.line(("agents", i, field, j)),
                         f"agents[{i}].{field}[{j}]",
                         f"no tool {tool!r} in the catalog",
@@ -170,8 +199,7 @@ def check(decl: AgentsFileModel, located: Located, known: set[str], source: str)
         others = ", ".join(n for n in names if n != agent.name) or "none"
         for j, target in enumerate(agent.handoffs):
             if target not in names or target == agent.name:
-                raise _fail(
-                    source,
+                raise fail(
                     located.line(("agents", i, "handoffs", j)),
                     f"agents[{i}].handoffs[{j}]",
                     f"no other agent named {target!r}",
@@ -179,10 +207,9 @@ def check(decl: AgentsFileModel, located: Located, known: set[str], source: str)
                 )
     start = decl.start or decl.agents[0].name
     if start not in names:
-        raise _fail(
-            source,
-            located.line(("start",)),
-            "start",
+        raise fail(
+            located.line((start_key,)),
+            start_key,
             f"no agent named {start!r}",
             f"start with one of {', '.join(names)}",
         )
@@ -193,6 +220,7 @@ def check(decl: AgentsFileModel, located: Located, known: set[str], source: str)
             tools=frozenset(a.tools),
             handoffs=a.handoffs,
             disclose=frozenset(a.disclose) if a.disclose is not None else None,
+            voice=a.voice,
         )
         for a in decl.agents
     }

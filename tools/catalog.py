@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -32,6 +32,9 @@ from tools.provider import (
     ReadProvider,
 )
 from tools.registry import OnUnknown, OverflowPolicy, Registry, ToolKind, ToolSpec
+
+if TYPE_CHECKING:
+    from tools.agents import AgentSet
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,8 @@ class Catalog:
         self.name = name
         self.instructions = instructions
         self._locate = locate
+        # Agents the catalog's file declares (the tools file's `agents`); None: one agent.
+        self.agents: AgentSet | None = None
 
     def __repr__(self) -> str:
         return f"Catalog({self.name!r}, tools={[t.name for t in self.tools]})"

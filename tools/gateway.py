@@ -192,6 +192,7 @@ class ToolPipeline:
             from_agent=from_agent,
             reason=reason,
             note=note,
+            voice=agent.voice,
         )
 
     async def _handoff(

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from tools.agents import AgentSet, AgentsFileError, AgentsFileModel, check
 from tools.arguments_schema import SchemaProblem, model_from_schema, property_types
 from tools.catalog import Catalog, CatalogError, CatalogProblem
 from tools.http_provider import HttpBinding, HttpProvider, path_value_problem, shape
@@ -116,7 +117,26 @@ def load_tools_text(text: str, *, source: str, environ: Mapping[str, str]) -> Ca
     problems = catalog.check()
     if problems:
         raise CatalogError(problems, source=source)
+    if decl.agents is not None:
+        catalog.agents = _agents(decl, located, source, catalog)
     return catalog
+
+
+def _agents(decl: ToolsFile, located: Located, source: str, catalog: Catalog) -> AgentSet:
+    """The agents the tools file declares, checked against its own tools."""
+    agents_decl = AgentsFileModel(agents=tuple(decl.agents or ()), start=decl.start_agent)
+    try:
+        return check(
+            agents_decl,
+            located,
+            set(catalog.registry.names()),
+            source,
+            label="TOOLS_FILE",
+            start_key="start_agent",
+        )
+    except AgentsFileError as exc:
+        problem = CatalogProblem(None, exc.field or None, exc.problem, exc.fix, exc.at)
+        raise CatalogError([problem], source=source) from None
 
 
 def _schema_problems(exc: ValidationError, located: Located, source: str) -> list[CatalogProblem]:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tools.agents import AgentDecl
+
 Scalar = str | int | float | bool
 
 SCHEMA_ID = "https://voice-agent.invalid/tools-file.schema.json"
@@ -270,6 +272,14 @@ class ToolsFile(_Decl):
     label: str | None = Field(default=None, description="Default `label` of every tool.")
     providers: dict[str, ProviderDecl] = Field(min_length=1)
     tools: list[ToolDecl] = Field(min_length=1)
+    agents: list[AgentDecl] | None = Field(
+        default=None,
+        description="Agents that share the call (as in an AGENTS_FILE): each with its "
+        "instructions, tools, handoff targets, disclosures and voice. None: one agent.",
+    )
+    start_agent: str | None = Field(
+        default=None, description="The agent a call starts with (default: the first one)."
+    )
 
 
 def tools_file_schema() -> dict[str, Any]:

@@ -177,11 +177,16 @@ def _tools_schema(args: argparse.Namespace) -> int:
 
 def _tools_check(args: argparse.Namespace) -> int:
     from app.settings import get_settings
-    from app.tool_wiring import load_configured_catalog, plugin_of
+    from app.tool_wiring import load_configured_agents, load_configured_catalog, plugin_of
     from tools.registry import ToolKind
 
     settings = get_settings()
     catalog = load_configured_catalog(settings)  # CatalogError: reported by main()
+    try:
+        agents = load_configured_agents(settings, catalog)  # StartupError: reported by main()
+    except BaseException:
+        asyncio.run(catalog.aclose())
+        raise
     sources = [s for s in (plugin_of(settings), settings.tools_file) if s]
     print(f"catalog {catalog.name} ({', '.join(map(str, sources))}): ok")
     for spec in catalog.registry:
@@ -196,6 +201,18 @@ def _tools_check(args: argparse.Namespace) -> int:
             flags.append("idempotent" if spec.provider_idempotent else "not idempotent")
             flags.append(f"unknown: {spec.reconcile or spec.on_unknown.value}")
         print(f"  {spec.name}: {', '.join(flags)}")
+    if agents is None:
+        print("agents: one, with every tool (no AGENTS_FILE, no `agents` in the tools file)")
+    else:
+        print(f"agents ({agents.source}), starting with {agents.start}:")
+        for agent in agents.agents.values():
+            parts = [f"tools: {', '.join(sorted(agent.tools)) or 'control tools only'}"]
+            parts.append(f"hands off to: {', '.join(agent.handoffs) or 'nobody'}")
+            if agent.disclose is not None:
+                parts.append(f"discloses: {', '.join(sorted(agent.disclose)) or 'nothing'}")
+            if agent.voice is not None:
+                parts.append(f"voice: {agent.voice}")
+            print(f"  {agent.name}: {'; '.join(parts)}")
     for notice in catalog.notices():
         print(f"note: {notice}")
     asyncio.run(catalog.aclose())

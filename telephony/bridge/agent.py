@@ -36,6 +36,10 @@ class ActiveAgent:
     def tools(self) -> list[dict[str, Any]]:
         return list(self.session.tools) if self.session is not None else self._all_tools()
 
+    def voice(self) -> str | None:
+        """The active agent's voice (None: the deployment's); a new session speaks with it."""
+        return self.session.voice if self.session is not None else None
+
     def persona(self) -> str | None:
         """The active agent's instructions (None: the bridge's own)."""
         return self.session.instructions if self.session is not None else None

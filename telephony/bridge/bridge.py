@@ -147,6 +147,7 @@ class Bridge:
             history,
             sideband_call_sid=sideband.call_sid if sideband is not None else None,
             persona=self.active_agent.persona,
+            voice=self.active_agent.voice,
         )
         self.audio = AudioPath(self.port, leg, self.playout, ctx, gateway, evidence)
         self.utterances = Utterances(

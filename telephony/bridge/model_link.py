@@ -23,6 +23,9 @@ class ModelSession(Protocol):
     generation: int  # counts connections: a tool answer knows which one asked
     slot: ResponseSlot
     items: set[str]  # assistant items this connection created (truncate only those)
+    # The voice this connection speaks with (None: set by someone else, the interconnect's
+    # accept); fixed once it has spoken, so a handoff keeps it until the next connection.
+    voice: str | None
 
     async def append(self, payload: str) -> bool:
         """Caller audio (the leg's base64) appended to the input buffer: the hot path."""

@@ -91,6 +91,7 @@ class RealtimeSession:
         "generation",
         "items",
         "slot",
+        "voice",
     )
 
     def __init__(
@@ -105,6 +106,7 @@ class RealtimeSession:
         self._config = config or BridgeConfig()
         self.generation = generation
         self.items: set[str] = set()
+        self.voice: str | None = None
         self.slot = ResponseSlot()
         self._call_id = call_id
         self._timeout_s = timeout_s
@@ -202,6 +204,7 @@ class RealtimeLink:
         history: deque[str],
         sideband_call_sid: str | None = None,
         persona: Callable[[], str | None] = lambda: None,
+        voice: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._port = port
         self._config = config
@@ -209,6 +212,7 @@ class RealtimeLink:
         self._audio_format = audio_format
         self._tools = tools
         self._persona = persona  # the active agent's instructions (None: the config's)
+        self._voice = voice  # the active agent's voice (None: the config's)
         self._history = history
         # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
         self._sideband_call_sid = sideband_call_sid
@@ -249,6 +253,7 @@ class RealtimeLink:
                                 self._tools(),
                                 history,
                                 self._persona(),
+                                self._voice(),
                             ),
                         )
                         await self._await_session_updated(conn)
@@ -285,6 +290,8 @@ class RealtimeLink:
                     self._config.send_timeout_s,
                     self._config,
                 )
+                if self._sideband_call_sid is None:
+                    session.voice = self._voice() or self._config.voice
                 return session, attempts, None
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)

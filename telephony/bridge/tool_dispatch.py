@@ -219,6 +219,12 @@ class ToolDispatch:
         updated = await session.update_session(change.instructions, change.tools)
         noted = await session.add_note(handoff_note(change, self._history))
         log.info("call %s: handed off %s -> %s", self._port.call_id, before, change.agent)
+        # The Realtime API refuses a voice change once the session has spoken
+        # (`cannot_update_voice`): the new agent keeps this session's voice, and a reconnect's
+        # new session speaks with its own.
+        voice: dict[str, Any] = {}
+        if change.voice is not None and change.voice != session.voice:
+            voice = {"voice": session.voice, "voice_from_next_session": change.voice}
         self._port.emit(
             CallEventKind.AGENT_HANDOFF,
             from_agent=before,
@@ -227,6 +233,7 @@ class ToolDispatch:
             tools=[str(t.get("name")) for t in change.tools],
             session_updated=updated,
             noted=noted,
+            **voice,
         )
 
     def _decide(self, request: FunctionCallRequest, reply: ToolReply) -> str:

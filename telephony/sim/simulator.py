@@ -752,6 +752,9 @@ class SimulatedSession:
         self.items: dict[str, ConversationItemState] = {}
         self.closed = asyncio.Event()
         self.config = default_session(model)
+        # Whether the assistant has produced audio: from then on the voice is fixed, and a
+        # session.update changing it is refused (`cannot_update_voice`), as the API does.
+        self.spoke = False
         self._ws = ws
         self._scenario = scenario
         self._factor = max(0.0, realtime_factor)
@@ -940,6 +943,14 @@ class SimulatedSession:
         return RealtimeSessionCreateRequest.model_validate(payload)
 
     async def _on_session_update(self, event: SessionUpdate) -> None:
+        output = event.session.audio.output if event.session.audio is not None else None
+        voice = output.voice if output is not None else None
+        current = self.config.audio.output if self.config.audio is not None else None
+        if self.spoke and voice is not None and (current is None or voice != current.voice):
+            raise ClientEventError(
+                "Cannot update a conversation's voice if assistant audio is present.",
+                code="cannot_update_voice",
+            )
         try:
             self.config = merge_session(self.config, event.session)
         except ValidationError as exc:
@@ -1513,6 +1524,7 @@ class SimulatedSession:
             for offset in range(0, len(audio), step):
                 chunk = audio[offset : offset + step]
                 chunk_ms = len(chunk) // _bytes_per_ms(encoding)
+                self.spoke = True
                 await self._send_audio_chunk(response, ids, chunk, total_ms, first=offset == 0)
                 sent_ms += chunk_ms
                 upto = len(text) if sent_ms >= total_ms else len(text) * sent_ms // total_ms

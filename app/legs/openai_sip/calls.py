@@ -237,7 +237,8 @@ class OpenAISipService:
         agent = starting() if starting is not None else None
         tools = agent.tools if agent is not None else gateway.definitions()
         persona = agent.instructions if agent is not None else None
-        body: dict[str, Any] = dict(session_update(config, "audio/pcmu", tools, (), persona))
+        voice = agent.voice if agent is not None else None
+        body: dict[str, Any] = dict(session_update(config, "audio/pcmu", tools, (), persona, voice))
         body["model"] = config.model
         return body
 
