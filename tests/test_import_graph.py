@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "telephony", "tools")
 SIM = "telephony.sim"
 # Entry points that run the stand-ins or the demo on purpose (the offline mode is a feature):
-# the CLI's `simulator`, `call`, `sor` and `demo` commands; the demos themselves; and `serve`,
-# which starts the simulator without OPENAI_API_KEY and the demo SOR for the demo catalog.
+# the CLI's `simulator`, `call`, `sor`, `demo` and `eval` commands; the demos and the evals
+# themselves; and `serve`, which starts the simulator without OPENAI_API_KEY and the demo SOR
+# for the demo catalog.
 STAND_IN_USERS = frozenset(
     {"app.cli.commands", "app.cli.demo", "app.cli.demo_harness", "app.cli.demo_openai_sip",
-     "app.server"}
+     "app.cli.eval_file", "app.cli.evals", "app.server"}
 )  # fmt: skip
 # The wings of `app`, lowest first: a wing may import the wings before it, never one after it
 # (legs, console and ops use calls; calls knows no leg, no console page, no after-call work).

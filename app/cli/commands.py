@@ -132,6 +132,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from app.cli.evals import run_eval_command
+    from app.settings import get_settings
+
+    return run_eval_command(args.files, args.junit, get_settings())
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -360,6 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the call arrives: a Twilio media stream, or OpenAI's SIP interconnect",
     )
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "eval", help="run scenario files (YAML) as simulated calls and check what came of them"
+    )
+    p.add_argument("files", nargs="+", metavar="FILE.yaml", help="scenario files")
+    p.add_argument(
+        "--junit",
+        default=None,
+        metavar="PATH",
+        help="write a JUnit XML report there (default: none)",
+    )
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")
     toolsub = p.add_subparsers(dest="tools_command", required=True)
