@@ -110,6 +110,8 @@ class Collector:
 
 def _value(value: Any) -> Any:
     kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
     return getattr(value, kind) if kind else None
 
 
@@ -171,6 +173,11 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
             await wait_until(
                 lambda: any(s.name == "call" for s in collector.spans), WAIT_S, "the call span"
             )
+            await wait_until(
+                lambda: any(s.name.startswith("delivery ") for s in collector.spans),
+                WAIT_S,
+                "the delivery's spans",
+            )
             parent = sor.traceparents.get(op["idempotency_key"])
         finally:
             await server.stop()
@@ -187,9 +194,28 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
     book = next(s for s in spans if s.name == "execute_tool book_table")
     confirm = next(s for s in spans if s.name == "execute_tool confirm_operation")
     [operation] = [s for s in spans if s.name == "operation book_table"]
-    # One trace: the call, its tool calls (children of the call) and the worker's operation.
+    # One trace: the call, its turns, the model's responses, its tool calls (each under the
+    # caller's turn that led to it) and the worker's operation.
     assert {book.trace_id, confirm.trace_id, operation.trace_id} == {call.trace_id}
-    assert book.parent_id == call.span_id and confirm.parent_id == call.span_id
+    turns = {s.span_id: s for s in spans if s.name.startswith("turn ")}
+    assert turns and all(t.parent_id == call.span_id for t in turns.values())
+    assert book.parent_id in turns and confirm.parent_id in turns
+    turn_of_book = turns[book.parent_id].attributes["voice_agent.turn_id"]
+    assert turn_of_book == book.attributes["voice_agent.turn_id"]
+    # The response that asked for the booking: a GenAI inference span in the same turn.
+    [asked] = [
+        s for s in spans
+        if s.attributes.get("gen_ai.response.id") == book.attributes["gen_ai.response.id"]
+        and s.name.startswith("chat ")
+    ]  # fmt: skip
+    assert asked.parent_id == book.parent_id
+    assert asked.attributes["gen_ai.operation.name"] == "chat"
+    assert asked.attributes["gen_ai.request.model"] == "gpt-realtime"
+    assert asked.attributes["gen_ai.response.finish_reasons"] == ["completed"]
+    # The delivery of the outcome: its steps are spans in the same trace.
+    delivery = [s for s in spans if s.name.startswith("delivery ")]
+    assert delivery and {s.trace_id for s in delivery} == {call.trace_id}
+    assert {s.attributes["voice_agent.operation_id"] for s in delivery} == {operation_id}
     assert operation.service == "va-worker"
     # The GenAI conventions and the design's fields on the tool span.
     assert book.attributes["gen_ai.operation.name"] == "execute_tool"
@@ -211,7 +237,8 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
     # No caller number and no tool arguments in any attribute.
     values = " ".join(str(v) for s in spans for v in s.attributes.values())
     assert caller.from_number not in values and "Alex" not in values
-    print(f"one trace {call.trace_id}: {len(spans)} spans from serve and worker")
+    print(f"one trace {call.trace_id}: {len(spans)} spans from serve and worker; delivery: "
+          f"{[s.name for s in delivery]}")  # fmt: skip
 
 
 @pytest.fixture

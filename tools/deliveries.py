@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tools import jobs
+from tools import jobs, tracing
 from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_models import delivery_events_table as dev_t
 from tools.delivery_models import sms_messages_table as sms_t
@@ -36,6 +36,7 @@ from tools.delivery_states import (
     sms_advances,
 )
 from tools.ledger_models import OperationRecord
+from tools.ledger_models import operation_events_table as ev_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as calls_t
 from tools.states import IN_FLIGHT, OperationStatus
@@ -338,7 +339,52 @@ async def move(
         from_state=current.state,
         to_state=to,
     )
-    return DeliveryRecord.from_row(row)
+    moved = DeliveryRecord.from_row(row)
+    if tracing.recording():
+        await _trace_move(conn, moved, current.state, actor, reason)
+    return moved
+
+
+async def trace_carrier(conn: AsyncConnection, operation_id: uuid.UUID) -> dict[str, Any] | None:
+    """The data of the operation's first event, where its admission stored the trace context
+    (`tools.tracing.carrier`); None when it has no event."""
+    row = (
+        await conn.execute(
+            sa.select(ev_t.c.data)
+            .where(ev_t.c.operation_id == operation_id)
+            .order_by(ev_t.c.id)
+            .limit(1)
+        )
+    ).first()
+    return dict(row[0]) if row is not None and isinstance(row[0], Mapping) else None
+
+
+async def _trace_move(
+    conn: AsyncConnection,
+    delivery: DeliveryRecord,
+    before: DeliveryState,
+    actor: str,
+    reason: str,
+) -> None:
+    """A delivery's step as a span in its operation's trace (the call's): whichever process
+    takes it (the call's replica announcing, a worker sending the SMS, the status webhook),
+    it joins the trace the admission stored on the ledger."""
+    parent = tracing.context_from(await trace_carrier(conn, delivery.operation_id))
+    with tracing.tracer.start_as_current_span(
+        f"delivery {delivery.state.value}",
+        context=parent,
+        attributes={
+            tracing.DELIVERY_ID: str(delivery.id),
+            tracing.OPERATION_ID: str(delivery.operation_id),
+            tracing.CALL_ID: delivery.call_id or "",
+            tracing.AGENT: delivery.agent or "",
+            "voice_agent.delivery.channel": delivery.channel,
+            "voice_agent.delivery.from_state": before.value,
+            "voice_agent.delivery.actor": actor.split(":", 1)[0],
+            "voice_agent.delivery.reason": reason[:200],
+        },
+    ):
+        pass
 
 
 async def update(

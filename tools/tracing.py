@@ -26,6 +26,16 @@ IDEMPOTENCY_KEY = "voice_agent.idempotency_key"
 AGENT = "voice_agent.agent"
 
 
+DELIVERY_ID = "voice_agent.delivery_id"
+
+
+def recording() -> bool:
+    """Whether this process exports spans (an SDK provider is set): work that only feeds a span
+    (a lookup of a stored context) is skipped when it does not."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def carrier() -> dict[str, str]:
     """The current trace context as headers to store (`traceparent`); empty when none."""
     out: dict[str, str] = {}

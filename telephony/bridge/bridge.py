@@ -42,6 +42,7 @@ from telephony.bridge.playout import LocalPlayout, Playout, ServerPlayout
 from telephony.bridge.port import Port
 from telephony.bridge.realtime_link import RealtimeLink
 from telephony.bridge.slot import CreateRequest, IllegalTransition
+from telephony.bridge.spans import CallSpans
 from telephony.bridge.tool_dispatch import ToolDispatch
 from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
@@ -158,6 +159,8 @@ class Bridge:
             announcements,
             config.max_queued_response_creates,
         )
+        # The call's turns and model responses as spans (under the call's span).
+        self.spans = CallSpans(ctx.call_id, config.model)
         self.tools = ToolDispatch(
             self.port,
             ctx,
@@ -171,6 +174,7 @@ class Bridge:
             lambda: self._session,
             self.active_agent,
             history,
+            self.spans,
         )
 
     @property
@@ -234,6 +238,7 @@ class Bridge:
             self._spawn(self._model_loop(), "realtime")
             await self._ended.wait()
         finally:
+            self.spans.close()
             await self._shutdown()
 
     async def end(self, reason: str) -> None:
@@ -416,6 +421,7 @@ class Bridge:
                 assert isinstance(event, InputAudioBufferSpeechStartedEvent)
                 received_at = time.perf_counter()
                 self.turns.speech_started(event.item_id)
+                self.spans.turn(self.turns.turn_id)
                 await self.playout.speech_started(session, received_at)
                 self._emit(
                     CallEventKind.SPEECH_STARTED,
@@ -433,14 +439,20 @@ class Bridge:
             case "input_audio_buffer.committed":
                 assert isinstance(event, InputAudioBufferCommittedEvent)
                 self.turns.committed(event.item_id)
+                self.spans.turn(self.turns.turn_id)
             case "response.created":
                 assert isinstance(event, ResponseCreatedEvent)
-                self.utterances.response_created(session, event.response.id or "")
+                response_id = event.response.id or ""
+                self.utterances.response_created(session, response_id)
+                self.spans.response_created(
+                    response_id, self.utterances.turn_of(response_id), self.active_agent.name
+                )
             case "response.done":
                 assert isinstance(event, ResponseDoneEvent)
                 response = event.response
                 response_id = response.id or ""
                 self.utterances.response_done(session, response.id, response.status)
+                self.spans.response_done(response.id, response.status, response.usage)
                 for output in response.output or []:
                     if isinstance(output, RealtimeConversationItemFunctionCall):
                         self._function_call(session, output, response_id)

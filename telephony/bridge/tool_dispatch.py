@@ -14,11 +14,14 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from opentelemetry import context as otel_context
+
 from telephony.bridge.agent import ActiveAgent, handoff_note
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
 from telephony.bridge.slot import CreateRequest
+from telephony.bridge.spans import CallSpans
 from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEventKind
@@ -53,6 +56,7 @@ class ToolDispatch:
         current: Callable[[], ModelSession | None],
         agent: ActiveAgent | None = None,
         history: Iterable[str] = (),
+        spans: CallSpans | None = None,
     ) -> None:
         self._port = port
         self._ctx = ctx
@@ -65,6 +69,7 @@ class ToolDispatch:
         self._evidence = evidence
         self._current = current  # the bridge's session now (None between sessions)
         self._agent = agent or ActiveAgent(None, gateway.definitions)
+        self._spans = spans
         self._history = history  # the conversation so far, for a new agent's note
         self._seen: set[str] = set()  # function_call_ids acted on
         # Function calls per response, and those running now (bounded by the config).
@@ -163,6 +168,9 @@ class ToolDispatch:
         if refusal is not None:
             reply = refusal
         else:
+            # The tool call's span goes under its turn's (this task's context only).
+            if self._spans is not None:
+                otel_context.attach(self._spans.context_of(request.turn_id))
             try:
                 reply = await self._gateway.handle(self._ctx, request)
             except Exception as exc:
