@@ -38,6 +38,8 @@ ENGINE_NAMES = (
     "voice_agent_reconciliation_failures_total",
     "voice_agent_barge_in_clear_seconds",
     "voice_agent_realtime_connect_seconds",
+    "voice_agent_rtp_jitter_seconds",
+    "voice_agent_rtp_packet_loss_ratio",
     "voice_agent_live_calls_by_leg",
 )
 

@@ -99,3 +99,46 @@ def test_the_dashboard_is_grafana_json_with_one_prometheus_datasource() -> None:
     for panel in board["panels"]:
         assert panel["datasource"]["uid"] == "${datasource}"
         assert panel["targets"] and all(t["expr"] for t in panel["targets"])
+
+
+COMPOSE = HERE.parent / "compose.yaml"
+
+
+def test_the_compose_observe_profile_wires_collector_jaeger_prometheus_and_grafana() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text("utf-8"))
+    services = compose["services"]
+    observe = {name for name, s in services.items() if "observe" in s.get("profiles", [])}
+    assert observe == {"otel-collector", "jaeger", "prometheus", "grafana"}
+    # Every file the profile mounts is in the repository.
+    for name in observe:
+        for volume in services[name].get("volumes", []):
+            source = volume.split(":")[0]
+            assert (COMPOSE.parent / source).is_file(), f"{name} mounts missing {source}"
+    # The collector's pipeline names only what it declares, and sends to Jaeger's OTLP port.
+    collector = yaml.safe_load((HERE / "otel-collector.yaml").read_text("utf-8"))
+    pipeline = collector["service"]["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        assert set(pipeline[kind]) <= set(collector[kind]), kind
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    # The services pass the OTLP endpoint through; the worker serves its own /metrics where
+    # Prometheus looks for it, and Prometheus loads the rules file where it is mounted.
+    for name in ("api-1", "api-2", "worker"):
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" in services[name]["environment"], name
+    prom = yaml.safe_load((HERE / "prometheus" / "prometheus.yml").read_text("utf-8"))
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    serve_targets = jobs["voice-agent-serve"]["static_configs"][0]["targets"]
+    assert {t.split(":")[0] for t in serve_targets} == {"api-1", "api-2"}
+    [workers] = jobs["voice-agent-worker"]["dns_sd_configs"]
+    assert workers["names"] == ["worker"]
+    assert services["worker"]["environment"]["METRICS_BIND"].endswith(f":{workers['port']}")
+    mounted = [v.split(":")[1] for v in services["prometheus"]["volumes"]]
+    assert set(prom["rule_files"]) <= set(mounted)
+    # Grafana loads the dashboard from where it is mounted, over the provisioned Prometheus.
+    dashboards = yaml.safe_load((HERE / "grafana/provisioning/dashboards.yaml").read_text())
+    folder = dashboards["providers"][0]["options"]["path"]
+    assert any(
+        v.split(":")[1] == f"{folder}/voice-agent.json" for v in services["grafana"]["volumes"]
+    )
+    sources = yaml.safe_load((HERE / "grafana/provisioning/datasources.yaml").read_text())
+    assert {s["type"] for s in sources["datasources"]} == {"prometheus", "jaeger"}

@@ -16,7 +16,14 @@ from telephony.legs.sip import sdp
 from telephony.legs.sip.errors import RtpPortsExhausted, SdpError
 from telephony.legs.sip.leg import SipLeg
 from telephony.legs.sip.ports import RtpPorts, parse_range
-from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
+from telephony.legs.sip.rtp import (
+    MediaPolicy,
+    MediaStats,
+    Reception,
+    RtpClock,
+    RtpStream,
+    SentPlayback,
+)
 from telephony.legs.sip.sdp import PCMA, PCMU, LocalMedia, RemoteMedia
 from telephony.sim.simulator import RealtimeSimulator
 from tests.sip_support import sdp_offer
@@ -354,3 +361,50 @@ async def test_rtp_ports_are_chosen_at_random_over_the_whole_range() -> None:
     assert all(43100 <= p <= 43198 and p % 2 == 0 for p in chosen)
     assert len(set(chosen)) >= 10 and max(chosen) - min(chosen) >= 50
     assert chosen != sorted(chosen)
+
+
+def test_reception_counts_loss_from_sequence_numbers_across_a_wrap_a_reorder_and_a_new_ssrc() -> (
+    None
+):
+    reception = Reception()
+    seqs = [65530 + n for n in range(12)]  # wraps past 65535
+    del seqs[3], seqs[5]  # two lost
+    seqs[6], seqs[7] = seqs[7], seqs[6]  # one reordered
+    seqs.append(seqs[-1])  # one duplicated
+    for n, seq in enumerate(seqs):
+        reception.packet(7, seq & 0xFFFF, 160 * n, 0.02 * n, audio=True)
+    report = reception.report()
+    assert report["packets_expected"] == 12
+    assert report["packets_received"] == 11  # the duplicate counts, as RFC 3550 says
+    assert report["packets_lost"] == 1
+    # A new stream (a new SSRC after a re-INVITE): counted on its own, kept in the totals.
+    for n in range(10):
+        if n != 4:
+            reception.packet(99, 100 + n, 8000 + 160 * n, 1 + 0.02 * n, audio=True)
+    report = reception.report()
+    assert report["packets_expected"] == 22 and report["packets_received"] == 20
+    assert report["packets_lost"] == 2 and report["loss_ratio"] == round(2 / 22, 4)
+
+
+def test_reception_jitter_is_zero_for_steady_packets_and_follows_late_ones() -> None:
+    steady, shaky = Reception(), Reception()
+    for n in range(200):
+        steady.packet(7, n, 160 * n, 10 + 0.02 * n, audio=True)
+        late = 0.01 if n % 2 else 0.0  # every other packet 10 ms late
+        shaky.packet(7, n, 160 * n, 10 + 0.02 * n + late, audio=True)
+    assert steady.report()["jitter_ms"] == 0.0
+    # |D| = 10 ms on every packet: the estimate converges on it.
+    assert 9.0 < shaky.report()["jitter_ms"] <= 10.0
+    # Digits share the sequence numbers but not the timing: counted, not timed.
+    shaky.packet(7, 200, 0, 99.0, audio=False)
+    assert 9.0 < shaky.report()["jitter_ms"] <= 10.0
+    assert shaky.report()["packets_expected"] == 201 == shaky.report()["packets_received"]
+
+
+def test_the_stream_feeds_its_reception_from_admitted_packets_only() -> None:
+    rtp, _, _, _ = stream()
+    for seq in (1, 2, 4, 5):
+        rtp.datagram_received(rtp_packet(seq, seq * 160), PEER)
+    rtp.datagram_received(b"\x80" + bytes(5), PEER)  # too short: not RTP
+    report = rtp.reception.report()
+    assert (report["packets_received"], report["packets_lost"]) == (4, 1)

@@ -68,8 +68,14 @@ async def test_sipp_uac_pcap_call_reaches_the_model_as_pcma_and_its_digit_the_to
         await settled(stack)
         row = await call_row(engine, gateway.digits[0][0])
         assert row is not None and row["leg"] == "sip" and row["status"] == "completed"
-        kinds = [r["kind"] for r in await event_rows(engine, row["id"])]
+        events = await event_rows(engine, row["id"])
+        kinds = [r["kind"] for r in events]
         assert kinds.count("dtmf") == 1 and kinds[-1] == "call_ended"
+        # The caller's media as received, as an RTCP receiver report would put it.
+        media = events[-1]["data"]["media"]
+        assert media["packets_received"] > 100 and media["packets_expected"] >= 100
+        assert media["packets_lost"] == 0 and media["loss_ratio"] == 0.0, media
+        assert 0 <= media["jitter_ms"] < 40, media
 
 
 @pytest.mark.parametrize("transport", ["u1", "t1"])

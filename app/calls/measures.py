@@ -19,6 +19,16 @@ REALTIME_CONNECT = Histogram(
     "A call's first connection to the speech model, attempts included, until configured.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
+RTP_JITTER = Histogram(
+    "voice_agent_rtp_jitter_seconds",
+    "A SIP call's interarrival jitter of the caller's RTP at its end (RFC 3550 estimate).",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32),
+)
+RTP_LOSS = Histogram(
+    "voice_agent_rtp_packet_loss_ratio",
+    "A SIP call's share of the caller's RTP packets lost (expected minus received).",
+    buckets=(0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
 
 
 def observe(event: CallEvent) -> None:
@@ -28,6 +38,15 @@ def observe(event: CallEvent) -> None:
         ms = event.data.get("clear_latency_ms")
         if isinstance(ms, int | float):
             BARGE_IN_CLEAR.observe(ms / 1000)
+    elif kind is CallEventKind.CALL_ENDED:
+        media = event.data.get("media")
+        if isinstance(media, dict) and media.get("packets_expected"):
+            jitter = media.get("jitter_ms")
+            loss = media.get("loss_ratio")
+            if isinstance(jitter, int | float):
+                RTP_JITTER.observe(jitter / 1000)
+            if isinstance(loss, int | float):
+                RTP_LOSS.observe(loss)
     elif kind is CallEventKind.REALTIME_CONNECTED:
         ms = event.data.get("connect_ms")
         if isinstance(ms, int | float):

@@ -245,6 +245,10 @@ class RecordingLeg:
             self._tapped = True
             self.set_audio_lane = inner.set_audio_lane  # type: ignore[attr-defined]
             self.play_nowait = inner.play_nowait  # type: ignore[attr-defined]
+        # What the leg measured of its media (the SIP leg's RTP reception), passed through.
+        self.media_report: Callable[[], dict[str, float | int]] | None = getattr(
+            inner, "media_report", None
+        )
 
     async def events(self) -> AsyncIterator[LegEvent]:
         record = self.recorder.caller_audio

@@ -130,6 +130,7 @@ class CallSink:
     def __init__(self, inner: CallEventSink) -> None:
         self._inner = inner
         self.end_reason: str | None = None  # why the bridge ended the call
+        self.media: dict[str, Any] | None = None  # what the leg measured of its media (SIP)
         self.connected = asyncio.Event()
         self.failed = asyncio.Event()
 
@@ -138,6 +139,9 @@ class CallSink:
         if kind is CallEventKind.CALL_ENDED:
             if self.end_reason is None:
                 self.end_reason = str(event.data.get("reason") or EndReason.ENDED)
+            media = event.data.get("media")
+            if isinstance(media, dict):
+                self.media = media
             self.failed.set()
             return
         if kind is CallEventKind.REALTIME_CONNECTED:
@@ -433,13 +437,10 @@ class CallSession:
                 except Exception:
                     log.exception("could not persist the end of call %s", call_id)
                 duration_ms = round((time.monotonic() - self._started) * 1000)
-                self.sink.emit_now(
-                    CallEvent(
-                        call_id,
-                        CallEventKind.CALL_ENDED,
-                        call_ended_data(why, EndSource.CALL, duration_ms),
-                    )
-                )
+                ended = call_ended_data(why, EndSource.CALL, duration_ms)
+                if self.sink.media is not None:
+                    ended["media"] = self.sink.media  # RTP loss and jitter (SIP)
+                self.sink.emit_now(CallEvent(call_id, CallEventKind.CALL_ENDED, ended))
                 await runtime.events.flush(FLUSH_TIMEOUT_S)
                 recordings = runtime.console.recordings if runtime.console is not None else None
                 if self._recorder is not None and recordings is not None and self.live:

@@ -278,7 +278,10 @@ class Bridge:
                 await self._gateway.on_call_end(self.ctx)
         except Exception:
             log.exception("call %s: on_call_end failed", self.ctx.call_id)
-        self._emit(CallEventKind.CALL_ENDED, reason=self._end_reason)
+        # A leg that measures its media (SIP: RTP loss and jitter) reports it with the end.
+        media_report = getattr(self.leg, "media_report", None)
+        media = {"media": media_report()} if callable(media_report) else {}
+        self._emit(CallEventKind.CALL_ENDED, reason=self._end_reason, **media)
         self._closed.set()
 
     @staticmethod

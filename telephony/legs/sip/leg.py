@@ -116,6 +116,10 @@ class SipLeg:
         # Frames still queued never left: the caller never heard them.
         self.rtp.flush(then=self.playback.cleared)
 
+    def media_report(self) -> dict[str, float | int]:
+        """The caller's media as received (RFC 3550 receiver statistics: loss, jitter)."""
+        return self.rtp.reception.report()
+
     async def close(self, reason: str) -> None:
         if self._closed:
             return

@@ -73,6 +73,93 @@ class MediaStats:
 
 _monotonic = time.monotonic  # (a global lookup less per packet)
 
+# RFC 3550's bounds for a source's sequence numbers (appendix A.1).
+MAX_DROPOUT = 3000
+MAX_MISORDER = 100
+CLOCK_RATE = 8000  # G.711
+
+
+class Reception:
+    """What the caller's packets say of the network, as an RTCP receiver report would (RFC 3550
+    section 6.4.1, appendix A.1 and A.8): packets expected from the extended highest sequence
+    number, packets lost (expected minus received, never below 0), and the interarrival jitter
+    estimate from the audio packets' timestamps against their arrival. A new SSRC starts a new
+    count; what the earlier ones expected and received is kept in the totals."""
+
+    __slots__ = (
+        "_bad",
+        "_base",
+        "_cycles",
+        "_max",
+        "_prior_expected",
+        "_prior_received",
+        "_received",
+        "_ssrc",
+        "_transit",
+        "jitter",
+    )
+
+    def __init__(self) -> None:
+        self._ssrc: int | None = None
+        self._prior_expected = 0
+        self._prior_received = 0
+        self._base = self._max = self._cycles = self._received = 0
+        self._bad = -1
+        self._transit: float | None = None
+        self.jitter = 0.0  # in timestamp units (1/8 ms)
+
+    def packet(self, ssrc: int, seq: int, timestamp: int, arrival_s: float, audio: bool) -> None:
+        if ssrc != self._ssrc:
+            self._prior_expected += self._expected()
+            self._prior_received += self._received
+            self._ssrc = ssrc
+            self._base = self._max = seq
+            self._cycles = self._received = 0
+            self._bad = -1
+            self._transit = None
+        else:
+            delta = (seq - self._max) & 0xFFFF
+            if delta < MAX_DROPOUT:
+                if seq < self._max:
+                    self._cycles += 0x10000  # wrapped
+                self._max = seq
+            elif delta <= 0x10000 - MAX_MISORDER:
+                # A very large jump: the source restarted, once two in a row say so.
+                if seq == self._bad:
+                    self._base = self._max = seq
+                    self._cycles = self._received = 0
+                    self._transit = None
+                else:
+                    self._bad = (seq + 1) & 0xFFFF
+                    return
+            # else: a duplicate or a reordered packet; counted as received
+        self._received += 1
+        if audio:
+            transit = arrival_s * CLOCK_RATE - timestamp
+            if self._transit is not None:
+                d = abs(transit - self._transit)
+                if d < 0x80000000:  # not a timestamp wrap
+                    self.jitter += (d - self.jitter) / 16
+            self._transit = transit
+
+    def _expected(self) -> int:
+        if self._ssrc is None:
+            return 0
+        return self._cycles + self._max - self._base + 1
+
+    def report(self) -> dict[str, float | int]:
+        """Totals for the call: received, expected, lost, loss ratio, jitter (ms)."""
+        expected = self._prior_expected + self._expected()
+        received = self._prior_received + self._received
+        lost = max(0, expected - received)
+        return {
+            "packets_received": received,
+            "packets_expected": expected,
+            "packets_lost": lost,
+            "loss_ratio": round(lost / expected, 4) if expected else 0.0,
+            "jitter_ms": round(self.jitter / (CLOCK_RATE / 1000), 2),
+        }
+
 
 def _host(ip: str) -> str:
     return ip[7:] if ip.startswith("::ffff:") else ip
@@ -212,6 +299,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self.bad_packets = 0
         self.foreign_packets = 0
         self.discontinuities = 0  # re-anchored stream times (a new SSRC, address or a jump)
+        self.reception = Reception()
 
     # ---- asyncio ------------------------------------------------------------------------
 
@@ -246,13 +334,18 @@ class RtpStream(asyncio.DatagramProtocol):
             self.bad_packets += 1
             return
         self.packets_received += 1
+        # Digits share the stream's sequence numbers but not its timing (RFC 4733).
+        arrival = _monotonic()
+        self.reception.packet(
+            packet.ssrc, packet.sequence_number, packet.timestamp, arrival, pt != self.dtmf_pt
+        )
         if pt == self.dtmf_pt:
             for digit in self._dtmf.feed(packet.payload, packet.timestamp):
                 self._on_digit(digit)
             return
         if not self.receiving or not packet.payload:
             return  # on hold: the caller's music is not a turn of the conversation
-        now_ms = _monotonic() * 1000.0 - self._t0_ms
+        now_ms = arrival * 1000.0 - self._t0_ms
         ts = packet.timestamp
         # Signed 32-bit difference: a reordered packet or a wrap is a small step either way.
         ms = self._ms_base + (((ts - self._ts_base + 0x80000000) & 0xFFFFFFFF) - 0x80000000) // 8
