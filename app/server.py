@@ -1,7 +1,8 @@
 """`voice-agent serve`: database, migrations, the offline Realtime simulator if needed, uvicorn.
 
 Stopping (SIGTERM, as Docker, Kubernetes and systemd send, or SIGINT): no new calls (the
-voice webhook answers busy, `/readyz` 503), live calls go on for up to DRAIN_TIMEOUT_S, the
+voice webhook answers busy, `/readyz` 503), live calls go on for up to DRAIN_TIMEOUT_S, then
+the Twilio calls still live are handed over (released for another replica to resume) and the
 rest are ended with a reason on their timeline, call events are flushed, workers stop at a
 safe point, and the embedded PostgreSQL (if any) is stopped last.
 """
@@ -66,8 +67,9 @@ class ServiceServer(uvicorn.Server):
     the server keeps serving (status callbacks and media of live calls, busy answers, a
     failing /readyz) until no call is live or answered, or `drain_timeout_s` has passed. A
     second signal ends the drain at once; a third stops without waiting for anything.
-    Shutdown then ends the remaining calls (with a reason on their timeline) before closing
-    sockets. `on_started` runs once the socket is listening.
+    Shutdown then hands the remaining Twilio calls over to another replica and ends the
+    rest (with a reason on their timeline) before closing sockets. `on_started` runs once
+    the socket is listening.
     """
 
     def __init__(
@@ -169,10 +171,20 @@ class ServiceServer(uvicorn.Server):
             live = runtime.registry.live_count()
             if live:
                 why = "drain limit reached" if self.drain_expired else "ending calls now"
-                log.warning("stopping: %s; ending %d call(s)", why, live)
+                moving = sum(e.movable for e in runtime.registry.live_entries())
+                log.warning(
+                    "stopping: %s; ending %d call(s), handing %d over to another replica",
+                    why,
+                    live - moving,
+                    moving,
+                )
             if runtime.console is not None:
                 runtime.console.live.close()  # console live streams end, or they hold shutdown
-            await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S)
+            # A Twilio call is released, not ended: its stream closes, Twilio asks the
+            # `<Connect action>` URL and another replica resumes it (app/legs/twilio/resume.py).
+            # A SIP call on our own user agent cannot move: it ends, and its open operations
+            # go by SMS as for any ended call.
+            await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S, hand_over=True)
         await super().shutdown(sockets)
 
 

@@ -17,6 +17,9 @@ class CallEventKind(StrEnum):
     STREAM_STARTED = "stream_started"
     STREAM_STOPPED = "stream_stopped"
     STREAM_LOST = "stream_lost"  # the media socket dropped without `stop`: released to resume
+    # The replica stopped (its drain limit, a second signal) and let the call go for a resume
+    # on another replica, in place of ending it: `stream_lost` done on purpose.
+    RELEASED_FOR_DRAIN = "released_for_drain"
     STREAM_RESUMED = "stream_resumed"  # a new stream took the call over (another replica, maybe)
     CALL_ENDED = "call_ended"
     REALTIME_CONNECTED = "realtime_connected"

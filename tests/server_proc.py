@@ -93,6 +93,10 @@ class ServerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: the process drains (DRAIN_TIMEOUT_S), then stops."""
+        self._signal(signal.SIGTERM)
+
     async def kill(self) -> None:
         """SIGKILL the whole process group: no shutdown code runs."""
         self._signal(signal.SIGKILL)

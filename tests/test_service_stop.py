@@ -121,31 +121,46 @@ async def test_sigterm_answers_busy_lets_live_calls_finish_and_stops_the_databas
     assert not postgres_processes(pgdata)
 
 
-async def test_sigterm_ends_a_call_still_live_at_the_drain_limit(
+async def test_sigterm_hands_a_twilio_call_still_live_at_the_drain_limit_over(
     data_dir: Path, tmp_path: Path
 ) -> None:
     port = free_port()
-    env = _env(data_dir, port, drain_s=2)
+    # A released call nobody resumes is ended by the next sweep after CALL_DEAD_AFTER_S.
+    env = {**_env(data_dir, port, drain_s=2), "CALL_DEAD_AFTER_S": "2", "CALL_HEARTBEAT_S": "0.5"}
     pgdata = (data_dir / "pg").resolve()
     async with serve_process(env, tmp_path) as service:
         caller = await _in_call(service.url)
         service.signal(signal.SIGTERM)
-        # The caller never hangs up: the server ends the call once the limit has passed.
+        # The caller never hangs up: once the limit has passed the server lets the call go
+        # (its stream closes); Twilio asks the action URL, which no replica answers here.
         await caller.wait_closed(40)
         assert caller.closed_by == "server"
+        assert "the action URL failed" in (caller.closed_reason or "")
         assert await service.wait(60) == 0
         await caller.aclose()
     assert not postgres_processes(pgdata)
     assert "Traceback" not in service.stderr
-    assert "drain limit reached; ending 1 call(s)" in service.stderr
+    assert "drain limit reached; ending 0 call(s), handing 1 over" in service.stderr
 
     async with serve_process(env, tmp_path) as again:
-        calls = await _calls(again.url)
-        assert calls[caller.call_sid]["status"] == "completed"
-        assert calls[caller.call_sid]["end_reason"] == "server shutdown"
+
+        async def swept() -> bool:
+            return (await _calls(again.url))[caller.call_sid]["status"] == "completed"
+
+        await wait_until(swept, 30, "the released call ended by the sweep")
+        call_id = (await _calls(again.url))[caller.call_sid]["id"]
+        async with httpx.AsyncClient(base_url=again.url, timeout=10, auth=CONSOLE) as http:
+            kinds = [
+                e["kind"]
+                for e in (await http.get(f"/api/calls/{call_id}/timeline")).json()["events"]
+            ]
         again.signal(signal.SIGTERM)
         assert await again.wait(60) == 0
     assert not postgres_processes(pgdata)
+    # Handed over, not ended by the shutdown: released (no end of its own), then ended by
+    # the sweep once nobody resumed it.
+    assert "released_for_drain" in kinds
+    assert kinds.index("released_for_drain") < kinds.index("call_ended")
 
 
 async def _is(url: str, status: int) -> bool:
@@ -165,7 +180,7 @@ async def test_a_second_signal_ends_the_drain_at_once(data_dir: Path, tmp_path: 
         assert caller.closed_by == "server"
         assert await service.wait(60) == 0
         await caller.aclose()
-    assert "ending calls now; ending 1 call(s)" in service.stderr
+    assert "ending calls now; ending 0 call(s), handing 1 over" in service.stderr
     assert not postgres_processes(pgdata)
 
 

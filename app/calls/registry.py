@@ -42,6 +42,11 @@ class LiveCallEntry:
     # Changed only through CallRegistry.went_live (set-up -> live, once).
     phase: CallPhase = CallPhase.SETTING_UP
     leg: str = ""  # how the call reached us (app.models.LegKind), for the live-calls gauge
+    # The carrier brings the call back to another replica when this one lets it go (Twilio:
+    # `<Connect action>`); a SIP dialog on our own user agent cannot move.
+    movable: bool = False
+    # Let go on purpose (the process is stopping): released for a resume, not ended.
+    handed_over: bool = False
 
 
 class CallRegistry:
@@ -195,14 +200,33 @@ class CallRegistry:
         await entry.live.end(reason)
         return entry
 
-    async def end_all(self, reason: str, wait_s: float) -> None:
-        """End every live call and wait (bounded) until their handlers have finished."""
+    async def hand_over(self, call_sid: str, reason: str) -> LiveCallEntry | None:
+        """Let the live call of `call_sid` go for its carrier to bring back to another
+        replica (its leg releases the row instead of ending it); a call that cannot move is
+        ended. Returns its entry."""
+        entry = self._live.get(call_sid)
+        if entry is None or not entry.movable:
+            return await self.end(call_sid, reason)
+        if entry.end_reason is None:
+            entry.end_reason = reason
+            entry.handed_over = True
+        await entry.live.end(reason)
+        return entry
+
+    async def end_all(self, reason: str, wait_s: float, *, hand_over: bool = False) -> None:
+        """End every live call (with `hand_over`, hand the movable ones over instead) and
+        wait (bounded) until their handlers have finished."""
         entries = list(self._live.values())
-        for entry in entries:
+        stop = self.hand_over if hand_over else self.end
+
+        async def one(entry: LiveCallEntry) -> None:
             try:
-                await self.end(entry.call_sid, reason)
+                await stop(entry.call_sid, reason)
             except Exception:
                 log.exception("ending call %s failed", entry.call_id)
+
+        # At once, not one after another: each waits for its bridge to close.
+        await asyncio.gather(*(one(entry) for entry in entries))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):
                 for entry in entries:

@@ -34,6 +34,7 @@ _CALL_LANE_KINDS = {
     "stream_started": "media stream",
     "stream_stopped": "stream stopped",
     "stream_lost": "stream lost",
+    "released_for_drain": "handed over (drain)",
     "stream_resumed": "stream resumed",
     "realtime_connected": "Realtime connected",
     "realtime_dropped": "Realtime dropped",

@@ -370,11 +370,14 @@ class CallSession:
 
     # ---- 4. end (or, Twilio, release) --------------------------------------------------
 
-    async def release(self, reason: str) -> bool:
-        """The stream was lost without the carrier's `stop` while the call may be up (Twilio
-        asks its `<Connect action>` URL next): the row stays in progress, released for a
-        resume on any replica (app/calls/takeover.py), and `stream_lost` goes on the timeline
-        in place of `call_ended`. False, with nothing done, when the row was not ours to
+    async def release(
+        self, reason: str, *, kind: CallEventKind = CallEventKind.STREAM_LOST
+    ) -> bool:
+        """The stream was lost without the carrier's `stop` while the call may be up, or
+        this process let it go on purpose (stopping: `kind` is then `released_for_drain`);
+        Twilio asks its `<Connect action>` URL next: the row stays in progress, released for
+        a resume on any replica (app/calls/takeover.py), and `kind` goes on the timeline in
+        place of `call_ended`. False, with nothing done, when the row was not ours to
         release (ended or taken meanwhile): end the call then."""
         if self.ended or self.row is None or not self.admitted or not self.live:
             return False
@@ -395,7 +398,7 @@ class CallSession:
         self.ended = True
         try:
             self.sink.emit_now(
-                CallEvent(call_id, CallEventKind.STREAM_LOST, {"reason": reason[:200]})
+                CallEvent(call_id, kind, {"reason": reason[:200], "holder": runtime.holder})
             )
             await runtime.events.flush(FLUSH_TIMEOUT_S)
         finally:

@@ -33,7 +33,8 @@ async def run_media_session(
 ) -> None:
     """Bridge the call (its row went in_progress, or was taken over with a resume token, when
     the stream's token was spent in routes._admit); afterwards end it (row, events,
-    recording), or release it for a resume when its socket dropped without `stop`."""
+    recording), or release it for a resume when its socket dropped without `stop` or this
+    process handed it over while stopping (app/server.py)."""
     session = CallSession.of_row(runtime, call)
     leg: TwilioLeg | None = None
     try:
@@ -73,6 +74,8 @@ async def run_media_session(
                 ),
             )
         bridge = session.build_bridge(leg, on_fatal=hang_up, socket=ws, config=config)
+        if session.entry is not None:
+            session.entry.movable = True  # a stopping process hands it over (`<Connect action>`)
         await session.go_live(
             {
                 "stream_sid": start.stream_sid,
@@ -91,8 +94,17 @@ async def run_media_session(
         await bridge.run()
     finally:
         entry = session.entry
-        lost = leg is not None and leg.stream_lost and entry is not None and not entry.end_reason
-        if not (lost and await session.release("the media socket dropped without stop")):
+        released = False
+        if entry is not None and entry.handed_over:
+            # This process is stopping: its stream was closed on purpose, for the call to
+            # resume on another replica; anything not ours to release is ended as before.
+            released = await session.release(
+                f"this replica stopped: {entry.end_reason}",
+                kind=CallEventKind.RELEASED_FOR_DRAIN,
+            )
+        elif leg is not None and leg.stream_lost and entry is not None and not entry.end_reason:
+            released = await session.release("the media socket dropped without stop")
+        if not released:
             await session.end()
 
 
