@@ -86,6 +86,7 @@ class AnnouncementTracker:
         heard_ms: int = 0,
         audio_ms: int = 0,
         reason: str = "",
+        item_ids: tuple[str, ...] = (),
     ) -> None:
         kind = _KINDS.get(status)
         if kind is not None:  # `spoken` is on the timeline as result_announced
@@ -110,6 +111,7 @@ class AnnouncementTracker:
                     heard_ms=heard_ms,
                     audio_ms=audio_ms,
                     reason=reason,
+                    item_ids=item_ids,
                 )
             )
         except Exception:
@@ -205,6 +207,7 @@ class AnnouncementTracker:
         ann = self._open.pop(response_id)
         if ann.timer is not None:
             ann.timer.cancel()
+        item_ids = tuple(i.item_id for i in self._items_of(response_id))
         for result in ann.results:
             self.report(
                 result,
@@ -213,6 +216,7 @@ class AnnouncementTracker:
                 heard_ms=heard_ms,
                 audio_ms=audio_ms,
                 reason=reason,
+                item_ids=item_ids,
             )
 
     def dropped(self) -> None:

@@ -75,6 +75,8 @@ class FunctionCallRequest:
     evidence: CallerEvidence | None = field(default=None, compare=False, repr=False)
     # The agent talking when the model asked (None: no agents declared, one agent).
     agent: str | None = None
+    # The model session that asked (the Realtime session's id, else call id/connection).
+    session_id: str | None = None
 
     @property
     def function_call_id(self) -> str:
@@ -150,6 +152,8 @@ class AnnouncementReport:
     heard_ms: int = 0
     audio_ms: int = 0
     reason: str = ""
+    # The assistant items that spoke it (the acknowledgement the caller heard, or not).
+    item_ids: tuple[str, ...] = ()
 
 
 class AnnouncementSink(Protocol):

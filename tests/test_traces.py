@@ -42,6 +42,7 @@ from tests.test_delivery_crash import book_and_confirm, call_id_of, server_env
 from tests.test_e2e_booking import (
     ask_to_book_and_confirm,
     booking_scenario,
+    wait_for_delivery,
     wait_for_operation,
 )
 
@@ -160,6 +161,7 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
             call_id = await call_id_of(engine, caller)
             op = await wait_for_operation(engine, call_id, "committed", within=WAIT_S)
             operation_id = str(op["operation_id"])
+            await wait_for_delivery(engine, op["operation_id"], "heard", within=WAIT_S)
 
             def exported() -> bool:
                 names = {(s.service, s.name) for s in collector.spans}
@@ -174,9 +176,9 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
                 lambda: any(s.name == "call" for s in collector.spans), WAIT_S, "the call span"
             )
             await wait_until(
-                lambda: any(s.name.startswith("delivery ") for s in collector.spans),
+                lambda: any(s.name == "delivery heard" for s in collector.spans),
                 WAIT_S,
-                "the delivery's spans",
+                "the delivery's heard step",
             )
             parent = sor.traceparents.get(op["idempotency_key"])
         finally:
@@ -216,6 +218,10 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
     delivery = [s for s in spans if s.name.startswith("delivery ")]
     assert delivery and {s.trace_id for s in delivery} == {call.trace_id}
     assert {s.attributes["voice_agent.operation_id"] for s in delivery} == {operation_id}
+    # Heard in the call: the step names the acknowledgement the caller heard.
+    [heard] = [s for s in delivery if s.name == "delivery heard"]
+    assert heard.attributes["voice_agent.ack_item_id"].startswith("item_")
+    assert heard.attributes["gen_ai.response.id"].startswith("resp_")
     assert operation.service == "va-worker"
     # The GenAI conventions and the design's fields on the tool span.
     assert book.attributes["gen_ai.operation.name"] == "execute_tool"
@@ -226,6 +232,9 @@ async def test_one_booking_is_one_trace_across_serve_and_worker_down_to_the_prov
     assert book.attributes["voice_agent.call_id"] == call_id
     assert book.attributes["voice_agent.operation_id"] == operation_id
     assert isinstance(book.attributes["voice_agent.turn_id"], int)
+    assert book.attributes["voice_agent.idempotency_key"] == op["idempotency_key"]
+    assert book.attributes["voice_agent.session_id"].startswith("sess_")
+    assert asked.attributes is not None
     assert operation.attributes["voice_agent.operation_id"] == operation_id
     assert operation.attributes["voice_agent.idempotency_key"] == op["idempotency_key"]
     assert "committed" in operation.events

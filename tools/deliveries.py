@@ -341,7 +341,7 @@ async def move(
     )
     moved = DeliveryRecord.from_row(row)
     if tracing.recording():
-        await _trace_move(conn, moved, current.state, actor, reason)
+        await _trace_move(conn, moved, current.state, actor, reason, data)
     return moved
 
 
@@ -365,6 +365,7 @@ async def _trace_move(
     before: DeliveryState,
     actor: str,
     reason: str,
+    data: Mapping[str, Any] | None,
 ) -> None:
     """A delivery's step as a span in its operation's trace (the call's): whichever process
     takes it (the call's replica announcing, a worker sending the SMS, the status webhook),
@@ -383,8 +384,13 @@ async def _trace_move(
             "voice_agent.delivery.actor": actor.split(":", 1)[0],
             "voice_agent.delivery.reason": reason[:200],
         },
-    ):
-        pass
+    ) as span:
+        # The spoken acknowledgement: the response and items that said it in the call.
+        if delivery.response_id:
+            span.set_attribute("gen_ai.response.id", delivery.response_id)
+        items = (data or {}).get("item_ids")
+        if isinstance(items, list) and items:
+            span.set_attribute(tracing.ACK_ITEM_ID, str(items[0]))
 
 
 async def update(

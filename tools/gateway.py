@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from opentelemetry import trace
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -268,6 +269,7 @@ class ToolPipeline:
                 tracing.CALL_ID: ctx.call_id,
                 tracing.TURN_ID: request.turn_id,
                 tracing.AGENT: request.agent or "",
+                tracing.SESSION_ID: request.session_id or "",
             },
         ) as span:
             return await self._handle_measured(ctx, request, started, span)
@@ -544,6 +546,7 @@ class ToolPipeline:
         if resource is not None:
             await ledger.lock_scope(conn, ctx.tenant_id, "resource", resource)
         key, existing = await self._intent(conn, ctx, spec, norm)
+        trace.get_current_span().set_attribute(tracing.IDEMPOTENCY_KEY, key)
         if existing is not None:
             # The same human intent again (model retried, re-asked): one operation.
             measures.DUPLICATES_SUPPRESSED.labels(spec.kind.value).inc()

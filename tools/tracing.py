@@ -27,6 +27,8 @@ AGENT = "voice_agent.agent"
 
 
 DELIVERY_ID = "voice_agent.delivery_id"
+SESSION_ID = "voice_agent.session_id"
+ACK_ITEM_ID = "voice_agent.ack_item_id"
 
 
 def recording() -> bool:

@@ -502,11 +502,13 @@ class ResultDelivery:
         self._serial.push(key, functools.partial(self._apply, delivery_id, report))
 
     async def _apply(self, delivery_id: uuid.UUID, report: AnnouncementReport) -> None:
-        data = {
+        data: dict[str, Any] = {
             "response_id": report.response_id,
             "heard_ms": report.heard_ms,
             "audio_ms": report.audio_ms,
         }
+        if report.item_ids:
+            data["item_ids"] = list(report.item_ids)
         again = False
         async with self._engine.begin() as conn:
             delivery = await deliveries.get(conn, delivery_id, for_update=True)

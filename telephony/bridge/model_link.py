@@ -26,6 +26,8 @@ class ModelSession(Protocol):
     # The voice this connection speaks with (None: set by someone else, the interconnect's
     # accept); fixed once it has spoken, so a handoff keeps it until the next connection.
     voice: str | None
+    # The model's id of this session (`sess_…`) where the server says it, else call/generation.
+    session_id: str
 
     async def append(self, payload: str) -> bool:
         """Caller audio (the leg's base64) appended to the input buffer: the hot path."""

@@ -90,6 +90,7 @@ class RealtimeSession:
         "conn",
         "generation",
         "items",
+        "session_id",
         "slot",
         "voice",
     )
@@ -107,6 +108,7 @@ class RealtimeSession:
         self.generation = generation
         self.items: set[str] = set()
         self.voice: str | None = None
+        self.session_id = f"{call_id}/{generation}"
         self.slot = ResponseSlot()
         self._call_id = call_id
         self._timeout_s = timeout_s
@@ -213,6 +215,7 @@ class RealtimeLink:
         self._tools = tools
         self._persona = persona  # the active agent's instructions (None: the config's)
         self._voice = voice  # the active agent's voice (None: the config's)
+        self._session_id: str | None = None  # the server's id of the session being set up
         self._history = history
         # Sideband mode: OpenAI carries the audio; we attach to its call for control only.
         self._sideband_call_sid = sideband_call_sid
@@ -292,6 +295,8 @@ class RealtimeLink:
                 )
                 if self._sideband_call_sid is None:
                     session.voice = self._voice() or self._config.voice
+                if self._session_id is not None:
+                    session.session_id = self._session_id
                 return session, attempts, None
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)
@@ -311,8 +316,13 @@ class RealtimeLink:
 
     async def _await_session_updated(self, conn: AsyncRealtimeConnection) -> None:
         """Until the server confirms the configuration: audio in another codec is noise."""
+        self._session_id = None
         while True:
             event = await conn.recv()
+            if event.type in ("session.created", "session.updated"):
+                sid = getattr(getattr(event, "session", None), "id", None)
+                if isinstance(sid, str) and sid:
+                    self._session_id = sid[:64]
             if event.type == "session.updated":
                 return
             if isinstance(event, RealtimeErrorEvent) and event.type == "error":

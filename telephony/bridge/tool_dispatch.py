@@ -100,6 +100,7 @@ class ToolDispatch:
             turn_id=self._utterances.turn_of(response_id),
             evidence=self,
             agent=self._agent.name,
+            session_id=session.session_id,
         )
         redacts = getattr(self._gateway, "redacts_arguments", None)
         secret = redacts is not None and redacts(request.name)
