@@ -160,6 +160,10 @@ class Settings(BaseSettings):
     # Agents that take turns on a call (YAML: name, instructions, tools, handoffs, disclose),
     # checked against the catalog at start; unset: one agent with every tool.
     agents_file: Path | None = None
+    # Where the agent may transfer a caller: `name=destination` pairs (E.164 or sip: URI).
+    transfer_targets: str | None = None
+    # How long a transfer's destination rings before the caller comes back to the agent.
+    transfer_ring_timeout_s: int = Field(default=30, ge=5, le=120)
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
@@ -344,6 +348,14 @@ class Settings(BaseSettings):
                 "TRACE_URL_TEMPLATE must say where the trace id goes, as {trace_id} "
                 "(for example https://jaeger.example/trace/{trace_id})"
             )
+        return value
+
+    @field_validator("transfer_targets")
+    @classmethod
+    def _transfer_targets(cls, value: str | None) -> str | None:
+        from tools.transfers import parse_targets
+
+        parse_targets(value)  # TransferTargetError (a ValueError) names the entry and the fix
         return value
 
     @field_validator("metrics_bind")

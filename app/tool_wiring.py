@@ -29,6 +29,7 @@ from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
 from tools.loading import load_catalog, split_import_path
 from tools.registry import Registry
+from tools.transfers import parse_targets
 from tools.verification import LockoutPolicy
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ def build_tools(
             lockout_s=settings.pin_lockout_s,
         ),
         agents=agents,
+        transfers=parse_targets(settings.transfer_targets),
     )
     return ToolWiring(
         pipeline=pipeline,

@@ -43,6 +43,12 @@ class CallEventKind(StrEnum):
     RESULT_NOT_SPOKEN = "result_not_spoken"
     DTMF = "dtmf"
     CALL_TRANSFERRED = "call_transferred"  # refer sent (OpenAI's SIP interconnect)
+    # transfer_call: asked of the leg, under way (the caller left the agent), failed (the caller
+    # stays), answered by the person, or ended without them (busy, no answer: the caller is back)
+    TRANSFER_REQUESTED = "transfer_requested"
+    TRANSFER_STARTED = "transfer_started"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_ANSWERED = "transfer_answered"
     CALL_HANGUP = "call_hangup"  # hangup sent through the call-control API
     MALFORMED_FRAME = "malformed_frame"
     APOLOGY_PLAYED = "apology_played"

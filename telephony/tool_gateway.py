@@ -106,6 +106,28 @@ class SessionChange:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferRequest:
+    """The engine admitted a transfer: the call side carries it out on its leg (Twilio
+    `<Dial>`, SIP REFER, the interconnect's `refer`), once the agent has said its sentence."""
+
+    target: str  # the target's name (TRANSFER_TARGETS)
+    destination: str  # E.164 number or sip: URI
+    mode: str  # "cold" | "warm"
+    reason: str
+    function_call_id: str  # the model's function call (its ledger row gets the outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome:
+    """What the leg made of a transfer: `accepted` when it is under way (the caller leaves the
+    agent), else why not, in words the agent can say."""
+
+    accepted: bool
+    status: str  # "dialing", "referred", "refused", "unsupported", "failed", ...
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ToolReply:
     """What goes back to the model as `function_call_output`."""
 
@@ -118,6 +140,8 @@ class ToolReply:
     awaiting_confirmation: bool = False
     # A handoff: the agent, instructions and tools the session continues with.
     session_change: SessionChange | None = None
+    # A transfer to a person, for the call side to carry out after the agent's sentence.
+    transfer: TransferRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -347,14 +347,16 @@ async def test_nothing_outlives_the_server(engine: AsyncEngine) -> None:
         caller = stack.caller()
         await caller.dial()
         await hear_greeting(caller)
-        # Shut down with the call still live: the service must end it and close everything.
+        # Shut down with the call still live: the service must let it go and close everything.
     await caller.wait_closed(10)
     await caller.aclose()
     leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert leftover == []
     row = await call_row(engine, caller.call_sid)
-    assert row is not None and row["status"] == "completed"
-    assert row["end_reason"] == "server shutdown"
+    # A stopping server hands a Twilio call over rather than ending it (another replica
+    # resumes it through `<Connect action>`; with none, a later sweep ends it).
+    assert row is not None and row["status"] == "in_progress"
+    assert row["released_at"] is not None and row["end_reason"] is None
 
 
 async def test_demo_runs_one_call_with_a_barge_in_and_prints_its_timeline(

@@ -27,6 +27,8 @@ from telephony.tool_gateway import (
     KeypadEntry,
     SessionChange,
     ToolReply,
+    TransferOutcome,
+    TransferRequest,
 )
 from tools import faults, ledger, measures, tracing
 from tools.agents import Agent, AgentSet
@@ -70,6 +72,14 @@ from tools.results import (
     verification_output,
 )
 from tools.states import IN_FLIGHT, OperationStatus, is_terminal
+from tools.transfers import (
+    TRANSFER_CALL,
+    TRANSFER_SPEC,
+    TransferArgs,
+    TransferTarget,
+    record_transfer_outcome,
+    transfer_definition,
+)
 from tools.verification import LockoutPolicy, active_lock, record_check, subjects_of
 
 log = logging.getLogger(__name__)
@@ -128,8 +138,11 @@ class ToolPipeline:
         handle_timeout_s: float = 15.0,
         lockout: LockoutPolicy | None = None,
         agents: AgentSet | None = None,
+        transfers: Mapping[str, TransferTarget] | None = None,
     ) -> None:
         self._engine = engine
+        # Where a caller may be transferred (TRANSFER_TARGETS); none: the tool is not offered.
+        self.transfers: dict[str, TransferTarget] = dict(transfers or {})
         # Agents declared (AGENTS_FILE): each call talks to one at a time, with its tools.
         self.agents = agents
         self._registry = registry
@@ -149,7 +162,10 @@ class ToolPipeline:
         self.events: CallEventSink | None = None
 
     def definitions(self) -> list[dict[str, Any]]:
-        return self._registry.definitions()
+        defined = self._registry.definitions()
+        if self.transfers:
+            defined.append(transfer_definition(self.transfers))
+        return defined
 
     # --- agents --------------------------------------------------------------------------
 
@@ -171,6 +187,8 @@ class ToolPipeline:
         self, agent: Agent, *, from_agent: str | None = None, reason: str = "", note: str = ""
     ) -> SessionChange:
         tools = [s.definition() for s in self._registry if self._offers(agent, s.name)]
+        if self.transfers:
+            tools.append(transfer_definition(self.transfers))
         if agent.handoffs:
             handoff = HANDOFF_SPEC.definition()
             # The model sees exactly whom this agent may hand to: its schema names them.
@@ -250,6 +268,75 @@ class ToolPipeline:
         change = self._session_of(target, from_agent=current.name, reason=args.reason, note=note)
         return ToolReply(output=out, wants_response=True, session_change=change)
 
+    # --- transfers -------------------------------------------------------------------------
+
+    async def _transfer(
+        self,
+        conn: AsyncConnection,
+        request: FunctionCallRequest,
+        tc: ToolCallRecord,
+        args: TransferArgs,
+    ) -> ToolReply:
+        """A transfer to a person: checked here, carried out by the call's leg, which reports
+        the outcome back (`transfer_outcome`) to the same ledger row."""
+        norm = args.model_dump(mode="json")
+        target = self.transfers.get(args.target)
+        if target is None:
+            names = ", ".join(sorted(self.transfers)) or "nobody"
+            out = denied_output(
+                f"There is no transfer target called {_storable(args.target, 40)}; you can "
+                f"transfer only to: {names}. Nothing was sent. Ask the caller which one they "
+                "want, or help them yourself.",
+                rule="transfer_target",
+            )
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason="unknown transfer target", arguments=norm,
+                output=out,
+            )  # fmt: skip
+            return _reply(out)
+        if args.mode == "warm":
+            out = denied_output(
+                "A warm transfer (briefing the person first) is not available on this line. "
+                "Nothing was sent. Offer the caller a direct transfer instead.",
+                rule="transfer_mode",
+            )
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason="warm transfer not available",
+                arguments=norm, output=out,
+            )  # fmt: skip
+            return _reply(out)
+        out = {
+            "status": "transferring",
+            "target": target.name,
+            "message": bounded(
+                f"Tell the caller in one short sentence that you are putting them through to "
+                f"{target.name.replace('_', ' ')} now, and say nothing after it. If the "
+                "transfer does not go through you will be told, and the caller stays with you."
+            ),
+        }
+        await ledger.complete_tool_call(
+            conn, tc.id, decision="transfer", reason=f"{args.mode} -> {target.name}",
+            arguments=norm, output=out,
+        )  # fmt: skip
+        log.info("transfer to %s (%s) admitted", target.name, target.masked())
+        return ToolReply(
+            output=out,
+            wants_response=True,
+            transfer=TransferRequest(
+                target=target.name,
+                destination=target.destination,
+                mode=args.mode,
+                reason=args.reason,
+                function_call_id=request.function_call_id,
+            ),
+        )
+
+    async def transfer_outcome(
+        self, ctx: CallContext, function_call_id: str, outcome: TransferOutcome
+    ) -> None:
+        """What became of a transfer, on its tool call row (best effort: logged if not)."""
+        await record_transfer_outcome(self._engine, ctx.call_id, function_call_id, outcome)
+
     # --- the ToolGateway surface ---------------------------------------------------------
 
     async def handle(self, ctx: CallContext, request: FunctionCallRequest) -> ToolReply:
@@ -318,6 +405,8 @@ class ToolPipeline:
     def _spec(self, name: str) -> ToolSpec | None:
         if name == HANDOFF_TO_AGENT and self.agents is not None:
             return HANDOFF_SPEC
+        if name == TRANSFER_CALL and self.transfers:
+            return TRANSFER_SPEC
         return self._registry.get(name) if name in self._registry else None
 
     async def _record_call(
@@ -476,6 +565,8 @@ class ToolPipeline:
             if spec.kind is ToolKind.CONTROL:
                 if isinstance(args, HandoffArgs) and self.agents is not None:
                     return await self._handoff(conn, ctx, request, tc, args)
+                if isinstance(args, TransferArgs):
+                    return await self._transfer(conn, request, tc, args)
                 if isinstance(args, ConfirmOperationArgs):
                     return await self._confirm(conn, ctx, request, tc, args, identity)
                 if isinstance(args, ResolveConflictArgs):

@@ -47,6 +47,9 @@ class LiveCallEntry:
     movable: bool = False
     # Let go on purpose (the process is stopping): released for a resume, not ended.
     handed_over: bool = False
+    # Being put through to a person (transfer_call): the carrier took the caller; the stream's
+    # end releases the row to wait for the transfer's outcome, not ends it.
+    transferring: Any = None
 
 
 class CallRegistry:

@@ -16,7 +16,7 @@ good once, across processes:
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,13 +40,15 @@ async def _move(engine: AsyncEngine, call_id: str, where: list[Any], **values: A
         return result.mappings().first()
 
 
-async def release(engine: AsyncEngine, call_id: str, holder: str) -> bool:
+async def release(engine: AsyncEngine, call_id: str, holder: str, hold_for_s: float = 0.0) -> bool:
     """Let the call go for a resume (held by `holder`, in progress); False if it was not.
-    The heartbeat is stamped now: the sweep and the delivery path leave the row alone for
-    `CALL_DEAD_AFTER_S`, and the resume window (shorter) is the action webhook's to keep."""
+    The heartbeat is stamped now (`hold_for_s` ahead: a transfer that rings for a while): the
+    sweep and the delivery path leave the row alone for `CALL_DEAD_AFTER_S` after it, and the
+    resume window (shorter) is the action webhook's to keep."""
     now = datetime.now(UTC)
     where = [calls.c.holder == holder, calls.c.released_at.is_(None)]
-    return await _move(engine, call_id, where, released_at=now, heartbeat_at=now) is not None
+    beat = now + timedelta(seconds=hold_for_s)
+    return await _move(engine, call_id, where, released_at=now, heartbeat_at=beat) is not None
 
 
 async def claim(engine: AsyncEngine, call_id: str, *, holder: str | None, nonce: str) -> bool:

@@ -63,6 +63,7 @@ from app.calls.store import CallRow, CallStatus, EndSource, call_ended_data
 from app.models import LegKind
 from app.runtime import Runtime
 from telephony.bridge import Bridge, BridgeConfig
+from telephony.bridge.tool_dispatch import TransferHook
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.legs.leg import CallLeg
 from telephony.tool_gateway import CallContext
@@ -287,6 +288,7 @@ class CallSession:
         config: BridgeConfig | None = None,
         on_fatal: Callable[[str], Awaitable[None]] | None = None,
         socket: Any = None,
+        transfer: TransferHook | None = None,
     ) -> Bridge:
         """The call's bridge, attached to the registry (in set-up). Recorded only where the
         leg carries audio (the recording taps the leg between it and the bridge; neither
@@ -327,6 +329,7 @@ class CallSession:
             runtime.openai,
             on_fatal=on_fatal,
             announcements=runtime.delivery,
+            transfer=transfer,
         )
         self.bridge = bridge
         self.entry = runtime.registry.attach(
@@ -371,7 +374,11 @@ class CallSession:
     # ---- 4. end (or, Twilio, release) --------------------------------------------------
 
     async def release(
-        self, reason: str, *, kind: CallEventKind = CallEventKind.STREAM_LOST
+        self,
+        reason: str,
+        *,
+        kind: CallEventKind = CallEventKind.STREAM_LOST,
+        hold_for_s: float = 0.0,
     ) -> bool:
         """The stream was lost without the carrier's `stop` while the call may be up, or
         this process let it go on purpose (stopping: `kind` is then `released_for_drain`);
@@ -389,7 +396,9 @@ class CallSession:
             # (maybe another replica) takes the call.
             await runtime.delivery.flush(call_id)
         try:
-            released = await call_takeover.release(runtime.engine, call_id, runtime.holder)
+            released = await call_takeover.release(
+                runtime.engine, call_id, runtime.holder, hold_for_s
+            )
         except Exception:
             log.exception("could not release call %s for a resume", call_id)
             released = False

@@ -140,6 +140,19 @@ async def end_call(client: Client, call_sid: str) -> bool:
     return True
 
 
+async def redirect_call(client: Client, call_sid: str, twiml: str) -> bool:
+    """Give a live call new instructions (its stream stops); False when it had ended."""
+    try:
+        await client.calls(call_sid).update_async(twiml=twiml)
+    except TwilioRestException as exc:
+        if exc.code == CALL_NOT_IN_PROGRESS:
+            return False
+        raise _wrap(exc, f"redirecting call {call_sid}") from exc
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _wrap(exc, f"redirecting call {call_sid}") from exc
+    return True
+
+
 async def send_sms(
     client: Client,
     to: str,

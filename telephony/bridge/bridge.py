@@ -43,7 +43,7 @@ from telephony.bridge.port import Port
 from telephony.bridge.realtime_link import RealtimeLink
 from telephony.bridge.slot import CreateRequest, IllegalTransition
 from telephony.bridge.spans import CallSpans
-from telephony.bridge.tool_dispatch import ToolDispatch
+from telephony.bridge.tool_dispatch import ToolDispatch, TransferHook
 from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
@@ -106,6 +106,7 @@ class Bridge:
         client: AsyncOpenAI,
         on_fatal: Callable[[str], Awaitable[None]] | None = None,
         announcements: AnnouncementSink | None = None,
+        transfer: TransferHook | None = None,
     ) -> None:
         self.leg = leg
         self.ctx = ctx
@@ -175,6 +176,7 @@ class Bridge:
             self.active_agent,
             history,
             self.spans,
+            transfer,
         )
 
     @property

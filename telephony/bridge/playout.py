@@ -141,6 +141,16 @@ class Playout(ABC):
     def is_muted(self, response_id: str) -> bool:
         return response_id in self.muted
 
+    def playing(self) -> bool:
+        """Whether the caller is still to hear audio of an item that was not cut."""
+        playback = self.leg.playback
+        return any(
+            item.cut_at_ms is None
+            and item.received_ms > 0
+            and playback.confirmed_ms(item_id) < item.received_ms - READBACK_TOLERANCE_MS
+            for item_id, item in self.items.items()
+        )
+
     def item_audio(self, response_id: str) -> list[ItemAudio]:
         return [
             ItemAudio(item_id, item.received_ms, item.cut_at_ms)

@@ -9,9 +9,10 @@ for when a confirmation rests on it (`CallerEvidence`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -20,7 +21,7 @@ from telephony.bridge.agent import ActiveAgent, handoff_note
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
-from telephony.bridge.slot import CreateRequest
+from telephony.bridge.slot import CreateRequest, ResponseState
 from telephony.bridge.spans import CallSpans
 from telephony.bridge.turns import Turns
 from telephony.bridge.utterance import Utterances
@@ -34,9 +35,19 @@ from telephony.tool_gateway import (
     SessionChange,
     ToolGateway,
     ToolReply,
+    TransferOutcome,
+    TransferRequest,
 )
 
 log = logging.getLogger(__name__)
+
+# How a leg puts a caller through to a person (Twilio <Dial>, SIP REFER, the interconnect).
+TransferHook = Callable[[TransferRequest], Awaitable[TransferOutcome]]
+# A transfer waits for the agent's sentence at most this long, polling at this pace; with no
+# response at all after NO_RESPONSE_S it goes ahead.
+TRANSFER_SPEECH_WAIT_S = 12.0
+NO_RESPONSE_S = 2.0
+SAID_POLL_S = 0.05
 
 
 class ToolDispatch:
@@ -57,6 +68,7 @@ class ToolDispatch:
         agent: ActiveAgent | None = None,
         history: Iterable[str] = (),
         spans: CallSpans | None = None,
+        transfer: TransferHook | None = None,
     ) -> None:
         self._port = port
         self._ctx = ctx
@@ -70,6 +82,8 @@ class ToolDispatch:
         self._current = current  # the bridge's session now (None between sessions)
         self._agent = agent or ActiveAgent(None, gateway.definitions)
         self._spans = spans
+        # How this call's leg transfers a caller (None: it cannot).
+        self._transfer_hook = transfer
         self._history = history  # the conversation so far, for a new agent's note
         self._seen: set[str] = set()  # function_call_ids acted on
         # Function calls per response, and those running now (bounded by the config).
@@ -207,6 +221,11 @@ class ToolDispatch:
                 f"Result of the earlier request ({request.name}): {output}"
             )
         decision = self._decide(request, reply)
+        if reply.transfer is not None:
+            # Said before the caller leaves: the sentence the output asks for, then the leg.
+            self._port.spawn(
+                self._carry_out(request, reply.transfer), f"transfer-{function_call_id}"
+            )
         extra: dict[str, Any] = {"limited": True} if refusal is not None else {}
         self._port.emit(
             CallEventKind.FUNCTION_OUTPUT,
@@ -219,6 +238,68 @@ class ToolDispatch:
             **extra,
         )
         await self._utterances.drain()
+
+    async def _carry_out(self, request: FunctionCallRequest, transfer: TransferRequest) -> None:
+        """A transfer the engine admitted: once the agent's sentence has been heard (or the
+        wait is over), the leg puts the caller through; the outcome goes to the ledger row,
+        the timeline and, when the caller stays, to the model."""
+        await self._until_said(TRANSFER_SPEECH_WAIT_S)
+        if self._port.ended():
+            return
+        self._port.emit(
+            CallEventKind.TRANSFER_REQUESTED,
+            target=transfer.target,
+            mode=transfer.mode,
+            reason=transfer.reason[:300],
+        )
+        if self._transfer_hook is None:
+            outcome = TransferOutcome(False, "unsupported", "this line cannot transfer calls")
+        else:
+            try:
+                outcome = await self._transfer_hook(transfer)
+            except Exception as exc:
+                log.exception("call %s: transfer to %s failed", self._port.call_id, transfer.target)
+                outcome = TransferOutcome(False, "failed", f"the transfer failed: {exc!r}"[:200])
+        if outcome.accepted:
+            # The leg moves the caller (its stream may be gone already): it records the start
+            # when the caller leaves, and the outcome when the person answers or does not.
+            return
+        record = getattr(self._gateway, "transfer_outcome", None)
+        if record is not None:
+            await record(self._ctx, transfer.function_call_id, outcome)
+        self._port.emit(
+            CallEventKind.TRANSFER_FAILED,
+            target=transfer.target,
+            status=outcome.status,
+            detail=outcome.detail[:300],
+        )
+        session = self._current()
+        if session is None:
+            return
+        await session.add_note(
+            f"The transfer to {transfer.target.replace('_', ' ')} did not go through "
+            f"({outcome.status}: {outcome.detail}). The caller is still with you: tell them in "
+            "one sentence, and offer to take a message or have someone call them back."
+        )
+        self._utterances.queue(CreateRequest("transfer_failed", turn_id=None))
+        await self._utterances.drain()
+
+    async def _until_said(self, wait_s: float) -> None:
+        """Until the response after a tool's output has been created, done and heard (a
+        sentence cut by the caller counts as said), or `wait_s` has passed."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        seen = False
+        while loop.time() - start < wait_s and not self._port.ended():
+            session = self._current()
+            busy = session is not None and (
+                session.slot.state is not ResponseState.IDLE or session.slot.requested is not None
+            )
+            seen = seen or busy
+            if not busy and (seen or loop.time() - start > NO_RESPONSE_S):
+                if not self._playout.playing():
+                    return
+            await asyncio.sleep(SAID_POLL_S)
 
     async def _hand_off(self, session: ModelSession, change: SessionChange) -> None:
         """Another agent takes the call on the same session: its instructions and tools

@@ -136,7 +136,17 @@ class ClearRecord:
         return audio.duration_ms(self.dropped_bytes, "pcmu")
 
 
-TwimlKind: TypeAlias = Literal["stream", "reject", "hangup", "say", "other", "http_error"]
+TwimlKind: TypeAlias = Literal["stream", "reject", "hangup", "say", "dial", "other", "http_error"]
+
+
+@dataclass(frozen=True)
+class DialInstruction:
+    """A `<Dial>`: whom to ring, for how long, and where Twilio reports on it."""
+
+    destination: str  # the `<Number>` or `<Sip>` text
+    action_url: str | None
+    timeout_s: int
+    answered_url: str | None  # the noun's statusCallback (statusCallbackEvent answered)
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,7 @@ class TwimlOutcome:
     parameters: dict[str, str] = field(default_factory=dict)
     # `<Connect action>`: where Twilio asks what next when the stream ends, the call still up.
     action_url: str | None = None
+    dial: DialInstruction | None = None
 
 
 def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
@@ -185,6 +196,18 @@ def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
                 params,
                 connect_el.get("action") or None,
             )
+    for dial_el in root.iter("Dial"):
+        noun = dial_el.find("Number")
+        if noun is None:
+            noun = dial_el.find("Sip")
+        destination = (noun.text if noun is not None else dial_el.text) or ""
+        dial = DialInstruction(
+            destination.strip(),
+            dial_el.get("action") or None,
+            int(dial_el.get("timeout") or 30),
+            noun.get("statusCallback") if noun is not None else None,
+        )
+        return TwimlOutcome("dial", http_status, body, verbs, says, dial=dial)
     kind: TwimlKind = "other"
     if "Reject" in verbs:
         kind = "reject"
@@ -366,6 +389,8 @@ class FakeTwilioCaller:
         self.clears: list[ClearRecord] = []
         self.protocol_errors: list[str] = []
         self.twiml_updates: list[str] = []
+        # Transfers Twilio was told to dial (`<Dial>` through the REST API): (to, result).
+        self.dials: list[tuple[str, str]] = []
         self.media_frames_sent = 0
         self.media_received_bytes = 0
 
@@ -586,6 +611,71 @@ class FakeTwilioCaller:
         """The stream's socket breaks (a network fault), the call stays up: no `stop`; Twilio
         then asks `<Connect action>` what next (`follow_action`, from the receive loop)."""
         self._require_ws().transport.abort()
+
+    async def transfer_by_twilio(
+        self, dial: DialInstruction, result: str, ring_s: float, talk_s: float
+    ) -> None:
+        """The call got `<Dial>` through the REST API: Twilio stops the stream (`stop`, no
+        `<Connect action>`: the call was redirected), rings `dial.destination` for `ring_s`,
+        then: `answered` tells the noun's statusCallback, talks `talk_s` and asks the Dial's
+        action (DialCallStatus completed); anything else (busy, no-answer, failed) asks the
+        action with that status at once. The action's answer is followed: a new `<Stream>`
+        brings the caller back to the service; anything else ends the call."""
+        if self.state is not CallerState.STREAMING:
+            return
+        now = self._now()
+        await self._echo(self._playout.advance(now), now)
+        with contextlib.suppress(ConnectionClosed, CallerError):
+            await self._send_json(
+                {
+                    "event": "stop",
+                    "sequenceNumber": self._next_sequence(),
+                    "streamSid": self.stream_sid,
+                    "stop": {"accountSid": self.account_sid, "callSid": self.call_sid},
+                }
+            )
+        self._stop_sent = True
+        self._action_url = None
+        ws, self._ws = self._ws, None
+        self._playout.clear(self._now())
+        self._set_state(CallerState.DIALING)
+        if ws is not None:
+            with contextlib.suppress(ConnectionClosed, TimeoutError):
+                await asyncio.wait_for(ws.close(1000, "call redirected"), self.timeout)
+        await self._stop_tasks()
+        self.dials.append((dial.destination, result))
+        await asyncio.sleep(ring_s)
+        child = "CA" + secrets.token_hex(16)
+        params = {**self.voice_webhook_params(), "CallStatus": "in-progress"}
+        try:
+            if result == "answered":
+                if dial.answered_url:
+                    await self._post_signed(
+                        dial.answered_url,
+                        {**params, "CallSid": child, "ParentCallSid": self.call_sid,
+                         "Direction": "outbound-dial"},
+                    )  # fmt: skip
+                await asyncio.sleep(talk_s)
+                status = {"DialCallStatus": "completed", "DialCallSid": child,
+                          "DialCallDuration": str(max(1, round(talk_s)))}  # fmt: skip
+            else:
+                status = {"DialCallStatus": result}
+            if dial.action_url is None:
+                self._end(f"transferred: {result}", "twilio-api")
+                return
+            response = await self._post_signed(dial.action_url, {**params, **status})
+        except httpx.HTTPError as exc:
+            self._end(f"transfer: the callback failed: {exc!r}", "server")
+            return
+        outcome = parse_twiml(response.text, response.status_code)
+        self.action_outcomes.append(outcome)
+        if outcome.kind != "stream":
+            self._end(f"transfer {result}; the action answered {outcome.kind}", "twilio-api")
+            return
+        self._action_url = outcome.action_url
+        self.stream_sid = new_stream_sid()
+        self._stop_sent = False
+        await self.open_stream(outcome.stream_url, outcome.parameters)
 
     async def end_by_twilio(self, reason: str = "call completed through the REST API") -> None:
         """Twilio ends the call (REST `Status=completed` or new TwiML): `stop`, then close."""

@@ -318,6 +318,12 @@ class FakeTwilioApi:
         self.duplicate_callbacks = 0
         self.hold_max_s = 30.0
         self.unsubscribed: set[str] = set()
+        # `<Dial>` (transfers): the outcome per destination (answered, busy, no-answer,
+        # failed; default answered), how long it rings and how long the person talks.
+        self.dial_outcomes: dict[str, str] = {}
+        self.dial_ring_s = 0.3
+        self.dial_talk_s = 0.5
+        self.dials: list[tuple[str, str, str]] = []  # (call sid, destination, result)
         self._lose_answers = 0
         self._reject_codes: list[int] = []
         self._released = asyncio.Event()
@@ -565,6 +571,19 @@ class FakeTwilioApi:
             call.twiml.append(twiml)
             if caller is not None:
                 caller.twiml_updates.append(twiml)
+            parsed = parse_twiml(twiml)
+            if parsed.dial is not None:
+                # A transfer: the stream stops, the destination rings (see transfer_by_twilio).
+                result = self.dial_outcomes.get(parsed.dial.destination, "answered")
+                self.dials.append((call.sid, parsed.dial.destination, result))
+                if caller is not None:
+                    self._spawn(
+                        caller.transfer_by_twilio(
+                            parsed.dial, result, self.dial_ring_s, self.dial_talk_s
+                        ),
+                        f"fake-twilio-dial-{call.sid}",
+                    )
+                return None
             # New instructions replace <Connect><Stream>: the stream stops. Without a new
             # stream the call ends once the instructions have run.
             if parse_twiml(twiml).kind != "stream":

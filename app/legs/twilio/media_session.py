@@ -13,12 +13,13 @@ import logging
 
 from app.calls.store import CallRow
 from app.legs.session import CallSession
-from app.legs.twilio import resume
+from app.legs.twilio import resume, transfer
 from app.runtime import Runtime
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
 from telephony.legs.twilio.events import StartInfo
 from telephony.legs.twilio.leg import TextWebSocket, TwilioLeg
+from telephony.tool_gateway import TransferOutcome, TransferRequest
 from tools import deliveries
 from tools.delivery_states import DeliveryState
 
@@ -59,6 +60,9 @@ async def run_media_session(
         async def hang_up(reason: str) -> None:
             await _hang_up_via_rest(runtime, session, reason)
 
+        async def put_through(request: TransferRequest) -> TransferOutcome:
+            return await transfer.put_through(runtime, session, request)
+
         config = None
         if resumed:
             # The new session starts from the call so far and says sorry first.
@@ -73,7 +77,9 @@ async def run_media_session(
                     f'"{context.first_line}" Then carry on from where you were.'
                 ),
             )
-        bridge = session.build_bridge(leg, on_fatal=hang_up, socket=ws, config=config)
+        bridge = session.build_bridge(
+            leg, on_fatal=hang_up, socket=ws, config=config, transfer=put_through
+        )
         if session.entry is not None:
             session.entry.movable = True  # a stopping process hands it over (`<Connect action>`)
         await session.go_live(
@@ -95,7 +101,14 @@ async def run_media_session(
     finally:
         entry = session.entry
         released = False
-        if entry is not None and entry.handed_over:
+        if entry is not None and entry.transferring is not None:
+            # Twilio took the caller to dial a person: the row waits for the outcome.
+            released = await session.release(
+                f"transferring to {entry.transferring.target}",
+                kind=CallEventKind.TRANSFER_STARTED,
+                hold_for_s=transfer.hold_for_s(runtime),
+            )
+        elif entry is not None and entry.handed_over:
             # This process is stopping: its stream was closed on purpose, for the call to
             # resume on another replica; anything not ours to release is ended as before.
             released = await session.release(

@@ -31,6 +31,7 @@ from telephony.call_events import CallEventKind
 from tools import ledger
 from tools.results import describe_operation
 from tools.states import IN_FLIGHT, OperationStatus
+from tools.transfers import dial_outcome_said
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
                         CallEventKind.CALLER_TRANSCRIPT.value,
                         CallEventKind.AGENT_TRANSCRIPT.value,
                         CallEventKind.AGENT_HANDOFF.value,
+                        CallEventKind.TRANSFER_FAILED.value,
+                        CallEventKind.STREAM_RESUMED.value,
                     ]
                 ),
             )
@@ -112,9 +115,18 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
         )
         said: list[str] = []
         agent: str | None = None
+        # A transfer whose dial ended without the person (the caller is back from it).
+        failed_transfer: dict[str, str] | None = None
         for kind, data in rows.all():
             if kind == CallEventKind.AGENT_HANDOFF.value:
                 agent = str((data or {}).get("to_agent") or "") or agent
+                continue
+            if kind == CallEventKind.TRANSFER_FAILED.value:
+                if (data or {}).get("status"):  # the dial's outcome, not the leg's refusal
+                    failed_transfer = {k: str(v) for k, v in (data or {}).items()}
+                continue
+            if kind == CallEventKind.STREAM_RESUMED.value:
+                failed_transfer = None  # told on an earlier stream already
                 continue
             text = str((data or {}).get("text") or "").strip()
             if text:
@@ -146,4 +158,15 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
         first += f" — your request for {pending[0]} is still being confirmed."
     else:
         first += ". Where were we?"
+    if failed_transfer is not None:
+        target = failed_transfer.get("target", "them").replace("_", " ")
+        why = dial_outcome_said(failed_transfer.get("status", ""))
+        note = note.replace(
+            "The line to this caller dropped for a moment and is back",
+            f"You tried to put this caller through to {target}, but {why}; they are back with you",
+        )
+        first = (
+            f"I'm sorry, I couldn't put you through to {target}: {why}. I can take a message "
+            "or have someone call you back."
+        )
     return ResumeContext(note, first, agent)

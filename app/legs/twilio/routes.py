@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
 from fastapi import APIRouter, Request, WebSocket
@@ -28,7 +29,7 @@ from app.errors import (
 from app.http.signatures import signed_form
 from app.http.slots import Slot
 from app.legs.session import Admission, Caller, CallSession, start_stream
-from app.legs.twilio import resume, twiml
+from app.legs.twilio import resume, transfer, twiml
 from app.legs.twilio.media_session import run_media_session
 from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.logging import RateLimitedLog
@@ -38,6 +39,7 @@ from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
 from telephony.legs.twilio.budget import StreamBudget
 from telephony.legs.twilio.events import Connected, Start, StartInfo, parse_inbound
+from tools.transfers import TARGET_NAME
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -123,6 +125,56 @@ async def stream_ended(request: Request, runtime: RuntimeDep) -> Response:
         raise BadRequest("unstorable CallSid") from exc
     except DBAPIError as exc:
         raise DatabaseUnavailable("calls lookup failed") from exc
+
+
+async def _transfer_params(
+    request: Request, runtime: Runtime
+) -> tuple[dict[str, str], str, str, str]:
+    """A transfer webhook's signed form and its query (call, target, function call), checked:
+    the call must be ours and the signed form name its CallSid (or ParentCallSid)."""
+    params = await signed_form(request, runtime.settings)
+    q = request.query_params
+    call_id, target, fc = q.get("call_id", ""), q.get("target", ""), q.get("fc", "")
+    try:
+        uuid.UUID(call_id)
+    except ValueError:
+        raise BadRequest("no call_id") from None
+    if not TARGET_NAME.match(target) or not fc or len(fc) > 128:
+        raise BadRequest("no transfer target")
+    try:
+        row = await call_store.get_call(runtime.engine, call_id)
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls lookup failed") from exc
+    sids = {params.get("CallSid"), params.get("ParentCallSid")}
+    if row is None or row.call_sid not in sids:
+        raise BadRequest("not a call of ours")
+    return params, call_id, target, fc
+
+
+@router.post("/twilio/transfer-answered")
+async def transfer_answered(request: Request, runtime: RuntimeDep) -> Response:
+    """The transfer's `<Number statusCallback>`: the person answered (see transfer.py)."""
+    params, call_id, target, fc = await _transfer_params(request, runtime)
+    if params.get("CallStatus") in ("in-progress", "answered"):
+        try:
+            await transfer.answered(runtime, call_id, target, fc)
+        except DBAPIError as exc:
+            raise DatabaseUnavailable("transfer update failed") from exc
+    return Response(status_code=204)
+
+
+@router.post("/twilio/transfer-ended")
+async def transfer_ended(request: Request, runtime: RuntimeDep) -> Response:
+    """The transfer's `<Dial action>`: hang up after a call the person answered, else bring
+    the caller back to an agent (see transfer.py)."""
+    params, call_id, target, fc = await _transfer_params(request, runtime)
+    if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
+        return _xml(twiml.hangup())  # the caller hung up while it rang
+    status = params.get("DialCallStatus", "failed")
+    try:
+        return _xml(await transfer.dial_ended(runtime, call_id, target, fc, status))
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("transfer update failed") from exc
 
 
 @router.post("/twilio/status")

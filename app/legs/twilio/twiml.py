@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twilio.twiml.voice_response import Connect, Stream, VoiceResponse
+from twilio.twiml.voice_response import Connect, Dial, Stream, VoiceResponse
 
 BUSY_MESSAGE = "Sorry, all our lines are busy right now. Please call again in a few minutes."
 
@@ -19,6 +19,23 @@ def connect_stream(
         stream.parameter(name=name, value=value)
     connect.append(stream)
     response.append(connect)
+    return str(response)
+
+
+def dial(destination: str, *, action_url: str, answered_url: str, timeout_s: int) -> str:
+    """`<Dial action timeout><Number|Sip statusCallback>`: put the caller through to a person;
+    Twilio tells `answered_url` when they pick up and asks `action_url` what next when the dial
+    ends (answered and over, busy, no answer). The person sees the caller's own number."""
+    response = VoiceResponse()
+    dial_el = Dial(action=action_url, method="POST", timeout=timeout_s)
+    noun = dial_el.sip if destination.startswith(("sip:", "sips:")) else dial_el.number
+    noun(
+        destination,
+        status_callback_event="answered",
+        status_callback=answered_url,
+        status_callback_method="POST",
+    )
+    response.append(dial_el)
     return str(response)
 
 
