@@ -285,6 +285,45 @@ async def test_transfer_sends_refer_and_is_on_the_timeline(engine: AsyncEngine) 
     assert final["end_reason"].startswith("transferred to tel:+15559990000")
 
 
+async def test_the_models_transfer_call_refers_the_call_after_its_sentence(
+    engine: AsyncEngine,
+) -> None:
+    scripted = Scenario.model_validate(
+        {
+            "name": "openai-sip-transfer",
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": 800},
+            "steps": [
+                {
+                    "caller_transcript": "A person please.",
+                    "function_call": {
+                        "name": "transfer_call",
+                        "arguments": {"target": "front_desk", "reason": "asked for a person"},
+                    },
+                },
+                {"reply": {"text": "Putting you through now.", "audio_ms": 800}},
+            ],
+        }
+    )
+    async with interconnect(engine, scripted, transfer_targets="front_desk=+15550100009") as ic:
+        call = await ic.sim.place_call()
+        session = await ic.sim.wait_for_session(call.call_id)
+        await ic.wait_row(call.call_id, "in_progress")
+        await session.wait_for_received("response.create", within=10)
+        await session.caller_says()
+        await ic.wait_over(call.call_id, within=30)
+        started = await events_of(ic, call.call_id, "transfer_started")
+        final = await ic.row(call.call_id)
+        said = [e["text"] for e in await events_of(ic, call.call_id, "agent_transcript")]
+
+    assert ic.sim.requests_for(call.call_id, "refer") == [{"target_uri": "tel:+15550100009"}]
+    assert started == [
+        {"target": "front_desk", "target_uri": "tel:+15550100009", "by": "transfer_call"}
+    ]
+    assert "Putting you through now." in said  # the sentence before the refer
+    assert final is not None and final["status"] == "completed"
+    assert final["end_reason"] == "transferred to front_desk"
+
+
 async def test_hang_up_from_our_side_sends_hangup_closes_the_sideband_and_ends_the_call(
     engine: AsyncEngine,
 ) -> None:

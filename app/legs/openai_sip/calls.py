@@ -40,6 +40,7 @@ from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.sideband import SidebandLeg
 from telephony.session_config import BridgeConfig, session_update
+from telephony.tool_gateway import TransferOutcome, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -281,12 +282,16 @@ class OpenAISipService:
         async def on_fatal(reason: str) -> None:
             await self._hangup(call, f"sideband lost: {reason}")
 
+        async def put_through(request: TransferRequest) -> TransferOutcome:
+            return await self._tool_transfer(call, request)
+
         bridge = session.build_bridge(
             leg,
             carries_audio=False,  # OpenAI carries the audio: nothing here to record
             caller_id=call.caller_id,
             config=_sideband_config(runtime.bridge_config, settings.openai_sip_reattach_budget_s),
             on_fatal=on_fatal,
+            transfer=put_through,
         )
         call.bridge = bridge
         call.leg = leg
@@ -374,6 +379,34 @@ class OpenAISipService:
         live.transferred_to = uri
         assert live.bridge is not None
         await live.bridge.end(f"transferred to {uri}")
+
+    async def _tool_transfer(self, live: _Call, request: TransferRequest) -> TransferOutcome:
+        """`transfer_call` on an interconnect call: OpenAI's `refer` (it sends the REFER to
+        the carrier, who puts the caller through and tells us no more); once it took it, the
+        call is over here, "transferred to <target>"."""
+        try:
+            uri = transfer_target(request.destination)
+            await self.runtime.openai.realtime.calls.refer(
+                live.session.call_sid,
+                target_uri=uri,
+                timeout=self._settings.openai_sip_api_timeout_s,
+            )
+        except Exception as exc:
+            log.warning("OpenAI SIP call %s: refer refused: %r", live.session.call_id, exc)
+            return TransferOutcome(False, "refused", "the phone system did not take the transfer")
+        self.runtime.events.emit(
+            CallEvent(
+                live.session.call_id,
+                CallEventKind.TRANSFER_STARTED,
+                {"target": request.target, "target_uri": uri, "by": "transfer_call"},
+            )
+        )
+        live.transferred_to = uri
+        bridge = live.bridge
+        if bridge is not None:
+            # Not from this task (the bridge's own): the bridge's end waits for its tasks.
+            self._spawn(bridge.end(f"transferred to {request.target}"), "transfer-end")
+        return TransferOutcome(True, "referred", f"referred to {request.target}")
 
     async def hangup(self, call: str, reason: str = "ended by the application") -> None:
         """End a live call from our side: `hangup` (through the bridge's end)."""
