@@ -872,7 +872,11 @@ async def test_simulated_call_greets_hears_the_caller_and_answers(make_call, sim
         "heard_ms": 700,
         "audio_ms": 700,
         "started_mono_ns": reply.data["started_mono_ns"],
+        # The response that said it (replay rebuilds the model's script from it).
+        "response_id": reply.data["response_id"],
     }
+    said_by = [e.data["response_id"] for e in call.events(CallEventKind.RESPONSE_CREATED)]
+    assert reply.data["response_id"] == said_by[1]  # the reply, not the greeting
     # Stamped when its playout began: before the caller's words were transcribed, and at
     # least its heard audio before it was recorded.
     assert caller.mono_ns < reply.data["started_mono_ns"] <= reply.mono_ns - 700 * 1_000_000

@@ -28,7 +28,7 @@ SIM = "telephony.sim"
 # for the demo catalog.
 STAND_IN_USERS = frozenset(
     {"app.cli.commands", "app.cli.demo", "app.cli.demo_harness", "app.cli.demo_openai_sip",
-     "app.cli.eval_file", "app.cli.evals", "app.server"}
+     "app.cli.eval_file", "app.cli.evals", "app.cli.replay", "app.server"}
 )  # fmt: skip
 # The wings of `app`, lowest first: a wing may import the wings before it, never one after it
 # (legs, console and ops use calls; calls knows no leg, no console page, no after-call work).

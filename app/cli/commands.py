@@ -139,6 +139,13 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval_command(args.files, args.junit, get_settings())
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from app.cli.replay import run_replay_command
+    from app.settings import get_settings
+
+    return run_replay_command(args.call_id, args.save, args.database_url, get_settings())
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -379,6 +386,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a JUnit XML report there (default: none)",
     )
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "replay",
+        help="run a recorded call again against the current code and diff its decisions",
+    )
+    p.add_argument("call_id", metavar="CALL_ID", help="the call's id (as the console shows it)")
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="PATH",
+        help="also write the rebuilt call as an eval scenario file there (default: none)",
+    )
+    p.add_argument(
+        "--database-url",
+        default=None,
+        metavar="URL",
+        help="the database that holds the call, where the replay also runs "
+        "(default: DATABASE_URL, else the embedded PostgreSQL)",
+    )
+    p.set_defaults(func=_replay)
 
     p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")
     toolsub = p.add_subparsers(dest="tools_command", required=True)

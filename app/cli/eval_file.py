@@ -28,6 +28,7 @@ the line and the field path.
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,8 @@ class CallerStep(BaseModel):
 
     def describe(self) -> str:
         value = getattr(self, self.kind)
+        if isinstance(value, Enum):
+            value = value.value  # 'heard', not <DeliveryState.HEARD: 'heard'>
         return self.kind if value is True else f"{self.kind} {value!r}"
 
 

@@ -86,6 +86,8 @@ class Observed:
     sms: int = 0
     barge_ins: int = 0
     heard: list[str] = field(default_factory=list)
+    # The call's row id (replay reads its decisions back from it).
+    call_id: str = ""
 
 
 @dataclass
@@ -312,7 +314,7 @@ class _Call:
     async def observe(self, api: FakeTwilioApi) -> Observed:
         call_id = await self._call_id()
         ops = await _operations(self.engine, call_id)
-        observed = Observed(operations=[str(o["status"]) for o in ops])
+        observed = Observed(operations=[str(o["status"]) for o in ops], call_id=str(call_id))
         if ops:
             trail = await _rows(
                 self.engine,

@@ -235,6 +235,8 @@ class Playout(ABC):
         self._port.emit(
             CallEventKind.AGENT_TRANSCRIPT,
             item_id=item_id,
+            # Which response said it (replay rebuilds the model's script from it).
+            response_id=item.response_id,
             text=text,
             cut=cut,
             heard_ms=heard,
