@@ -164,6 +164,8 @@ class Settings(BaseSettings):
     transfer_targets: str | None = None
     # How long a transfer's destination rings before the caller comes back to the agent.
     transfer_ring_timeout_s: int = Field(default=30, ge=5, le=120)
+    # Whether the agent may press keys on the line (send_dtmf), e.g. to get through an IVR.
+    dtmf_out: bool = False
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

@@ -175,6 +175,7 @@ def build_tools(
         ),
         agents=agents,
         transfers=parse_targets(settings.transfer_targets),
+        dtmf_out=settings.dtmf_out,
     )
     return ToolWiring(
         pipeline=pipeline,

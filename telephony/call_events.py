@@ -45,6 +45,7 @@ class CallEventKind(StrEnum):
     CALL_TRANSFERRED = "call_transferred"  # refer sent (OpenAI's SIP interconnect)
     # transfer_call: asked of the leg, under way (the caller left the agent), failed (the caller
     # stays), answered by the person, or ended without them (busy, no answer: the caller is back)
+    DTMF_SENT = "dtmf_sent"  # keys the agent pressed on the line (send_dtmf)
     TRANSFER_REQUESTED = "transfer_requested"
     TRANSFER_STARTED = "transfer_started"
     TRANSFER_FAILED = "transfer_failed"

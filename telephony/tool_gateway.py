@@ -142,6 +142,8 @@ class ToolReply:
     session_change: SessionChange | None = None
     # A transfer to a person, for the call side to carry out after the agent's sentence.
     transfer: TransferRequest | None = None
+    # Keys to press on the line (send_dtmf): the call side sends them, then answers.
+    dtmf: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -408,3 +408,33 @@ def test_the_stream_feeds_its_reception_from_admitted_packets_only() -> None:
     rtp.datagram_received(b"\x80" + bytes(5), PEER)  # too short: not RTP
     report = rtp.reception.report()
     assert (report["packets_received"], report["packets_lost"]) == (4, 1)
+
+
+def test_digits_go_out_as_rfc4733_events_in_place_of_audio_then_audio_resumes() -> None:
+    rtp, out, _, _ = stream()
+    rtp.start()
+    rtp.enqueue("item", agent(60))  # agent audio waits while the keys are sent
+    rtp.send_events([(1, 5, 4), (11, 5, 0)])  # "1", a gap, "#"
+    for _ in range(20):
+        rtp.tick()
+    sent = [p for p, _ in out.sent]
+    events = [p for p in sent if p.payload_type == 101]
+    by_code: dict[int, list[RtpPacket]] = {}
+    for p in events:
+        by_code.setdefault(p.payload[0], []).append(p)
+    assert list(by_code) == [1, 11]
+    for packets in by_code.values():
+        # One timestamp per key, a marker on its first packet, a growing duration, and its
+        # end sent three times (RFC 4733).
+        assert len({p.timestamp for p in packets}) == 1
+        assert [p.marker for p in packets] == [1] + [0] * (len(packets) - 1)
+        durations = [int.from_bytes(p.payload[2:4], "big") for p in packets]
+        assert durations == [160, 320, 480, 640, 800, 800, 800]
+        assert [bool(p.payload[1] & 0x80) for p in packets] == [False] * 4 + [True] * 3
+    # Sequence numbers run on without a gap through events and audio alike.
+    seqs = [p.sequence_number for p in sent]
+    assert all((b - a) & 0xFFFF == 1 for a, b in itertools.pairwise(seqs))
+    # The agent's audio went out only after the keys (the gap between them is audio time).
+    first_event = sent.index(events[0])
+    audio = [i for i, p in enumerate(sent) if p.payload_type == 0 and p.payload[0] == 0x11]
+    assert audio and audio[0] > first_event and rtp.events_sent == 2

@@ -73,8 +73,11 @@ from tools.results import (
 )
 from tools.states import IN_FLIGHT, OperationStatus, is_terminal
 from tools.transfers import (
+    SEND_DTMF,
+    SEND_DTMF_SPEC,
     TRANSFER_CALL,
     TRANSFER_SPEC,
+    SendDtmfArgs,
     TransferArgs,
     TransferTarget,
     record_transfer_outcome,
@@ -139,10 +142,13 @@ class ToolPipeline:
         lockout: LockoutPolicy | None = None,
         agents: AgentSet | None = None,
         transfers: Mapping[str, TransferTarget] | None = None,
+        dtmf_out: bool = False,
     ) -> None:
         self._engine = engine
         # Where a caller may be transferred (TRANSFER_TARGETS); none: the tool is not offered.
         self.transfers: dict[str, TransferTarget] = dict(transfers or {})
+        # Whether the agent may press keys on the line (DTMF_OUT): send_dtmf is offered.
+        self.dtmf_out = dtmf_out
         # Agents declared (AGENTS_FILE): each call talks to one at a time, with its tools.
         self.agents = agents
         self._registry = registry
@@ -165,6 +171,8 @@ class ToolPipeline:
         defined = self._registry.definitions()
         if self.transfers:
             defined.append(transfer_definition(self.transfers))
+        if self.dtmf_out:
+            defined.append(SEND_DTMF_SPEC.definition())
         return defined
 
     # --- agents --------------------------------------------------------------------------
@@ -189,6 +197,8 @@ class ToolPipeline:
         tools = [s.definition() for s in self._registry if self._offers(agent, s.name)]
         if self.transfers:
             tools.append(transfer_definition(self.transfers))
+        if self.dtmf_out:
+            tools.append(SEND_DTMF_SPEC.definition())
         if agent.handoffs:
             handoff = HANDOFF_SPEC.definition()
             # The model sees exactly whom this agent may hand to: its schema names them.
@@ -407,6 +417,8 @@ class ToolPipeline:
             return HANDOFF_SPEC
         if name == TRANSFER_CALL and self.transfers:
             return TRANSFER_SPEC
+        if name == SEND_DTMF and self.dtmf_out:
+            return SEND_DTMF_SPEC
         return self._registry.get(name) if name in self._registry else None
 
     async def _record_call(
@@ -567,6 +579,12 @@ class ToolPipeline:
                     return await self._handoff(conn, ctx, request, tc, args)
                 if isinstance(args, TransferArgs):
                     return await self._transfer(conn, request, tc, args)
+                if isinstance(args, SendDtmfArgs):
+                    out = {"status": "sending", "digits": args.digits}
+                    await ledger.complete_tool_call(
+                        conn, tc.id, decision="dtmf", arguments={"digits": args.digits}, output=out
+                    )
+                    return ToolReply(output=out, wants_response=True, dtmf=args.digits)
                 if isinstance(args, ConfirmOperationArgs):
                     return await self._confirm(conn, ctx, request, tc, args, identity)
                 if isinstance(args, ResolveConflictArgs):

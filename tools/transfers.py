@@ -108,6 +108,30 @@ TRANSFER_SPEC = ToolSpec(
 )
 
 
+SEND_DTMF = "send_dtmf"
+
+
+class SendDtmfArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, frozen=True)
+
+    digits: str = Field(
+        pattern=r"^[0-9*#A-Dw,]{1,32}$",
+        description="Keys to press, in order: 0-9, *, #, A-D; a comma waits half a second.",
+    )
+
+
+SEND_DTMF_SPEC = ToolSpec(
+    name=SEND_DTMF,
+    description=(
+        "Press keys on the phone line, to choose options of an automated menu on the other "
+        "side (for example 1, or 2# for an extension). Only for a menu you hear; never to "
+        "enter the caller's own numbers or PIN."
+    ),
+    args_model=SendDtmfArgs,
+    kind=ToolKind.CONTROL,
+)
+
+
 def transfer_definition(targets: Mapping[str, TransferTarget]) -> dict[str, Any]:
     """The tool's definition with exactly these targets as the values `target` may take."""
     definition = TRANSFER_SPEC.definition()

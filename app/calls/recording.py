@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -248,6 +248,11 @@ class RecordingLeg:
         # What the leg measured of its media (the SIP leg's RTP reception), passed through.
         self.media_report: Callable[[], dict[str, float | int]] | None = getattr(
             inner, "media_report", None
+        )
+        # Digits to the far side (the leg's own way: RFC 4733 or tones), passed through; tones
+        # the Twilio leg plays go through its play tap, so the recording has them.
+        self.send_digits: Callable[[str], Awaitable[str]] | None = getattr(
+            inner, "send_digits", None
         )
 
     async def events(self) -> AsyncIterator[LegEvent]:

@@ -50,6 +50,7 @@ _CALL_LANE_KINDS = {
     "malformed_frame": "bad frame",
     "apology_played": "apology",
     "call_transferred": "transferred",
+    "dtmf_sent": "keys sent",
     "transfer_requested": "transfer asked",
     "transfer_started": "transferring",
     "transfer_failed": "transfer failed",

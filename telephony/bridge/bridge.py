@@ -177,6 +177,7 @@ class Bridge:
             history,
             self.spans,
             transfer,
+            getattr(leg, "send_digits", None),
         )
 
     @property

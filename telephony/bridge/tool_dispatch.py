@@ -10,6 +10,7 @@ for when a confirmation rests on it (`CallerEvidence`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -69,6 +70,7 @@ class ToolDispatch:
         history: Iterable[str] = (),
         spans: CallSpans | None = None,
         transfer: TransferHook | None = None,
+        send_digits: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self._port = port
         self._ctx = ctx
@@ -84,6 +86,8 @@ class ToolDispatch:
         self._spans = spans
         # How this call's leg transfers a caller (None: it cannot).
         self._transfer_hook = transfer
+        # How this call's leg presses keys on the line (None: it cannot).
+        self._send_digits = send_digits
         self._history = history  # the conversation so far, for a new agent's note
         self._seen: set[str] = set()  # function_call_ids acted on
         # Function calls per response, and those running now (bounded by the config).
@@ -196,6 +200,8 @@ class ToolDispatch:
                 reply = ToolReply({"error": "The request could not be completed right now."})
             finally:
                 self._running -= 1
+        if reply.dtmf is not None:
+            reply = await self._press(reply, reply.dtmf)
         if reply.awaiting_confirmation and reply.operation_id is not None:
             # What the model says after this output is the readback the caller must hear.
             self._evidence.readback_asked(reply.operation_id)
@@ -283,6 +289,25 @@ class ToolDispatch:
         )
         self._utterances.queue(CreateRequest("transfer_failed", turn_id=None))
         await self._utterances.drain()
+
+    async def _press(self, reply: ToolReply, digits: str) -> ToolReply:
+        """Send the keys on the leg; the model hears back once they have gone out."""
+        if self._send_digits is None or self._port.ended():
+            how = "not sent: this line cannot send keys"
+        else:
+            try:
+                how = await self._send_digits(digits)
+            except Exception as exc:
+                log.warning("call %s: sending keys failed: %r", self._port.call_id, exc)
+                how = "not sent: the line did not take them"
+        sent = not how.startswith("not sent")
+        self._port.emit(CallEventKind.DTMF_SENT, digits=digits, how=how, sent=sent)
+        output = (
+            {"status": "sent", "digits": digits, "message": "The keys were pressed."}
+            if sent
+            else {"status": "error", "digits": digits, "message": f"The keys were {how}."}
+        )
+        return dataclasses.replace(reply, output=output)
 
     async def _until_said(self, wait_s: float) -> None:
         """Until the response after a tool's output has been created, done and heard (a

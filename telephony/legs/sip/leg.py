@@ -6,8 +6,10 @@ import asyncio
 import base64
 import binascii
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 
+from telephony import dtmf_out
 from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
 from telephony.legs.sip.sdp import Codec, Direction, RemoteMedia
@@ -115,6 +117,27 @@ class SipLeg:
     async def clear(self) -> None:
         # Frames still queued never left: the caller never heard them.
         self.rtp.flush(then=self.playback.cleared)
+
+    async def send_digits(self, digits: str) -> str:
+        """Send DTMF to the far side: RFC 4733 events where the peer offered them, else
+        in-band tones; returns how they went out, once they have."""
+        if self._closed:
+            return "not sent: the call is over"
+        if self.rtp.dtmf_pt is not None:
+            tone, gap = dtmf_out.TONE_MS // 20, dtmf_out.GAP_MS // 20
+            pause = dtmf_out.PAUSE_MS // 20
+            self.rtp.send_events(
+                [(-1, pause, 0) if d in ",w" else (dtmf_out.EVENT_CODES[d], tone, gap)
+                 for d in digits]
+            )  # fmt: skip
+            how = "rfc4733"
+        else:
+            self.rtp.enqueue(
+                f"dtmf-{secrets.token_hex(4)}", dtmf_out.tones(digits, self.audio_format)
+            )
+            how = "inband"
+        await asyncio.sleep(dtmf_out.duration_ms(digits) / 1000)
+        return how
 
     def media_report(self) -> dict[str, float | int]:
         """The caller's media as received (RFC 3550 receiver statistics: loss, jitter)."""

@@ -300,6 +300,12 @@ class RtpStream(asyncio.DatagramProtocol):
         self.foreign_packets = 0
         self.discontinuities = 0  # re-anchored stream times (a new SSRC, address or a jump)
         self.reception = Reception()
+        # Digits to send as RFC 4733 events: (code, ticks of tone, ticks of gap after), and the
+        # one being sent: [code, start timestamp, ticks sent, ticks of tone, end packets left].
+        self._digits: deque[tuple[int, int, int]] = deque()
+        self._event: list[int] | None = None
+        self._gap = 0
+        self.events_sent = 0
 
     # ---- asyncio ------------------------------------------------------------------------
 
@@ -493,6 +499,54 @@ class RtpStream(asyncio.DatagramProtocol):
     def queued_frames(self) -> int:
         return len(self._queue)
 
+    def send_events(self, keys: list[tuple[int, int, int]]) -> None:
+        """Queue digits as RFC 4733 telephone-events: (event code, tone ticks, gap ticks after);
+        a code of -1 is a pause. Sent in place of agent audio, which waits meanwhile."""
+        with self.lock:
+            self._digits.extend(keys)
+
+    def _event_packet(self) -> RtpPacket | None:
+        """The next telephone-event packet, or None when no digit is being sent (the caller
+        holds the lock). A digit's packets share its start timestamp, with a growing duration;
+        its end is sent three times (RFC 4733 2.5.1.4); a gap of audio/silence follows."""
+        if self._event is None:
+            if self._gap > 0:
+                self._gap -= 1
+                return None
+            while self._digits:
+                code, tone, gap = self._digits.popleft()
+                if code < 0:  # a pause
+                    self._gap = tone + gap
+                    return None
+                self._event = [code, self.ts, 0, tone, 3]
+                self._gap = gap
+                break
+            else:
+                return None
+        event = self._event
+        code, start, sent, tone, ends = event
+        first = sent == 0
+        if sent < tone:
+            sent += 1
+        end = sent >= tone
+        if end:
+            ends -= 1
+        event[2], event[4] = sent, ends
+        if end and ends <= 0:
+            self._event = None
+            self.events_sent += 1
+        duration = sent * FRAME_BYTES
+        payload = bytes([code, (0x80 if end else 0) | 10, duration >> 8, duration & 0xFF])
+        assert self.dtmf_pt is not None
+        return RtpPacket(
+            payload_type=self.dtmf_pt,
+            marker=1 if first else 0,
+            sequence_number=self.seq,
+            timestamp=start,
+            ssrc=self.ssrc,
+            payload=payload,
+        )
+
     def tick(self) -> None:
         """One 20 ms period: send the next agent frame, or silence (the clock thread)."""
         with self.lock:
@@ -500,18 +554,27 @@ class RtpStream(asyncio.DatagramProtocol):
             remote, sendto = self.remote, self._sendto
             if not self.sending or remote is None or sendto is None or self._closed:
                 return  # paused: agent audio stays queued and nothing counts as heard
-            if not self._queue and self._tail:
-                self._push_tail()  # the last, short frame of a response
-            frame = self._queue.popleft() if self._queue else None
-            packet = RtpPacket(
-                payload_type=self.codec.payload_type,
-                marker=1 if self._marker else 0,
-                sequence_number=self.seq,
-                timestamp=self.ts,
-                ssrc=self.ssrc,
-                payload=frame.payload if frame is not None else self._silence,
+            event = (
+                self._event_packet()
+                if self.dtmf_pt is not None and (self._event or self._digits or self._gap)
+                else None
             )
-            self._marker = False
+            frame = None
+            if event is not None:
+                packet = event
+            else:
+                if not self._queue and self._tail:
+                    self._push_tail()  # the last, short frame of a response
+                frame = self._queue.popleft() if self._queue else None
+                packet = RtpPacket(
+                    payload_type=self.codec.payload_type,
+                    marker=1 if self._marker else 0,
+                    sequence_number=self.seq,
+                    timestamp=self.ts,
+                    ssrc=self.ssrc,
+                    payload=frame.payload if frame is not None else self._silence,
+                )
+                self._marker = False
             self.seq = (self.seq + 1) & 0xFFFF
             try:
                 sendto(packet.serialize(), remote)

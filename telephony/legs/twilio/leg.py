@@ -6,10 +6,12 @@ import asyncio
 import base64
 import contextlib
 import logging
+import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
+from telephony import dtmf_out
 from telephony.audio import base64_size
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import MalformedFrame
@@ -359,6 +361,18 @@ class TwilioLeg:
         )
 
     # Send side.
+
+    async def send_digits(self, digits: str) -> str:
+        """Send DTMF to the far side as in-band tones (a media stream carries audio only);
+        returns once they have played."""
+        if self._closed:
+            return "not sent: the call is over"
+        audio = dtmf_out.tones(digits, self.audio_format)
+        self.play_nowait(f"dtmf-{secrets.token_hex(4)}", base64.b64encode(audio).decode("ascii"))
+        self._flush_pending()
+        self._close_tail()  # all of it goes out now, its mark after it
+        await asyncio.sleep(dtmf_out.duration_ms(digits) / 1000)
+        return "inband"
 
     async def play(self, item_id: str, payload: str) -> None:
         """Queue agent audio in frames of at most a chunk, a mark closing every chunk of it;
