@@ -202,7 +202,12 @@ def create_app(
         from app.legs.openai_sip.calls import OpenAISipService
 
         runtime.openai_sip = OpenAISipService(runtime)
-        control.transfer = runtime.openai_sip.transfer
+        from app.legs.staff_transfer import transfer_call
+
+        async def staff_transfer(call_sid: str, target: str, by: str) -> None:
+            await transfer_call(runtime, call_sid, target, by)
+
+        control.transfer = staff_transfer
         if settings.sip_bind:
             from app.legs.sip import SipService
 

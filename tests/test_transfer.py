@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
@@ -195,3 +196,45 @@ def test_transfer_targets_that_cannot_work_are_refused_at_start(text: str, probl
     targets = parse_targets(TARGETS)
     assert targets["front_desk"].masked() == "+*******0009"
     assert targets["billing"].is_sip and parse_targets(" ") == {}
+
+
+async def test_staff_transfer_a_twilio_call_from_the_console_after_the_agents_sentence(
+    engine: AsyncEngine,
+) -> None:
+    from app.access.staff import Role
+    from tests.console_support import bearer
+
+    staffed = Scenario.model_validate(
+        {
+            "name": "staff-transfer",
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": GREETING_MS},
+            "steps": [],
+            "fallback": {"text": SENTENCE, "audio_ms": SENTENCE_MS},
+        }
+    )
+    async with call_stack(engine, staffed, transfer_targets=TARGETS) as stack:
+        operator = await bearer(engine, Role.OPERATOR, "olga")
+        caller = stack.caller()
+        stack.api.attach(caller)
+        await caller.dial()
+        await hear_greeting(caller)
+        call_id = await stack.call_id(caller)
+        async with httpx.AsyncClient(base_url=stack.service.url) as http:
+            api = f"/api/calls/{call_id}/actions/transfer"
+            bad = await http.post(api, json={"target": "ceo", "why": "x"}, headers=operator)
+            moved = await http.post(
+                api, json={"target": "front_desk", "why": "billing dispute"}, headers=operator
+            )
+        await wait_until(lambda: bool(stack.api.dials), WAIT_S, "Twilio is told to dial")
+        heard_at_dial = caller.heard_ms
+        await caller.wait_for(lambda c: c.state is CallerState.ENDED, WAIT_S)
+        await wait_until(lambda: _ended(engine, caller), WAIT_S, "the row ends")
+        row = await call_row(engine, caller.call_sid)
+        events = await stack.events(caller)
+    assert bad.status_code == 400 and moved.status_code == 202
+    assert stack.api.dials == [(caller.call_sid, DESK, "answered")]
+    # The agent told the caller first (a whole sentence after the greeting).
+    assert heard_at_dial >= GREETING_MS + SENTENCE_MS - 60, heard_at_dial
+    [asked] = [e["data"] for e in events if e["kind"] == "transfer_requested"]
+    assert asked["target"] == "front_desk" and asked["reason"].startswith("staff: olga")
+    assert row is not None and row["end_reason"] == "transferred to front_desk"

@@ -54,7 +54,7 @@ from app.console.views import (
     view_or_404,
 )
 from app.console_models import call_recordings_table as recordings_t
-from app.deps import EngineDep
+from app.deps import EngineDep, RuntimeDep
 from app.errors import BadRequest, Conflict, NotFound, TooManyStreams
 from app.http.guard import leave_source_count
 from app.http.slots import Slot
@@ -274,20 +274,26 @@ async def call_action_transfer(
     call_id: uuid.UUID,
     body: TransferBody,
     engine: EngineDep,
+    runtime: RuntimeDep,
     principal: OperatorDep,
     _q: Annotated[NoQuery, Query()],
 ) -> dict[str, Any]:
-    """Transfer a live OpenAI SIP interconnect call to a number or SIP URI (`refer`); the
-    `call_transferred` event on the timeline says where, who asked, and whether it worked."""
+    """Transfer a live call to a TRANSFER_TARGETS name, a number or a SIP URI. An OpenAI SIP
+    interconnect call is referred at once (`call_transferred` on the timeline); a Twilio call
+    (and a SIP call, where the leg can transfer) is put through after the agent's sentence
+    (`transfer_requested`, `transfer_started`, then answered or failed)."""
     from app.legs.openai_sip.calls import transfer_target
+    from app.legs.staff_transfer import staff_target
 
+    row = await _live_call(engine, call_id)
     try:
-        target = transfer_target(body.target)
+        if row.leg == "openai_sip":
+            target = transfer_target(body.target)
+        else:
+            staff_target(runtime, body.target)  # refused here, before any replica acts
+            target = body.target.strip()
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
-    row = await _live_call(engine, call_id)
-    if row.leg != "openai_sip":
-        raise Conflict(f"transfer needs an OpenAI SIP interconnect call (this one is {row.leg})")
     await publish_transfer(engine, row.call_sid, target, f"{principal.name}: {body.why}")
     return {"message": f"asked the process holding the call to transfer it to {target}",
             "call_id": str(call_id)}  # fmt: skip

@@ -59,6 +59,7 @@ from telephony.tool_gateway import (
     ConfirmationEvidence,
     LateResult,
     ToolGateway,
+    TransferRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,10 @@ class Bridge:
             transfer,
             getattr(leg, "send_digits", None),
         )
+
+    async def transfer(self, request: TransferRequest, by: str) -> None:
+        """Staff transfer the caller (see ToolDispatch.staff_transfer)."""
+        await self.tools.staff_transfer(request, by)
 
     @property
     def agent(self) -> str | None:

@@ -229,9 +229,7 @@ class ToolDispatch:
         decision = self._decide(request, reply)
         if reply.transfer is not None:
             # Said before the caller leaves: the sentence the output asks for, then the leg.
-            self._port.spawn(
-                self._carry_out(request, reply.transfer), f"transfer-{function_call_id}"
-            )
+            self._port.spawn(self._carry_out(reply.transfer), f"transfer-{function_call_id}")
         extra: dict[str, Any] = {"limited": True} if refusal is not None else {}
         self._port.emit(
             CallEventKind.FUNCTION_OUTPUT,
@@ -245,7 +243,21 @@ class ToolDispatch:
         )
         await self._utterances.drain()
 
-    async def _carry_out(self, request: FunctionCallRequest, transfer: TransferRequest) -> None:
+    async def staff_transfer(self, transfer: TransferRequest, by: str) -> None:
+        """Staff put the caller through: the agent says so in one sentence, then the leg
+        transfers as for the model's own `transfer_call` (the outcome on the timeline)."""
+        session = self._current()
+        if session is not None and not self._port.ended():
+            await session.add_note(
+                f"A member of staff ({by[:60]}) is transferring this caller to "
+                f"{transfer.target.replace('_', ' ')} now. Tell the caller in one short sentence "
+                "that you are putting them through, and say nothing after it."
+            )
+            self._utterances.queue(CreateRequest("staff_transfer", turn_id=None))
+            await self._utterances.drain()
+        await self._carry_out(transfer)
+
+    async def _carry_out(self, transfer: TransferRequest) -> None:
         """A transfer the engine admitted: once the agent's sentence has been heard (or the
         wait is over), the leg puts the caller through; the outcome goes to the ledger row,
         the timeline and, when the caller stays, to the model."""
