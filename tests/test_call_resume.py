@@ -21,6 +21,7 @@ from app.calls import takeover
 from app.calls.holders import HolderLock, holder_alive
 from app.calls.liveness import end_dead_calls
 from app.errors import WS_POLICY_VIOLATION
+from app.legs.twilio.resume import resume_context
 from app.ops.delivery import call_state_of
 from telephony.sim.fake_caller import FakeTwilioCaller
 from telephony.sim.fake_twilio_api import FakeTwilioApi
@@ -42,8 +43,10 @@ from tests.test_e2e_booking import (
     wait_for_operation,
 )
 from tests.test_e2e_call import hear_greeting, scenario
+from tools import ledger
 from tools.relevance import CallState
 from tools.restaurant.sor import Faults
+from tools.states import OperationStatus
 
 WAIT_S = 45.0
 APOLOGY = "Sorry, I lost you for a moment"
@@ -290,3 +293,41 @@ async def test_a_holder_is_alive_while_its_lock_is_held_and_dead_at_once_after(
     assert alive is True
     assert gone is False
     assert await holder_alive(engine, "never-started") is False
+
+
+async def test_a_resumed_call_asks_again_for_a_yes_it_never_got_and_says_nothing_is_under_way(
+    engine: AsyncEngine,
+) -> None:
+    # Found by bench/soak.py: a replica killed between the readback and the caller's yes; the
+    # new stream's first line said the booking "is still being confirmed", the caller hung up
+    # believing so, and the unconfirmed operation was cancelled with the call, untold.
+    unconfirmed_call = await make_call(engine)
+    running_call = await make_call(engine)
+    for call_id, status in (
+        (unconfirmed_call, OperationStatus.AWAITING_CONFIRMATION),
+        (running_call, OperationStatus.ADMITTED),
+    ):
+        async with engine.begin() as conn:
+            await ledger.admit_operation(
+                conn,
+                tenant_id="default",
+                tool="book_table",
+                args={"date": "2027-01-05", "time": "20:00", "party_size": 4, "name": "Alex"},
+                idempotency_key=f"resume-{call_id}",
+                call_id=call_id,
+                caller="+15550001111",
+                status=status,
+                enqueue=_no_job,
+            )
+    async with call_stack(engine, scenario()) as stack:
+        unconfirmed = await resume_context(stack.service.runtime, unconfirmed_call)
+        running = await resume_context(stack.service.runtime, running_call)
+
+    assert "still being confirmed" not in unconfirmed.first_line
+    assert "needs your yes" in unconfirmed.first_line and "Alex" in unconfirmed.first_line
+    assert "awaiting confirmation" in unconfirmed.note and "ask again" in unconfirmed.note
+    assert "is still being confirmed" in running.first_line
+
+
+async def _no_job(conn: Any, operation_id: Any) -> None:
+    return None  # nothing runs it: the test reads what a resumed stream would say

@@ -135,7 +135,8 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
         ops = await ledger.operations_for_call(conn, call_id, OPEN)
     registry = runtime.tools.registry if runtime.tools is not None else None
     open_lines: list[str] = []
-    pending: list[str] = []
+    under_way: list[str] = []
+    unconfirmed: list[str] = []
     for op in ops:
         what = (
             describe_operation(registry.get(op.tool), op)
@@ -143,7 +144,8 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
             else op.tool.replace("_", " ")
         )
         open_lines.append(f"- {what}: {op.status.value.replace('_', ' ')}")
-        pending.append(what)
+        awaiting = op.status is OperationStatus.AWAITING_CONFIRMATION
+        (unconfirmed if awaiting else under_way).append(what)
     transcript = "\n".join(said[-SUMMARY_LINES:]) or "(nothing yet)"
     operations = "\n".join(open_lines) or "(none)"
     note = (
@@ -151,11 +153,21 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
         f"same call. The conversation so far (most recent last):\n{transcript}\n"
         "Requests of this call still open (their results will reach you; never say one is "
         f"done before you are told):\n{operations}\n"
-        "Do not greet the caller again."
+        + (
+            "One awaiting confirmation is neither done nor under way: nothing happens without "
+            "the caller's yes, so read it back and ask again.\n"
+            if unconfirmed
+            else ""
+        )
+        + "Do not greet the caller again."
     )
     first = "Sorry, I lost you for a moment"
-    if pending:
-        first += f" — your request for {pending[0]} is still being confirmed."
+    if under_way:
+        first += f" — your request for {under_way[0]} is still being confirmed."
+    elif unconfirmed:
+        # Not "being confirmed": the caller's yes is missing, and a caller told it is under way
+        # may hang up believing so while it is cancelled with the call (the soak found this).
+        first += f" — I have not done {unconfirmed[0]} yet: it needs your yes. Shall I go ahead?"
     else:
         first += ". Where were we?"
     if failed_transfer is not None:
