@@ -8,7 +8,15 @@ import time
 from typing import Any
 
 import pytest
-from aiortc.rtp import RtpPacket
+from aiortc.rtp import (
+    RtcpPacket,
+    RtcpReceiverInfo,
+    RtcpRrPacket,
+    RtcpSdesPacket,
+    RtcpSenderInfo,
+    RtcpSrPacket,
+    RtpPacket,
+)
 from openai import AsyncOpenAI
 
 from telephony.legs.leg import DtmfIn, LegClosed
@@ -438,3 +446,92 @@ def test_digits_go_out_as_rfc4733_events_in_place_of_audio_then_audio_resumes() 
     first_event = sent.index(events[0])
     audio = [i for i, p in enumerate(sent) if p.payload_type == 0 and p.payload[0] == 0x11]
     assert audio and audio[0] > first_event and rtp.events_sent == 2
+
+
+class Datagrams:
+    """What a socket sends, raw."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, tuple[str, int]]] = []
+
+    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.sent.append((data, addr))
+
+
+def test_the_answer_names_its_rtcp_port_or_multiplexes_when_the_offer_does() -> None:
+    local = LocalMedia("127.0.0.1", 30000, 1)
+    plain = sdp_offer(port=40000, formats="0 101")
+    remote = sdp.read_offer(plain)
+    assert not remote.rtcp_mux and remote.rtcp_address == ("127.0.0.1", 40001)
+    assert b"a=rtcp:30001\r\n" in sdp.answer(plain, remote, local, 1, "sendrecv")
+    muxed = plain.replace(b"a=sendrecv", b"a=rtcp-mux\r\na=rtcp:40000\r\na=sendrecv")
+    remote = sdp.read_offer(muxed)
+    assert remote.rtcp_mux and remote.rtcp_address == ("127.0.0.1", 40000)
+    answer = sdp.answer(muxed, remote, local, 1, "sendrecv")
+    assert b"a=rtcp-mux\r\n" in answer and b"a=rtcp:30000\r\n" in answer
+    elsewhere = plain.replace(b"a=sendrecv", b"a=rtcp:40011 IN IP4 127.0.0.1\r\na=sendrecv")
+    assert sdp.read_offer(elsewhere).rtcp_address == ("127.0.0.1", 40011)
+
+
+def _reporting_stream(mux: bool) -> tuple[RtpStream, FakeTransport, Datagrams]:
+    rtp = RtpStream(PCMU, 101, SentPlayback(), RtpClock(), lambda a, _: None, lambda d: None,
+                    rtcp_interval_s=0.1)  # fmt: skip
+    out = FakeTransport()
+    rtp.connection_made(out)  # type: ignore[arg-type]
+    rtcp = Datagrams()
+    if mux:
+        rtp._sendto = rtcp.sendto  # RTP and RTCP leave from the same socket
+    else:
+        rtp.use_rtcp_socket(rtcp)  # type: ignore[arg-type]
+    remote = RemoteMedia(PCMU, 101, PEER, "sendrecv", rtcp_mux=mux)
+    rtp.set_remote(remote, "sendrecv")
+    rtp.start()
+    return rtp, out, rtcp
+
+
+def test_sender_and_receiver_reports_go_both_ways_with_loss_jitter_and_round_trip() -> None:
+    rtp, _, rtcp = _reporting_stream(mux=False)
+    for seq in (1, 2, 3, 5):  # the caller's packet 4 is lost
+        rtp.datagram_received(rtp_packet(seq, seq * 160, ssrc=0x1234), PEER)
+    # The caller's sender report, with its view of our stream: a quarter lost, 10 ms jitter.
+    peer_ntp = (3_900_000_000 << 32) | 0x12345678
+    block = RtcpReceiverInfo(ssrc=rtp.ssrc, fraction_lost=64, packets_lost=3,
+                             highest_sequence=99, jitter=80, lsr=0, dlsr=0)  # fmt: skip
+    sr = RtcpSrPacket(
+        ssrc=0x1234,
+        sender_info=RtcpSenderInfo(
+            ntp_timestamp=peer_ntp, rtp_timestamp=800, packet_count=5, octet_count=800
+        ),
+        reports=[block],
+    )
+    rtp.rtcp_received(bytes(sr), (PEER[0], PEER[1] + 1))
+    rtp.rtcp_received(bytes(sr), ("10.9.9.9", PEER[1] + 1))  # not the peer: dropped
+    rtp.rtcp_received(b"\x80\xc8garbage", (PEER[0], PEER[1] + 1))  # not RTCP: counted
+    for _ in range(20):
+        rtp.tick()
+    assert rtp.remote_report == {"loss_ratio": 0.25, "packets_lost": 3, "jitter_ms": 10.0}
+    assert rtp.rtcp_reports_received == 1 and rtp.bad_rtcp == 1
+    assert rtcp.sent and {addr for _, addr in rtcp.sent} == {(PEER[0], PEER[1] + 1)}
+    data, _ = rtcp.sent[-1]
+    ours, sdes = RtcpPacket.parse(data)
+    assert isinstance(ours, RtcpSrPacket) and ours.ssrc == rtp.ssrc
+    assert 0 < ours.sender_info.packet_count <= rtp.packets_sent
+    assert ours.sender_info.octet_count == 160 * ours.sender_info.packet_count
+    [about_caller] = ours.reports
+    assert about_caller.ssrc == 0x1234 and about_caller.packets_lost == 1
+    assert about_caller.highest_sequence == 5
+    assert about_caller.lsr == (peer_ntp >> 16) & 0xFFFFFFFF and about_caller.dlsr > 0
+    assert isinstance(sdes, RtcpSdesPacket)
+
+
+def test_multiplexed_rtcp_shares_the_rtp_port_both_ways() -> None:
+    rtp, _, socket_out = _reporting_stream(mux=True)
+    rr = RtcpRrPacket(ssrc=0x1234, reports=[RtcpReceiverInfo(
+        ssrc=rtp.ssrc, fraction_lost=0, packets_lost=0, highest_sequence=1, jitter=8,
+        lsr=0, dlsr=0)])  # fmt: skip
+    rtp.datagram_received(bytes(rr), PEER)  # on the RTP port
+    for _ in range(20):
+        rtp.tick()
+    reports = [d for d, addr in socket_out.sent if 200 <= d[1] <= 204]
+    assert reports and all(addr == PEER for d, addr in socket_out.sent)
+    assert rtp.remote_report == {"loss_ratio": 0.0, "packets_lost": 0, "jitter_ms": 1.0}

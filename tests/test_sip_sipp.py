@@ -76,6 +76,7 @@ async def test_sipp_uac_pcap_call_reaches_the_model_as_pcma_and_its_digit_the_to
         assert media["packets_received"] > 100 and media["packets_expected"] >= 100
         assert media["packets_lost"] == 0 and media["loss_ratio"] == 0.0, media
         assert 0 <= media["jitter_ms"] < 40, media
+        assert media["rtcp_sent"] >= 1  # our reports went out during the call
 
 
 @pytest.mark.parametrize("transport", ["u1", "t1"])

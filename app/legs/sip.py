@@ -34,7 +34,7 @@ from telephony.legs.sip.digest import DigestAuth, parse_users
 from telephony.legs.sip.errors import RtpPortsExhausted
 from telephony.legs.sip.leg import SipLeg
 from telephony.legs.sip.ports import RtpPorts
-from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtcpSocket, RtpClock
 from telephony.legs.sip.sdp import ANSWER_DIRECTION, LocalMedia
 from telephony.legs.sip.timers import TimerConfig
 from telephony.legs.sip.transport import SipTransport
@@ -281,11 +281,33 @@ class SipService:
             self._reject(key, 503, retry_after=5)
             await session.end(CallStatus.FAILED, EndReason.NO_RTP_PORT)
             return
+        rtcp = await self._bind_rtcp(leg, rtp_port)
         try:
             await self._bridge(pending, session, leg, rtp_port)
         finally:
             leg.rtp.close()
+            if rtcp is not None:
+                rtcp.close()
             self.ports.release(rtp_port)
+
+    async def _bind_rtcp(self, leg: SipLeg, rtp_port: int) -> asyncio.DatagramTransport | None:
+        """The RTCP socket on the port above RTP (RTP ports are even, the odd one above is
+        RTCP's); None when it is taken (RTCP then goes only where the peer multiplexes it)."""
+        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.bind((self.bind_host, rtp_port + 1))
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: RtcpSocket(leg.rtp), sock=sock
+            )
+        except OSError as exc:
+            sock.close()
+            log.info("RTCP port %d not available: %s", rtp_port + 1, exc.strerror)
+            return None
+        leg.rtp.use_rtcp_socket(sock)
+        return transport
 
     async def _bridge(
         self, pending: _Pending, session: CallSession, leg: SipLeg, rtp_port: int

@@ -8,6 +8,7 @@ import binascii
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from telephony import dtmf_out
 from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
@@ -139,9 +140,16 @@ class SipLeg:
         await asyncio.sleep(dtmf_out.duration_ms(digits) / 1000)
         return how
 
-    def media_report(self) -> dict[str, float | int]:
-        """The caller's media as received (RFC 3550 receiver statistics: loss, jitter)."""
-        return self.rtp.reception.report()
+    def media_report(self) -> dict[str, Any]:
+        """The caller's media as received (RFC 3550 receiver statistics: loss, jitter), the
+        RTCP reports exchanged, and what the peer's last report said of our audio."""
+        rtp = self.rtp
+        report: dict[str, Any] = dict(rtp.reception.report())
+        report["rtcp_sent"] = rtp.rtcp_sent
+        report["rtcp_received"] = rtp.rtcp_reports_received
+        if rtp.remote_report is not None:
+            report["remote"] = dict(rtp.remote_report)
+        return report
 
     async def close(self, reason: str) -> None:
         if self._closed:

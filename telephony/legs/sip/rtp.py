@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import secrets
 import socket
 import threading
@@ -32,7 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from aiortc.rtp import RtpPacket
+from aiortc.rtp import (
+    RtcpPacket,
+    RtcpReceiverInfo,
+    RtcpRrPacket,
+    RtcpSdesPacket,
+    RtcpSenderInfo,
+    RtcpSourceInfo,
+    RtcpSrPacket,
+    RtpPacket,
+)
 
 from telephony.legs.sip.access import AllowList
 from telephony.legs.sip.dtmf import DtmfDecoder
@@ -62,6 +72,23 @@ class MediaPolicy:
     probation: int = 4  # packets in sequence from a new source before it is learned
 
 
+class RtcpSocket(asyncio.DatagramProtocol):
+    """The RTCP port of a stream that does not multiplex it: what comes in goes to the
+    stream (the stream sends from the same socket, off the loop)."""
+
+    def __init__(self, stream: RtpStream) -> None:
+        self.stream = stream
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        if len(data) >= 8 and data[0] >> 6 == 2 and 200 <= data[1] <= 204:
+            self.stream.rtcp_received(data, addr)
+        else:
+            self.stream.bad_rtcp += 1
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("RTCP socket error: %r", exc)
+
+
 class MediaStats:
     """Counters shared by every stream of a process (metrics)."""
 
@@ -72,6 +99,19 @@ class MediaStats:
 
 
 _monotonic = time.monotonic  # (a global lookup less per packet)
+RTCP_INTERVAL_S = 5.0
+NTP_EPOCH_OFFSET = 2208988800  # 1900-01-01 to 1970-01-01, in seconds
+
+
+def _ntp_now() -> int:
+    """The wallclock as a 64-bit NTP timestamp (RFC 3550 4)."""
+    return int((time.time() + NTP_EPOCH_OFFSET) * (1 << 32)) & 0xFFFFFFFFFFFFFFFF
+
+
+def _ntp_middle() -> int:
+    """The middle 32 bits of the NTP timestamp now (units of 1/65536 s), as LSR is."""
+    return (_ntp_now() >> 16) & 0xFFFFFFFF
+
 
 # RFC 3550's bounds for a source's sequence numbers (appendix A.1).
 MAX_DROPOUT = 3000
@@ -90,10 +130,12 @@ class Reception:
         "_bad",
         "_base",
         "_cycles",
+        "_expected_prior",
         "_max",
         "_prior_expected",
         "_prior_received",
         "_received",
+        "_received_prior",
         "_ssrc",
         "_transit",
         "jitter",
@@ -107,6 +149,7 @@ class Reception:
         self._bad = -1
         self._transit: float | None = None
         self.jitter = 0.0  # in timestamp units (1/8 ms)
+        self._expected_prior = self._received_prior = 0
 
     def packet(self, ssrc: int, seq: int, timestamp: int, arrival_s: float, audio: bool) -> None:
         if ssrc != self._ssrc:
@@ -117,6 +160,7 @@ class Reception:
             self._cycles = self._received = 0
             self._bad = -1
             self._transit = None
+            self._expected_prior = self._received_prior = 0
         else:
             delta = (seq - self._max) & 0xFFFF
             if delta < MAX_DROPOUT:
@@ -146,6 +190,33 @@ class Reception:
         if self._ssrc is None:
             return 0
         return self._cycles + self._max - self._base + 1
+
+    def block(self, lsr: int, dlsr: int) -> RtcpReceiverInfo | None:
+        """A receiver report block about the current source (RFC 3550 6.4.1, A.3): fraction
+        lost since the last block, cumulative lost, extended highest sequence, jitter; None
+        before any packet."""
+        if self._ssrc is None:
+            return None
+        expected = self._expected()
+        expected_interval = expected - self._expected_prior
+        received_interval = self._received - self._received_prior
+        self._expected_prior, self._received_prior = expected, self._received
+        lost_interval = expected_interval - received_interval
+        fraction = (
+            0
+            if expected_interval <= 0 or lost_interval <= 0
+            else ((lost_interval << 8) // expected_interval)
+        )
+        lost = max(-0x800000, min(0x7FFFFF, expected - self._received))
+        return RtcpReceiverInfo(
+            ssrc=self._ssrc,
+            fraction_lost=min(255, fraction),
+            packets_lost=lost,
+            highest_sequence=(self._cycles + self._max) & 0xFFFFFFFF,
+            jitter=int(self.jitter),
+            lsr=lsr,
+            dlsr=dlsr,
+        )
 
     def report(self) -> dict[str, float | int]:
         """Totals for the call: received, expected, lost, loss ratio, jitter (ms)."""
@@ -253,6 +324,7 @@ class RtpStream(asyncio.DatagramProtocol):
         policy: MediaPolicy | None = None,
         stats: MediaStats | None = None,
         on_foreign: Callable[[tuple[str, int]], None] | None = None,
+        rtcp_interval_s: float = RTCP_INTERVAL_S,
     ) -> None:
         self.codec = codec
         self.dtmf_pt = dtmf_pt
@@ -306,6 +378,20 @@ class RtpStream(asyncio.DatagramProtocol):
         self._event: list[int] | None = None
         self._gap = 0
         self.events_sent = 0
+        # RTCP (RFC 3550): sender/receiver reports every interval (randomized, 6.3.1), on the
+        # RTP port when multiplexed (RFC 5761) else from the socket on the port above.
+        self.rtcp_mux = False
+        self._rtcp_port: int | None = None  # the peer's, from its SDP (not multiplexed)
+        self._rtcp_sendto: Callable[[bytes, tuple[str, int]], object] | None = None
+        self._rtcp_ticks = max(1, round(rtcp_interval_s / PERIOD_S))
+        self._rtcp_due = max(1, round(self._rtcp_ticks * random.uniform(0.25, 0.75)))
+        self._cname = f"voice-agent-{self.ssrc:08x}".encode()
+        self._peer_sr: tuple[int, float] | None = None  # (LSR, monotonic when it came)
+        self.octets_sent = 0
+        self.rtcp_sent = 0
+        self.rtcp_reports_received = 0
+        self.bad_rtcp = 0
+        self.remote_report: dict[str, float | int] | None = None  # the peer's view of ours
 
     # ---- asyncio ------------------------------------------------------------------------
 
@@ -319,6 +405,87 @@ class RtpStream(asyncio.DatagramProtocol):
         """Send from the clock thread on the raw socket (asyncio transports are loop-only)."""
         self._sendto = sock.sendto
 
+    def use_rtcp_socket(self, sock: socket.socket) -> None:
+        """Send RTCP (not multiplexed) from this socket, bound on the RTP port + 1."""
+        self._rtcp_sendto = sock.sendto
+
+    # ---- RTCP -----------------------------------------------------------------------------
+
+    def rtcp_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        """A compound RTCP packet from the peer: its sender report (for our LSR/DLSR) and its
+        report block about our stream (loss, jitter, round trip)."""
+        host = _host(str(addr[0]))
+        peers = {h for h in (self.remote, self._signalled) if h is not None}
+        if host not in {p[0] for p in peers}:
+            self.foreign_packets += 1
+            return
+        try:
+            packets = RtcpPacket.parse(data)
+        except Exception:
+            self.bad_rtcp += 1
+            return
+        now = _monotonic()
+        self.rtcp_reports_received += 1
+        for packet in packets:
+            reports: list[RtcpReceiverInfo] = []
+            if isinstance(packet, RtcpSrPacket):
+                self._peer_sr = ((packet.sender_info.ntp_timestamp >> 16) & 0xFFFFFFFF, now)
+                reports = packet.reports
+            elif isinstance(packet, RtcpRrPacket):
+                reports = packet.reports
+            for block in reports:
+                if block.ssrc != self.ssrc:
+                    continue
+                report: dict[str, float | int] = {
+                    "loss_ratio": round(block.fraction_lost / 256, 4),
+                    "packets_lost": block.packets_lost,
+                    "jitter_ms": round(block.jitter / (CLOCK_RATE / 1000), 2),
+                }
+                if block.lsr:
+                    rtt = (_ntp_middle() - block.lsr - block.dlsr) & 0xFFFFFFFF
+                    if rtt < 0x80000000:
+                        report["rtt_ms"] = round(rtt / 65.536, 1)
+                self.remote_report = report
+
+    def _rtcp_target(self) -> tuple[str, int] | None:
+        remote = self.remote
+        if remote is None:
+            return None
+        if self.rtcp_mux:
+            return remote
+        same_host = self._signalled is not None and remote[0] == self._signalled[0]
+        return remote[0], (self._rtcp_port if same_host and self._rtcp_port else remote[1] + 1)
+
+    def _send_rtcp(self) -> None:
+        """One compound report (SR when we send, else RR; with SDES CNAME). Lock held."""
+        target = self._rtcp_target()
+        sendto = self._sendto if self.rtcp_mux else self._rtcp_sendto
+        if target is None or sendto is None or self._closed:
+            return
+        lsr = dlsr = 0
+        if self._peer_sr is not None:
+            lsr = self._peer_sr[0]
+            dlsr = min(0xFFFFFFFF, int((_monotonic() - self._peer_sr[1]) * 65536))
+        block = self.reception.block(lsr, dlsr)
+        reports = [block] if block is not None else []
+        report: RtcpSrPacket | RtcpRrPacket
+        if self.sending and self.packets_sent:
+            info = RtcpSenderInfo(
+                ntp_timestamp=_ntp_now(),
+                rtp_timestamp=self.ts,
+                packet_count=self.packets_sent & 0xFFFFFFFF,
+                octet_count=self.octets_sent & 0xFFFFFFFF,
+            )
+            report = RtcpSrPacket(ssrc=self.ssrc, sender_info=info, reports=reports)
+        else:
+            report = RtcpRrPacket(ssrc=self.ssrc, reports=reports)
+        sdes = RtcpSdesPacket(chunks=[RtcpSourceInfo(ssrc=self.ssrc, items=[(1, self._cname)])])
+        try:
+            sendto(bytes(report) + bytes(sdes), target)
+        except OSError:
+            return
+        self.rtcp_sent += 1
+
     def error_received(self, exc: Exception) -> None:
         log.debug("RTP socket error: %r", exc)  # ICMP unreachable before the peer listens
 
@@ -327,7 +494,8 @@ class RtpStream(asyncio.DatagramProtocol):
             self.bad_packets += 1
             return
         if 200 <= data[1] <= 204:
-            return  # RTCP multiplexed on the RTP port (RFC 5761)
+            self.rtcp_received_muxed(data, addr)  # RTCP multiplexed on the RTP port (RFC 5761)
+            return
         if addr != self._source and not self._admit(addr, data):
             return
         try:
@@ -360,6 +528,12 @@ class RtpStream(asyncio.DatagramProtocol):
         elif ms < 0:
             ms = 0  # reordered before the first packet
         self._on_audio(packet.payload, ms)
+
+    def rtcp_received_muxed(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        if self.rtcp_mux:
+            self.rtcp_received(data, addr)
+        else:
+            self.bad_rtcp += 1  # not negotiated: RTCP belongs on the other port
 
     def _anchor(self, ssrc: int, timestamp: int, now_ms: float) -> int:
         """A new stream time base: this packet plays at its arrival (a new stream or a jump)."""
@@ -434,6 +608,9 @@ class RtpStream(asyncio.DatagramProtocol):
                 self._in_ssrc = None if self._in_ssrc is None else -1  # a new stream time base
                 if self._started:
                     self._learn_until = time.monotonic() + self._policy.learn_s
+            self.rtcp_mux = remote.rtcp_mux
+            rtcp = remote.rtcp_address
+            self._rtcp_port = rtcp[1] if rtcp is not None and not remote.rtcp_mux else None
             self.sending = remote.we_send and direction in ("sendrecv", "sendonly")
             # Only a two-way call feeds the model: what a caller on hold sends us (music) is
             # not a turn of the conversation, so while we answered `recvonly` it is dropped.
@@ -551,6 +728,11 @@ class RtpStream(asyncio.DatagramProtocol):
         """One 20 ms period: send the next agent frame, or silence (the clock thread)."""
         with self.lock:
             self.ts = (self.ts + FRAME_BYTES) & 0xFFFFFFFF  # time runs on, on hold too
+            self._rtcp_due -= 1
+            if self._rtcp_due <= 0:
+                # Reports go on, on hold too (a receiver report then), at a randomized pace.
+                self._rtcp_due = max(1, round(self._rtcp_ticks * random.uniform(0.5, 1.5)))
+                self._send_rtcp()
             remote, sendto = self.remote, self._sendto
             if not self.sending or remote is None or sendto is None or self._closed:
                 return  # paused: agent audio stays queued and nothing counts as heard
@@ -581,6 +763,7 @@ class RtpStream(asyncio.DatagramProtocol):
             except OSError:
                 pass  # a full socket buffer or an unreachable peer: this frame is lost
             self.packets_sent += 1
+            self.octets_sent += len(packet.payload)
             if frame is not None:
                 self.agent_frames_sent += 1
                 self.playback.played(frame.epoch, frame.item_id, frame.end_ms)

@@ -63,6 +63,19 @@ class RemoteMedia:
     dtmf_pt: int | None
     address: tuple[str, int] | None  # None: on hold (c=0.0.0.0 or port 0)
     direction: Direction  # the peer's direction, from its point of view
+    # RTCP (RFC 3550): multiplexed on the RTP port (RFC 5761 `a=rtcp-mux`), else at the port
+    # of `a=rtcp` (RFC 3605) or the RTP port + 1.
+    rtcp_mux: bool = False
+    rtcp_port: int | None = None
+
+    @property
+    def rtcp_address(self) -> tuple[str, int] | None:
+        """Where the peer takes RTCP (None: on hold)."""
+        if self.address is None:
+            return None
+        if self.rtcp_mux:
+            return self.address
+        return self.address[0], self.rtcp_port or self.address[1] + 1
 
     @property
     def we_send(self) -> bool:
@@ -145,7 +158,18 @@ def read_offer(body: bytes, allowed: tuple[Codec, ...] = (PCMU, PCMA)) -> Remote
         dtmf_pt=_dtmf_pt(media),
         address=_address(sdp, media),
         direction=_direction(sdp, media),
+        rtcp_mux="rtcp-mux" in media.attributes,
+        rtcp_port=_rtcp_port(media),
     )
+
+
+def _rtcp_port(media: MediaDescription) -> int | None:
+    """The port of `a=rtcp:PORT [IN IP4 addr]` (RFC 3605), when it is one."""
+    for value in media.attributes.get("rtcp", []):
+        head = str(value).split()[0] if str(value).split() else ""
+        if head.isdigit() and 0 < int(head) < 65536:
+            return int(head)
+    return None
 
 
 def read_answer(body: bytes, codec: Codec) -> RemoteMedia:
@@ -194,6 +218,13 @@ def answer(
     media.attributes["ptime"] = [str(PTIME_MS)]
     if remote.dtmf_pt is not None:
         media.attributes["fmtp"] = [f"{remote.dtmf_pt} 0-15"]
+    # RTCP: on the RTP port when the offer multiplexes it, else on the odd port above.
+    media.attributes.pop("rtcp-mux", None)
+    if remote.rtcp_mux:
+        media.attributes["rtcp-mux"] = []
+        media.attributes["rtcp"] = [str(local.port)]
+    else:
+        media.attributes["rtcp"] = [str(local.port + 1)]
     media.attributes[direction] = []
     return serialize_sdp(answer_sdp).encode()
 
@@ -215,6 +246,7 @@ def offer(
             ],
             "fmtp": [f"{DEFAULT_DTMF_PT} 0-15"],
             "ptime": [str(PTIME_MS)],
+            "rtcp": [str(local.port + 1)],
             direction: [],
         },
         codecs=[SdpCodec(codec.payload_type, codec.name, 8000)],
