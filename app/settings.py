@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     transfer_ring_timeout_s: int = Field(default=30, ge=5, le=120)
     # Whether the agent may press keys on the line (send_dtmf), e.g. to get through an IVR.
     dtmf_out: bool = False
+    # Mutations admitted per hour (sliding), per caller and per tenant: past either, the
+    # policy refuses with a speakable reason.
+    max_mutations_per_caller: int = Field(default=5, ge=1, le=10_000)
+    max_mutations_per_tenant: int = Field(default=500, ge=1, le=10_000_000)
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

@@ -28,6 +28,7 @@ from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
 from tools.loading import load_catalog, split_import_path
+from tools.policy import PolicyConfig
 from tools.registry import Registry
 from tools.transfers import parse_targets
 from tools.verification import LockoutPolicy
@@ -176,6 +177,10 @@ def build_tools(
         agents=agents,
         transfers=parse_targets(settings.transfer_targets),
         dtmf_out=settings.dtmf_out,
+        policy=PolicyConfig(
+            max_mutations_per_caller=settings.max_mutations_per_caller,
+            max_mutations_per_tenant=settings.max_mutations_per_tenant,
+        ),
     )
     return ToolWiring(
         pipeline=pipeline,

@@ -329,3 +329,21 @@ async def test_identity_store_knows_registered_numbers_only() -> None:
     assert (await store.lookup("t1", "+1555")) is not None
     assert await store.lookup("t2", "+1555") is None
     assert await store.lookup("t1", "anonymous") is None
+
+
+async def test_the_mutation_limits_come_from_the_settings(engine: Any, clean_db: str) -> None:
+    from app.settings import Settings
+    from app.tool_wiring import build_tools, load_configured_catalog
+
+    settings = Settings(
+        database_url=clean_db, max_mutations_per_caller=2, max_mutations_per_tenant=7
+    )
+    catalog = load_configured_catalog(settings)
+    try:
+        wiring = build_tools(settings, engine, clean_db, catalog)
+        policy = wiring.pipeline._policy
+    finally:
+        await catalog.aclose()
+    assert (policy.max_mutations_per_caller, policy.max_mutations_per_tenant) == (2, 7)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Settings(max_mutations_per_tenant=0)
