@@ -10,6 +10,7 @@ target is refused and nothing reaches Twilio.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -238,3 +239,47 @@ async def test_staff_transfer_a_twilio_call_from_the_console_after_the_agents_se
     [asked] = [e["data"] for e in events if e["kind"] == "transfer_requested"]
     assert asked["target"] == "front_desk" and asked["reason"].startswith("staff: olga")
     assert row is not None and row["end_reason"] == "transferred to front_desk"
+
+
+async def test_a_caller_who_hangs_up_while_the_transfer_rings_ends_the_released_row(
+    engine: AsyncEngine,
+) -> None:
+    from app.calls import takeover
+    from tests.delivery_support import make_call
+    from tests.e2e_support import post_signed
+
+    async with call_stack(engine, transfer_scenario(), transfer_targets=TARGETS) as stack:
+        call_id = await make_call(engine)
+        assert await takeover.release(engine, call_id, "test-holder", hold_for_s=60)
+        sid = "CA" + call_id.replace("-", "")
+        query = f"?call_id={call_id}&target=front_desk&fc=call_1"
+        ended = await post_signed(
+            stack.service, "/twilio/transfer-ended" + query,
+            {"CallSid": sid, "CallStatus": "completed", "DialCallStatus": "no-answer"},
+        )  # fmt: skip
+        status = await post_signed(
+            stack.service, "/twilio/status", {"CallSid": sid, "CallStatus": "completed"}
+        )
+        forged = await post_signed(
+            stack.service, "/twilio/transfer-ended" + query.replace(call_id, str(uuid.uuid4())),
+            {"CallSid": sid, "CallStatus": "in-progress", "DialCallStatus": "busy"},
+        )  # fmt: skip
+        await stack.service.runtime.events.flush()
+        row = await call_row(engine, sid)
+        async with engine.connect() as conn:
+            kinds = (
+                (
+                    await conn.execute(
+                        sa.text("SELECT kind FROM call_events WHERE call_id = :c ORDER BY seq"),
+                        {"c": call_id},
+                    )
+                )
+                .scalars()
+                .all()
+            )
+    assert ended.status_code == 200 and parse_twiml(ended.text).kind == "hangup"
+    assert status.status_code == 204
+    assert forged.status_code == 400  # a call id that is not this CallSid's
+    # Nobody held the released row: the status callback ended it and wrote its end.
+    assert row is not None and row["status"] == "completed"
+    assert kinds == ["call_ended"]

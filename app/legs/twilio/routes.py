@@ -39,7 +39,8 @@ from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
 from telephony.legs.twilio.budget import StreamBudget
 from telephony.legs.twilio.events import Connected, Start, StartInfo, parse_inbound
-from tools.transfers import TARGET_NAME
+from telephony.tool_gateway import TransferOutcome
+from tools.transfers import TARGET_NAME, record_transfer_outcome
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -169,7 +170,10 @@ async def transfer_ended(request: Request, runtime: RuntimeDep) -> Response:
     the caller back to an agent (see transfer.py)."""
     params, call_id, target, fc = await _transfer_params(request, runtime)
     if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
-        return _xml(twiml.hangup())  # the caller hung up while it rang
+        # The caller hung up while it rang: the status callback ends the row.
+        gone = TransferOutcome(False, "caller-hung-up", "the caller hung up while it rang")
+        await record_transfer_outcome(runtime.engine, call_id, fc, gone)
+        return _xml(twiml.hangup())
     status = params.get("DialCallStatus", "failed")
     try:
         return _xml(await transfer.dial_ended(runtime, call_id, target, fc, status))
@@ -196,7 +200,9 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
     try:
         row = await call_store.find_by_sid(runtime.engine, call_sid)
         if row is not None:
-            streaming = row.status == CallStatus.IN_PROGRESS
+            # Released (its stream lost, or dialling a transfer): nobody holds it, so the end
+            # is written here.
+            streaming = row.status == CallStatus.IN_PROGRESS and row.released_at is None
             ended = await call_store.transition(runtime.engine, row.id, target, end_reason=reason)
             if streaming:
                 # The stream runs on another replica: that one ends it and records the end
