@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     sip_answer_timeout_s: float = Field(default=5.0, gt=0)
     # RFC 3261 T1 (round-trip estimate): retransmissions start at T1, give up after 64*T1.
     sip_t1_s: float = Field(default=0.5, gt=0)
+    # Where a transfer to a number is routed (REFER's Refer-To `sip:+E164@<this>;user=phone`):
+    # your trunk's or PBX's domain, `host` or `host:port`. Unset: the host of the caller's From.
+    sip_transfer_domain: str | None = None
 
     # OpenAI's SIP interconnect (POST /openai/webhook): To numbers that are ours, E.164,
     # comma-separated (unset: any To is accepted; another To gets 403).
@@ -370,6 +373,18 @@ class Settings(BaseSettings):
         if value is not None:
             host_port(value, "10.0.0.5:9100")
         return value
+
+    @field_validator("sip_transfer_domain")
+    @classmethod
+    def _transfer_domain(cls, value: str | None) -> str | None:
+        from telephony.legs.sip.refer import HOST
+
+        if value is not None and not HOST.match(value.strip()):
+            raise ValueError(
+                f"SIP_TRANSFER_DOMAIN: {value[:64]!r} is not a host or host:port "
+                "(e.g. trunk.example.com or 192.0.2.10:5060)"
+            )
+        return value.strip() if value is not None else None
 
     @field_validator("sip_advertised_address")
     @classmethod

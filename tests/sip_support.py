@@ -137,6 +137,24 @@ class Uac:
         body = f"Signal={digit}\r\nDuration=160\r\n".encode()
         return self._request("INFO", body=body, content_type="application/dtmf-relay")
 
+    def notify(
+        self,
+        sipfrag: bytes,
+        *,
+        terminated: bool = False,
+        event: str = "refer",
+        content_type: str = "message/sipfrag;version=2.0",
+    ) -> bytes:
+        """A NOTIFY of the subscription a REFER of ours made (RFC 3515 2.4.4)."""
+        self.cseq += 1
+        state = "terminated;reason=noresource" if terminated else "active;expires=60"
+        return self._request(
+            "NOTIFY",
+            body=sipfrag,
+            headers=[f"Event: {event}", f"Subscription-State: {state}"],
+            content_type=content_type,
+        )
+
     def learn(self, response: SipResponse) -> None:
         """Take the To tag of a dialog-creating response."""
         to = response.to_addr

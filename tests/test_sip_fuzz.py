@@ -64,7 +64,7 @@ def settle(ua: UserAgentServer, now: float) -> None:
 
 # Pieces of real messages, to get past the first checks and into the state machines.
 METHODS = st.sampled_from(
-    ["INVITE", "ACK", "BYE", "CANCEL", "OPTIONS", "UPDATE", "INFO", "PRACK", "REGISTER", "FOO"]
+    "INVITE ACK BYE CANCEL OPTIONS UPDATE INFO PRACK REGISTER FOO NOTIFY REFER".split()
 )
 HEADER_VALUES = st.one_of(
     st.text(max_size=40),

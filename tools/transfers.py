@@ -145,6 +145,7 @@ DIAL_SAID = {
     "no-answer": "nobody answered",
     "failed": "the call could not be placed",
     "canceled": "the call was cancelled",
+    "declined": "the call was declined",
 }
 
 

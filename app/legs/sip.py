@@ -23,6 +23,7 @@ from sqlalchemy.exc import DataError, DBAPIError
 
 from app.calls.store import CallStatus
 from app.legs.session import Admission, Caller, CallSession, EndReason, sip_refusal
+from app.legs.sip_transfer import ReferPort, SipTransfer, put_through
 from app.models import LegKind
 from app.runtime import Runtime
 from app.settings import Settings
@@ -44,10 +45,13 @@ from telephony.legs.sip.uas import (
     DtmfReceived,
     IncomingCall,
     MediaUpdated,
+    ReferAnswered,
+    ReferNotified,
     SipEvent,
     UasConfig,
     UserAgentServer,
 )
+from telephony.tool_gateway import TransferOutcome, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class _Pending:
     leg: SipLeg | None = None
     bridge: Bridge | None = None
     cancel_reason: str = ""
+    transfer: SipTransfer | None = None  # a REFER whose outcome the agent waits for
 
 
 class SipService:
@@ -202,6 +207,16 @@ class SipService:
         if known is None:
             return
         leg = known.leg
+        transfer = known.transfer
+        match event:
+            case ReferAnswered() if transfer is not None:
+                transfer.on_answered(event.status)
+                return
+            case ReferNotified() if transfer is not None:
+                transfer.on_notified(event.status, event.reason, event.final)
+                return
+            case CallCancelled() | CallEnded() if transfer is not None:
+                transfer.on_ended(event.reason)
         match event:
             case CallCancelled():
                 known.cancel_reason = event.reason
@@ -319,7 +334,11 @@ class SipService:
         if pending.cancelled.is_set():
             leg.remote_ended(pending.cancel_reason)
         sink = session.sink
-        bridge = session.build_bridge(leg)
+
+        async def transfer(request: TransferRequest) -> TransferOutcome:
+            return await self._transfer(pending, session, request)
+
+        bridge = session.build_bridge(leg, transfer=transfer)
         pending.bridge = bridge
         started = time.monotonic()
         run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{session.call_id}")
@@ -390,6 +409,44 @@ class SipService:
         )
         log.warning("call %s: RTP from %s:%s dropped (not the signalled media source)",
                     call_id, source[0], source[1])  # fmt: skip
+
+    async def _transfer(
+        self, pending: _Pending, session: CallSession, request: TransferRequest
+    ) -> TransferOutcome:
+        """`transfer_call` on this call: REFER, and its outcome (app/legs/sip_transfer.py)."""
+        if pending.transfer is not None:
+            return TransferOutcome(False, "failed", "a transfer of this call is under way")
+        key = pending.incoming.key
+        domain = self.runtime.settings.sip_transfer_domain
+
+        def send(destination: str) -> bool:
+            return bool(
+                self.transport.act(
+                    lambda now: self.core.refer(key, destination, now, domain=domain)
+                )
+            )
+
+        def end_call(reason: str) -> None:
+            bridge = pending.bridge
+            if bridge is None:
+                self._hang_up(key, reason)
+                return
+            # Not from this task (the bridge's own): the bridge's end waits for its tasks.
+            task = asyncio.create_task(bridge.end(reason), name="sip-transfer-end")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        port = ReferPort(
+            send=send,
+            give_up=lambda: self.transport.act(lambda now: self.core.give_up_refer(key)),
+            end_call=end_call,
+            answer_timeout_s=self.core.t.b,
+        )
+        pending.transfer = SipTransfer(request)
+        try:
+            return await put_through(self.runtime, session, pending.transfer, port)
+        finally:
+            pending.transfer = None
 
     def _hang_up(self, key: CallKey, reason: str) -> None:
         """Our side ends the call (tools, errors, drain): BYE, or 503/480 if not yet answered."""

@@ -14,6 +14,7 @@ from aiosipua.headers import parse_address, parse_uri, stringify_uri
 
 from telephony.legs.sip.errors import SipError
 from telephony.legs.sip.message import Flow, Transport, new_branch
+from telephony.legs.sip.refer import Refer
 from telephony.legs.sip.sdp import Direction, LocalMedia, RemoteMedia
 from telephony.legs.sip.timers import TimerOwner
 
@@ -92,6 +93,7 @@ class Call(TimerOwner):
     peer_allows_update: bool = True
     refresh_pending: bool = False
     end_reason: str = ""
+    refer: Refer | None = None  # our latest REFER (a transfer) and its subscription
 
     def move(self, new: CallState) -> None:
         if new not in _CALL_TRANSITIONS[self.state]:

@@ -37,6 +37,14 @@ from telephony.legs.sip.message import (
     reply_destination,
     via_hops,
 )
+from telephony.legs.sip.refer import (
+    Refer,
+    ReferState,
+    event_id,
+    refer_to_uri,
+    sipfrag_status,
+    subscription_terminated,
+)
 from telephony.legs.sip.sdp import PCMU, Codec, Direction, LocalMedia, RemoteMedia
 from telephony.legs.sip.timers import TimerConfig, TimerHeap, TimerOwner
 from telephony.legs.sip.transaction import (
@@ -49,12 +57,13 @@ from telephony.legs.sip.transaction import (
 
 log = logging.getLogger(__name__)
 
-ALLOW = "INVITE, ACK, CANCEL, BYE, OPTIONS, UPDATE, INFO"
+ALLOW = "INVITE, ACK, CANCEL, BYE, OPTIONS, UPDATE, INFO, REFER, NOTIFY"
 SUPPORTED = "timer"
 KNOWN_EXTENSIONS = frozenset({"timer"})
 URI_SCHEMES = frozenset({"sip", "sips", "tel"})
-NOT_ALLOWED = frozenset({"REGISTER", "SUBSCRIBE", "NOTIFY", "PUBLISH", "MESSAGE", "REFER"})
-DIALOG_ONLY = frozenset({"BYE", "UPDATE", "INFO", "PRACK"})
+NOT_ALLOWED = frozenset({"REGISTER", "SUBSCRIBE", "PUBLISH", "MESSAGE"})
+# NOTIFY only for the subscription our REFER made; a REFER only inside a call (and refused).
+DIALOG_ONLY = frozenset({"BYE", "UPDATE", "INFO", "PRACK", "NOTIFY", "REFER"})
 DTMF_KEYS = frozenset("0123456789*#ABCD")
 MIN_SE = 90  # RFC 4028 section 4
 ERROR_LOG_INTERVAL_S = 60.0
@@ -122,7 +131,36 @@ class CallEnded:
     reason: str
 
 
-SipEvent = IncomingCall | CallCancelled | CallConfirmed | MediaUpdated | DtmfReceived | CallEnded
+@dataclass(frozen=True, slots=True)
+class ReferAnswered:
+    """The final response to our REFER: 2xx (202) the transferee took it; anything else, or
+    0 when nothing came within 64*T1, it did not (the call stays as it was)."""
+
+    key: CallKey
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReferNotified:
+    """A NOTIFY of our REFER's subscription: the status line of the transferee's call to the
+    target (`message/sipfrag`); `final` once it is >= 200 or the subscription terminated."""
+
+    key: CallKey
+    status: int
+    reason: str
+    final: bool
+
+
+SipEvent = (
+    IncomingCall
+    | CallCancelled
+    | CallConfirmed
+    | MediaUpdated
+    | DtmfReceived
+    | CallEnded
+    | ReferAnswered
+    | ReferNotified
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +360,45 @@ class UserAgentServer:
             call.end_reason = reason
         elif call.live:
             self._bye(call, now, reason, notify=False)
+
+    def refer(
+        self, key: CallKey, destination: str, now: float, *, domain: str | None = None
+    ) -> bool:
+        """Ask the caller's side to call `destination` (RFC 3515): an in-dialog REFER, sent and
+        retransmitted like a BYE. An E.164 number becomes `sip:+E164@<domain>;user=phone`,
+        `domain` by default the host of the caller's From. False, with nothing sent, when the
+        call is not confirmed, is ending, or a REFER of it is still open."""
+        call = self._calls.get(key)
+        if call is None or call.state is not CallState.CONFIRMED:
+            return False
+        if call.refer is not None and call.refer.open:
+            return False
+        try:
+            target = refer_to_uri(destination, domain or _host(call.remote_to))
+        except ValueError as exc:
+            log.warning("call %s: no REFER: %s", key.call_id[:64], exc)
+            return False
+        ctx = self._request(
+            call,
+            "REFER",
+            now,
+            [
+                ("Refer-To", f"<{target}>"),
+                ("Referred-By", f"<{_uri_text([call.local_from]) or self._contact(call)}>"),
+                ("Allow", ALLOW),
+            ],
+        )
+        call.refer = Refer(target, cseq=call.local_cseq)
+        ctx.extra["cseq"] = str(call.local_cseq)
+        return True
+
+    def give_up_refer(self, key: CallKey) -> None:
+        """The application stops waiting for the REFER's outcome (its ring timeout): later
+        NOTIFYs of it get 481, which ends the subscription (RFC 6665 4.1.3), and the call may
+        be referred again."""
+        call = self._calls.get(key)
+        if call is not None and call.refer is not None and call.refer.open:
+            call.refer.move(ReferState.DONE)
 
     def call_state(self, key: CallKey) -> CallState | None:
         call = self._calls.get(key)
@@ -550,6 +627,11 @@ class UserAgentServer:
                 self._respond(tx, 200, now, headers=self._capabilities())
             case "INFO":
                 self._on_info(call, req, tx, now)
+            case "NOTIFY":
+                self._on_notify(call, req, tx, now)
+            case "REFER":
+                # We take no transfer orders from the caller's side.
+                self._respond(tx, 403, now)
             case _:
                 self._respond(tx, 405 if req.method in NOT_ALLOWED else 501, now,
                               headers=[("Allow", ALLOW)])  # fmt: skip
@@ -638,6 +720,39 @@ class UserAgentServer:
             return
         self._respond(tx, 200, now)
 
+    def _on_notify(self, call: Call, req: Request, tx: ServerTransaction, now: float) -> None:
+        """A NOTIFY of our REFER's subscription (RFC 3515 2.4.4, RFC 6665): answered, and its
+        sipfrag reported; anything that is not one gets a 4xx and changes nothing."""
+        msg = req.msg
+        package, ident = event_id(msg.headers.get_first("event") or msg.headers.get_first("o")
+                                  or "")  # fmt: skip
+        if package != "refer":
+            self._respond(tx, 489, now, headers=[("Allow-Events", "refer")])
+            return
+        refer = call.refer
+        if refer is None or not refer.open or (ident is not None and ident != str(refer.cseq)):
+            self._respond(tx, 481, now)
+            return
+        content_type = (msg.content_type or "").split(";")[0].strip().lower()
+        if content_type != "message/sipfrag":
+            self._respond(tx, 415, now, headers=[("Accept", "message/sipfrag")])
+            return
+        status = sipfrag_status(msg.body)
+        if status is None:
+            warning = f'399 {self.config.host} "no SIP status line in the sipfrag"'
+            self._respond(tx, 400, now, headers=[("Warning", warning)])
+            return
+        code, reason = status
+        terminated = subscription_terminated(msg.headers.get_first("subscription-state"))
+        final = code >= 200 or terminated
+        self._respond(tx, 200, now)
+        if refer.state is ReferState.SENT:
+            refer.move(ReferState.ACCEPTED)  # the NOTIFY overtook the 202 (RFC 6665 4.1.2.4)
+        refer.last_status = code
+        if final:
+            refer.move(ReferState.DONE)
+        self._events.append(ReferNotified(call.key, code, reason, final))
+
     # ---- ACK ----------------------------------------------------------------------------
 
     def _ack_non_2xx(self, tx: ServerTransaction, now: float) -> None:
@@ -705,6 +820,19 @@ class UserAgentServer:
             return
         if ctx.method == "BYE":
             self._forget(call)
+            return
+        if ctx.method == "REFER":
+            refer = call.refer
+            if refer is None or ctx.extra.get("cseq") != str(refer.cseq):
+                return  # an older REFER's answer
+            if 200 <= ctx.status < 300:
+                if refer.state is ReferState.SENT:
+                    refer.move(ReferState.ACCEPTED)
+                    self._events.append(ReferAnswered(call.key, ctx.status))
+                return
+            if refer.state is ReferState.SENT:
+                refer.move(ReferState.DONE)
+                self._events.append(ReferAnswered(call.key, ctx.status))
             return
         if ctx.method == "UPDATE" and call.live:
             call.refresh_pending = False
@@ -1067,6 +1195,17 @@ def _user(raw: str | None) -> str | None:
     return user[:64] if user else None
 
 
+def _host(address: str) -> str:
+    """The host (and port) of a name-addr's URI: where the caller's side routes numbers."""
+    try:
+        uri = parse_address(address).uri
+    except Exception:
+        return ""
+    if not uri.host:
+        return ""
+    return f"{uri.host}:{uri.port}" if uri.port else str(uri.host)
+
+
 def _uri_text(values: list[str]) -> str:
     if not values:
         return ""
@@ -1085,6 +1224,8 @@ __all__ = [
     "DtmfReceived",
     "IncomingCall",
     "MediaUpdated",
+    "ReferAnswered",
+    "ReferNotified",
     "SipEvent",
     "Transmit",
     "UasConfig",
