@@ -40,6 +40,10 @@ class BadRequest(AppError):
     """A request missing what we need (e.g. no CallSid)."""
 
 
+class InvalidRequest(BadRequest):
+    """A request the API refuses for a reason it says (safe to show: no internals)."""
+
+
 class NotFound(AppError):
     """The thing asked for does not exist."""
 
@@ -140,6 +144,7 @@ _SPEAKS = (
     TooManyStreams,
     Conflict,
     NotFound,
+    InvalidRequest,
 )
 
 

@@ -32,6 +32,7 @@ from app.legs.twilio import routes as routes_twilio
 from app.legs.twilio.stream_token import StreamTokens
 from app.ops import routes_deliveries, routes_operations, routes_sms
 from app.ops.delivery import ResultDelivery
+from app.ops.outbound import with_place_call
 from app.ops.sms import SmsChannel
 from app.ops.sms_resend import LedgerSmsDeliveries
 from app.ops.twilio_rest import close_twilio_client, make_twilio_client
@@ -136,7 +137,12 @@ def create_app(
         tools = (
             build_tools(settings, db, plain_url(db_url), tool_catalog) if gateway is None else None
         )
-        registry = tools.registry if tools is not None else tool_catalog.registry
+        # Outbound calls' placing operations are shown and settled like any other (never
+        # offered to the model: the pipeline keeps its own registry).
+        registry = with_place_call(
+            tools.registry if tools is not None else tool_catalog.registry,
+            settings.outbound_create_timeout_s,
+        )
         holder = holder_id()
         sms = SmsChannel.from_settings(settings, db, registry, actor=f"replica:{holder}")
         delivery = ResultDelivery(
@@ -160,7 +166,7 @@ def create_app(
             settings,
             db,
             plain_url(db_url),
-            registry=tools.registry if tools is not None else tool_catalog.registry,
+            registry=registry,
             provider=tool_catalog.router,
             listener=listener,
             sms=LedgerSmsDeliveries(db, sms) if sms is not None else None,
@@ -208,6 +214,12 @@ def create_app(
             await transfer_call(runtime, call_sid, target, by)
 
         control.transfer = staff_transfer
+        from app.legs.twilio.outbound import answered_by_here
+
+        async def amd(call_sid: str, answered_by: str) -> None:
+            await answered_by_here(runtime, call_sid, answered_by)
+
+        control.amd = amd
         if settings.sip_bind:
             from app.legs.sip import SipService
 

@@ -56,6 +56,9 @@ class Call(SQLModel, table=True):
     ended_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
+    # An outbound call (direction outbound): what it is for and where it stands (purpose,
+    # the operation it is about, the placing operation, the answering-machine result).
+    outbound: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
 
 
 class CallEventRow(SQLModel, table=True):

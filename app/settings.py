@@ -173,6 +173,10 @@ class Settings(BaseSettings):
     # policy refuses with a speakable reason.
     max_mutations_per_caller: int = Field(default=5, ge=1, le=10_000)
     max_mutations_per_tenant: int = Field(default=500, ge=1, le=10_000_000)
+    # Outbound calls (POST /api/calls): how long Twilio rings the number, and how long one
+    # Calls.create may take before its outcome is unknown (then reconciled, never re-sent).
+    outbound_ring_timeout_s: int = Field(default=30, ge=5, le=600)
+    outbound_create_timeout_s: float = Field(default=10.0, gt=0, le=60)
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

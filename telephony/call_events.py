@@ -51,6 +51,13 @@ class CallEventKind(StrEnum):
     TRANSFER_FAILED = "transfer_failed"
     TRANSFER_ANSWERED = "transfer_answered"
     CALL_HANGUP = "call_hangup"  # hangup sent through the call-control API
+    # An outbound call (POST /api/calls): asked for, picked up, who picked up (Twilio's
+    # answering-machine detection), the message left on a machine, or never answered.
+    OUTBOUND_REQUESTED = "outbound_requested"
+    OUTBOUND_ANSWERED = "outbound_answered"
+    AMD_RESULT = "amd_result"
+    VOICEMAIL_LEFT = "voicemail_left"
+    OUTBOUND_UNANSWERED = "outbound_unanswered"
     MALFORMED_FRAME = "malformed_frame"
     APOLOGY_PLAYED = "apology_played"
     ERROR = "error"

@@ -71,6 +71,9 @@ class BridgeConfig:
     # call goes on with the agent that was talking when its stream was lost.
     start_agent: str | None = None
     greeting_instructions: str = "Greet the caller briefly and ask how you can help."
+    # Whether the caller's audio reaches the model from the start. An outbound call's agent is
+    # deaf (and silent: no greeting) until it is known who answered (Bridge.open_line).
+    listen_at_start: bool = True
     # Text of the apology played (as a short audible clip) when the session cannot be restored.
     apology_text: str = (
         "Sorry, we are having technical difficulties. Please call again in a few minutes."

@@ -2,7 +2,8 @@
 
 Twilio's status callback (or a staff action) can land on any replica; the media stream (and
 so the bridge) runs on one. The replica that got it publishes `call_control` and the one
-holding the call acts: `end`, or `transfer` (OpenAI SIP interconnect calls: `refer`).
+holding the call acts: `end`, `transfer` (OpenAI SIP interconnect calls: `refer`), or `amd`
+(who answered an outbound call, from Twilio's answering-machine detection).
 """
 
 from __future__ import annotations
@@ -39,8 +40,18 @@ async def publish_transfer(engine: AsyncEngine, call_sid: str, target: str, by: 
         await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
 
 
+async def publish_amd(engine: AsyncEngine, call_sid: str, answered_by: str) -> None:
+    """Tell the replica holding the outbound call `call_sid` who answered it (Twilio's
+    answering-machine detection)."""
+    payload = json.dumps({"action": "amd", "call_sid": call_sid, "answered_by": answered_by})
+    async with engine.begin() as conn:
+        await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, payload)))
+
+
 # (call_sid, target, by): transfers a call of this process; set where a leg can transfer.
 Transfer = Callable[[str, str, str], Awaitable[None]]
+# (call_sid, answered_by): an outbound call of this process learns who answered it.
+Amd = Callable[[str, str], Awaitable[None]]
 
 
 class CallControl:
@@ -50,6 +61,7 @@ class CallControl:
         self._registry = registry
         self._work = OwnedTasks()
         self.transfer: Transfer | None = None
+        self.amd: Amd | None = None
 
     def subscribe(self, listener: PgListener) -> None:
         listener.subscribe(CHANNEL, self._on_notify)
@@ -69,6 +81,9 @@ class CallControl:
         elif action == "transfer" and self.transfer is not None:
             target, by = str(data.get("target") or ""), str(data.get("by") or "")
             self._work.spawn(self._transfer(call_sid, target, by), f"transfer-{call_sid}")
+        elif action == "amd" and self.amd is not None:
+            answered_by = str(data.get("answered_by") or "unknown")
+            self._work.spawn(self._amd(call_sid, answered_by), f"amd-{call_sid}")
 
     async def _transfer(self, call_sid: str, target: str, by: str) -> None:
         assert self.transfer is not None
@@ -76,6 +91,13 @@ class CallControl:
             await self.transfer(call_sid, target, by)
         except Exception as exc:  # recorded on the call's timeline by the leg
             log.warning("transfer of a call failed: %s", type(exc).__name__)
+
+    async def _amd(self, call_sid: str, answered_by: str) -> None:
+        assert self.amd is not None
+        try:
+            await self.amd(call_sid, answered_by)
+        except Exception:
+            log.exception("acting on who answered an outbound call failed")
 
     async def stop(self) -> None:
         await self._work.cancel_all()

@@ -146,6 +146,15 @@ def _replay(args: argparse.Namespace) -> int:
     return run_replay_command(args.call_id, args.save, args.database_url, get_settings())
 
 
+def _dial(args: argparse.Namespace) -> int:
+    from app.cli.dial import run_dial_command
+    from app.settings import get_settings
+
+    return run_dial_command(
+        args.number, args.purpose, args.operation, args.server, args.token, get_settings()
+    )
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -406,6 +415,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: DATABASE_URL, else the embedded PostgreSQL)",
     )
     p.set_defaults(func=_replay)
+
+    p = sub.add_parser("dial", help="place an outbound call through the service's API")
+    p.add_argument("number", metavar="NUMBER", help="the number to call, E.164 (+15551234567)")
+    p.add_argument(
+        "--purpose",
+        required=True,
+        help="what the call is for, in a few words (required: no default)",
+    )
+    p.add_argument(
+        "--operation",
+        default=None,
+        metavar="ID",
+        help="an operation the call is about (default: none)",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="the service (default: the local one, from HOST and PORT)",
+    )
+    p.add_argument(
+        "--token", default=None, help="an operator's API token (default: VOICE_AGENT_API_TOKEN)"
+    )
+    p.set_defaults(func=_dial)
 
     p = sub.add_parser("tools", help="the tool catalog: check it, or print the tools file schema")
     toolsub = p.add_subparsers(dest="tools_command", required=True)

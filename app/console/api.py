@@ -34,6 +34,8 @@ from app.console.schemas import (
     OperationDetailOut,
     OperationList,
     OperationListQuery,
+    OutboundCallBody,
+    OutboundCallCreated,
     Problem,
     RecordOutcomeBody,
     StaffList,
@@ -55,10 +57,11 @@ from app.console.views import (
 )
 from app.console_models import call_recordings_table as recordings_t
 from app.deps import EngineDep, RuntimeDep
-from app.errors import BadRequest, Conflict, NotFound, TooManyStreams
+from app.errors import BadRequest, Conflict, InvalidRequest, NotFound, TooManyStreams
 from app.http.guard import leave_source_count
 from app.http.slots import Slot
 from app.ops.operation_actions import Action, ActionDone
+from telephony.call_events import CallEvent
 from tools.ledger_models import operation_events_table as op_events_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as tool_calls_t
@@ -120,6 +123,51 @@ async def list_calls(
     """Calls, newest first, filtered and paged by keyset. Viewers search by a full number
     only; distinct numbers searched are rate-limited per staff member or token (429)."""
     return await calls_page(engine, console, q, principal)
+
+
+@router.post(
+    "/calls",
+    response_model=OutboundCallCreated,
+    status_code=202,
+    responses={
+        400: {"model": Problem, "description": "A number that is not E.164, no purpose."},
+        409: {"model": Problem, "description": "This process cannot place calls."},
+    },
+)
+async def place_call(
+    body: OutboundCallBody,
+    runtime: RuntimeDep,
+    principal: OperatorDep,
+    _q: Annotated[NoQuery, Query()],
+    idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
+) -> dict[str, Any]:
+    """Place an outbound call: Twilio calls `to` with answering-machine detection. A person
+    hears the purpose first (and where `operation_id` stands); a machine gets a short message
+    naming the purpose only. Placing it is an operation (`place_call`); the same
+    `Idempotency-Key` again answers the same call."""
+    from app.ops.outbound import OutboundRefused, request_call, requested_events
+
+    if runtime.tools is None:
+        raise Conflict("this process has no operation ledger to place calls with")
+    try:
+        placed = await request_call(
+            runtime.engine,
+            runtime.settings,
+            runtime.tools.enqueue,
+            to=body.to,
+            purpose=body.purpose,
+            about_operation_id=body.operation_id,
+            by=principal.actor,
+            idempotency_key=idempotency_key,
+        )
+    except OutboundRefused as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if placed.created:
+        to = body.to.strip().removeprefix("tel:")
+        purpose = " ".join(body.purpose.split())
+        for kind, data in requested_events(placed, to, purpose, principal.actor):
+            runtime.events.emit(CallEvent(placed.call_id, kind, data))
+    return {"call_id": placed.call_id, "operation_id": placed.operation_id}
 
 
 async def _calls_snapshot(engine: AsyncEngine) -> tuple[Any, ...]:

@@ -312,6 +312,30 @@ class TransferBody(ActionBody):
     )
 
 
+class OutboundCallBody(BaseModel):
+    """An outbound call to place (checked by the handler: a bad field is a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to: str = Field("", max_length=64, description="The number to call, E.164 (`+15551234567`).")
+    purpose: str = Field(
+        "",
+        max_length=2000,
+        description="What the call is for, in a few words: the agent says it first to a "
+        "person, and it is all a voicemail message says.",
+    )
+    operation_id: str | None = Field(
+        None,
+        max_length=64,
+        description="An operation the call is about: a person who answers hears where it stands.",
+    )
+
+
+class OutboundCallCreated(BaseModel):
+    call_id: str
+    operation_id: str = Field(description="The operation that places the call.")
+
+
 class CallActionResult(BaseModel):
     message: str
     call_id: str

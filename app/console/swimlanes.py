@@ -56,6 +56,11 @@ _CALL_LANE_KINDS = {
     "transfer_failed": "transfer failed",
     "transfer_answered": "transfer answered",
     "call_hangup": "hung up",
+    "outbound_requested": "call requested",
+    "outbound_answered": "call answered",
+    "amd_result": "answered by",
+    "voicemail_left": "voicemail left",
+    "outbound_unanswered": "not answered",
     "error": "error",
     "call_ended": "call ended",
 }

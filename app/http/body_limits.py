@@ -37,7 +37,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Routes anyone on the internet may post to, each authenticated by a signature over a small body.
 WEBHOOK_PATHS = re.compile(
-    r"^/(?:twilio/(?:voice|status|sms|sms-status|stream-ended|transfer-answered|transfer-ended)"
+    r"^/(?:twilio/(?:voice|status|sms|sms-status|stream-ended|transfer-answered|transfer-ended"
+    r"|outbound-answer|amd)"
     r"|openai/webhook|operations/[^/]+/callback)/?$"
 )
 

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
+from app.ops.outbound import OutboundRouter, outbound_worker
 from app.ops.sms import SmsChannel
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog
@@ -150,6 +151,8 @@ class OperationWorker:
                 await task
         self._tasks = []
         await self.app.close_async()
+        if isinstance(self.executor.provider, OutboundRouter):
+            await self.executor.provider.aclose()  # its Twilio client (the catalog's: its owner)
         if self.delivery is not None:
             await self.delivery.aclose()
         log.info("operation worker %s stopped", self.worker_id)
@@ -202,6 +205,7 @@ async def start_inprocess_worker(
         if catalog is None:
             catalog = owned = load_configured_catalog(settings)
         registry = catalog.registry
+    registry, provider = outbound_worker(settings, engine, registry, provider)
     worker = OperationWorker(
         database_url=url,
         engine=engine,
@@ -258,12 +262,12 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         raise
     engine = make_engine(url)
     await sync_webhooks(settings, engine)
-    registry = catalog.registry
+    registry, provider = outbound_worker(settings, engine, catalog.registry, catalog.router)
     worker = OperationWorker(
         database_url=url,
         engine=engine,
         registry=registry,
-        provider=catalog.router,
+        provider=provider,
         concurrency=concurrency or settings.worker_concurrency,
         callback_base_url=settings.public_base_url,
         sweep_interval_s=settings.sweep_interval_s,

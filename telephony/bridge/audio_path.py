@@ -52,6 +52,9 @@ class AudioPath:
         self._evidence = evidence
         # The model session audio goes to; set by the bridge while it is live, else None.
         self.session: ModelSession | None = None
+        # Caller audio dropped, not sent: an outbound call until it is known who answered (a
+        # machine's greeting must not start the model talking).
+        self.deaf = False
         self._play_now: Callable[[str, str, int], None] | None = getattr(leg, "play_nowait", None)
         self._set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = (
             getattr(leg, "set_audio_lane", None) if self._play_now is not None else None
@@ -84,6 +87,8 @@ class AudioPath:
     def _up_lane(self, payload: str, timestamp_ms: int) -> bool:
         """Caller audio as the leg's socket receives it (the leg's reader is idle): appended
         at once when nothing is in the way, else False and it comes through `send`."""
+        if self.deaf:
+            return True  # taken, and dropped
         session = self.session
         if (
             session is None
@@ -98,6 +103,8 @@ class AudioPath:
 
     async def send(self, payload: str) -> None:
         """Caller audio from the leg's event loop."""
+        if self.deaf:
+            return
         session = self.session
         if session is None:
             # Keep the last moments for the session being opened; older audio is stale.

@@ -153,6 +153,7 @@ class Bridge:
             voice=self.active_agent.voice,
         )
         self.audio = AudioPath(self.port, leg, self.playout, ctx, gateway, evidence)
+        self.audio.deaf = not config.listen_at_start
         self.utterances = Utterances(
             self.port,
             self.turns,
@@ -184,6 +185,29 @@ class Bridge:
     async def transfer(self, request: TransferRequest, by: str) -> None:
         """Staff transfer the caller (see ToolDispatch.staff_transfer)."""
         await self.tools.staff_transfer(request, by)
+
+    async def open_line(self, opening: str, *, listen: bool, wait_s: float = 0.0) -> bool:
+        """An outbound call's first words, once it is known who answered: the agent (deaf and
+        silent until now) says them. With `listen` the conversation goes on from there;
+        without, the caller's audio stays unheard and this returns once the words were heard
+        to their end (or `wait_s` passed). False when the call is ending."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + max(wait_s, TIMEOUT_S)
+        while self._state is BridgeState.CONNECTING and loop.time() < until:
+            if self._ended.is_set():
+                return False
+            await asyncio.sleep(0.05)  # the model session is being opened
+        if self._ended.is_set() or self._state is not BridgeState.LIVE:
+            return False
+        self.audio.deaf = not listen
+        instructions = instructions_text(self.config, persona=self.active_agent.persona())
+        self.utterances.queue(
+            CreateRequest("outbound_opening", instructions=f"{instructions}\n\n{opening}")
+        )
+        await self.utterances.drain()
+        if not listen:
+            await self.tools.until_said(wait_s)
+        return not self._ended.is_set()
 
     @property
     def agent(self) -> str | None:

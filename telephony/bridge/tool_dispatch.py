@@ -321,6 +321,10 @@ class ToolDispatch:
         )
         return dataclasses.replace(reply, output=output)
 
+    async def until_said(self, wait_s: float) -> None:
+        """Until the response asked for last has been created, done and heard (or `wait_s`)."""
+        await self._until_said(wait_s)
+
     async def _until_said(self, wait_s: float) -> None:
         """Until the response after a tool's output has been created, done and heard (a
         sentence cut by the caller counts as said), or `wait_s` has passed."""

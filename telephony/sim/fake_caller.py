@@ -347,10 +347,13 @@ class FakeTwilioCaller:
         call_sid: str | None = None,
         voice: SpeechSynthesizer | None = None,
         failover_urls: tuple[str, ...] = (),
+        direction: str = "inbound",
     ) -> None:
         """`voice` speaks what `say` is given (None: `say` sends speech-like noise).
         `failover_urls`: other servers behind the same public URL, tried in order when one
-        refuses the connection (what a proxy in front of replicas does)."""
+        refuses the connection (what a proxy in front of replicas does). `direction`:
+        `outbound-api` plays the person (or machine) an outbound call reached, `voice_path`
+        then the call's answer URL (path and query)."""
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.server_url = server_url.rstrip("/")
@@ -369,6 +372,7 @@ class FakeTwilioCaller:
         self.stream_sid = new_stream_sid()
         self.voice = voice
         self.failover_urls = tuple(u.rstrip("/") for u in failover_urls)
+        self.direction = direction
 
         self.state = CallerState.IDLE
         self.twiml_outcome: TwimlOutcome | None = None
@@ -513,8 +517,8 @@ class FakeTwilioCaller:
             "To": self.to_number,
             "Caller": self.from_number,
             "Called": self.to_number,
-            "CallStatus": "ringing",
-            "Direction": "inbound",
+            "CallStatus": "ringing" if self.direction == "inbound" else "in-progress",
+            "Direction": self.direction,
             "ApiVersion": "2010-04-01",
         }
 

@@ -5,6 +5,16 @@ calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed cal
   the call (an attached `FakeTwilioCaller` sends `stop` and closes its stream, as Twilio
   would); `Twiml=...` replaces the call's instructions, which ends the media stream.
 - `GET  .../Calls/{CallSid}.json`
+- `POST /2010-04-01/Accounts/{AccountSid}/Calls.json`: an outbound call (`To`, `From`, `Url`,
+  `MachineDetection`, `AsyncAmd`, `AsyncAmdStatusCallback`, `StatusCallback`; every param kept
+  on the `FakeCall`). As on Twilio it then rings (`ring_s`) and, per `call_outcomes[To]`
+  (default `call_outcome`): `busy` / `no-answer` / `failed` POST the status callback; anything
+  else is an `AnsweredBy` value (`human`, `machine_end_beep`, `machine_end_silence`, `fax`,
+  `unknown`): a `FakeTwilioCaller` plays the callee (`outbound_callers`): it requests `Url`,
+  follows the TwiML (opens the stream), a machine plays its greeting (`machine_greeting_ms`),
+  and after `amd_delay_s` the signed AsyncAmd callback says who answered.
+- `GET  .../Calls.json`: the list, newest first, filtered by `To`, `From`, `Status`,
+  `StartTime`, `StartTime>` (and `>=`), `StartTime<`.
 - `POST /2010-04-01/Accounts/{AccountSid}/Messages.json`: 201 with a queued message (from
   `From`, or from a number of the Messaging Service named by `MessagingServiceSid`), then
   signed status callbacks to its `StatusCallback` as Twilio sends them (`sent`, then
@@ -15,8 +25,9 @@ calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed cal
   filter skips it) and paging (`PageSize`, `Page`, `PageToken`, `next_page_uri`).
 - `GET  .../Messages/{MessageSid}.json`
 
-Faults, for the tests of what our side must survive: `lose_message_answers(n)` (the next n
-creates are accepted, and their answer never comes: the client times out), `drop_callbacks`
+Faults, for the tests of what our side must survive: `lose_message_answers(n)` and
+`lose_call_answers(n)` (the next n creates are accepted, and their answer never comes: the
+client times out), `drop_callbacks`
 (status callbacks are lost), `hold_queued` (messages stay queued until `release_messages`),
 `callback_order="late_sent"` (`delivered` arrives before `sent`), `duplicate_callbacks`,
 `reject_next_message(code)` (a Twilio error on create), and `fail_next` (5xx / 429).
@@ -184,6 +195,8 @@ class FakeCall:
     created: datetime = field(default_factory=_now)
     ended: datetime | None = None
     twiml: list[str] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)  # a created call's create params
+    answered_by: str | None = None
 
     def resource(self) -> dict[str, Any]:
         uri = f"/{API_VERSION}/Accounts/{self.account_sid}/Calls/{self.sid}.json"
@@ -209,7 +222,7 @@ class FakeCall:
             "price": None,
             "price_unit": "USD",
             "direction": self.direction,
-            "answered_by": None,
+            "answered_by": self.answered_by,
             "api_version": API_VERSION,
             "forwarded_from": None,
             "group_sid": None,
@@ -324,6 +337,15 @@ class FakeTwilioApi:
         self.dial_ring_s = 0.3
         self.dial_talk_s = 0.5
         self.dials: list[tuple[str, str, str]] = []  # (call sid, destination, result)
+        # Outbound calls (Calls.json): who or what answers (or busy, no-answer, failed), per
+        # number and by default; how long it rings, a machine's greeting, the AMD delay.
+        self.call_outcome = "human"
+        self.call_outcomes: dict[str, str] = {}
+        self.ring_s = 0.2
+        self.machine_greeting_ms = 1200.0
+        self.amd_delay_s = 0.3
+        self.outbound_callers: dict[str, FakeTwilioCaller] = {}
+        self._lose_call_answers = 0
         self._lose_answers = 0
         self._reject_codes: list[int] = []
         self._released = asyncio.Event()
@@ -344,6 +366,7 @@ class FakeTwilioApi:
         prefix = f"/{API_VERSION}/Accounts/{{account_sid}}"
         app = Starlette(
             routes=[
+                Route(f"{prefix}/Calls.json", self._calls, methods=["GET", "POST"]),
                 Route(f"{prefix}/Calls/{{call_sid}}.json", self._call, methods=["GET", "POST"]),
                 Route(f"{prefix}/Messages.json", self._messages, methods=["GET", "POST"]),
                 Route(f"{prefix}/Messages/{{message_sid}}.json", self._get_message),
@@ -409,6 +432,17 @@ class FakeTwilioApi:
         sent) but their HTTP answer never comes, until `release_answers` or `hold_max_s`."""
         self._lose_answers += count
         self._answers_released = asyncio.Event()
+
+    def lose_call_answers(self, count: int = 1) -> None:
+        """The next `count` call creates are accepted (the call is placed and goes on) but
+        their HTTP answer never comes, until `release_answers` or `hold_max_s`."""
+        self._lose_call_answers += count
+        self._answers_released = asyncio.Event()
+
+    def created_calls(self, to: str | None = None) -> list[FakeCall]:
+        """Calls placed through `POST Calls.json` (to `to`), in the order they were made."""
+        made = [c for c in self.calls.values() if c.direction == "outbound-api"]
+        return sorted((c for c in made if to is None or c.to_number == to), key=lambda c: c.created)
 
     def release_answers(self) -> None:
         self._answers_released.set()
@@ -595,7 +629,8 @@ class FakeTwilioApi:
         call.ended = _now()
         if caller is not None:
             self._spawn(caller.end_by_twilio(reason), f"fake-twilio-hangup-{call.sid}")
-        if self.call_status_callback_url:
+        status_url = call.params.get("StatusCallback") or self.call_status_callback_url
+        if status_url:
             params = {
                 "CallSid": call.sid,
                 "AccountSid": call.account_sid,
@@ -606,11 +641,128 @@ class FakeTwilioApi:
                 "ApiVersion": API_VERSION,
                 "CallDuration": str(int((call.ended - call.created).total_seconds())),
             }
-            self._spawn(
-                self._callback(self.call_status_callback_url, params),
-                f"fake-twilio-call-status-{call.sid}",
-            )
+            self._spawn(self._callback(status_url, params), f"fake-twilio-call-status-{call.sid}")
         self._changed.set()
+
+    # Outbound calls.
+
+    async def _calls(self, request: Request) -> JSONResponse:
+        if request.method == "GET":
+            return await self._list_calls(request)
+        return await self._create_call(request)
+
+    async def _create_call(self, request: Request) -> JSONResponse:
+        form, refused = await self._admit(request)
+        if refused is not None:
+            return self._record(request, form, refused)
+        to, sender, url = form.get("To"), form.get("From"), form.get("Url")
+        if not to:
+            return self._record(request, form, _error(400, 21201, "No 'To' number is specified"))
+        if not sender:
+            return self._record(request, form, _error(400, 21213, "No 'From' number is specified"))
+        if not url and not form.get("Twiml"):
+            return self._record(request, form, _error(400, 21205, "Url parameter is required."))
+        call = FakeCall(
+            "CA" + secrets.token_hex(16),
+            self.account_sid,
+            sender,
+            to,
+            status="queued",
+            direction="outbound-api",
+            params=form,
+        )
+        self.calls[call.sid] = call
+        self._spawn(self._place(call), f"fake-twilio-place-{call.sid}")
+        response = self._record(request, form, JSONResponse(call.resource(), status_code=201))
+        if self._lose_call_answers > 0:
+            # Placed, and the answer is lost: hold it until the client has given up.
+            self._lose_call_answers -= 1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.hold_max_s):
+                    await self._answers_released.wait()
+        return response
+
+    async def _place(self, call: FakeCall) -> None:
+        """Ring the number; then what `call_outcomes` says happens (see the module docstring)."""
+        from telephony.sim.fake_caller import FakeTwilioCaller
+
+        outcome = self.call_outcomes.get(call.to_number, self.call_outcome)
+        call.status = "ringing"
+        await asyncio.sleep(self.ring_s)
+        if outcome in ("busy", "no-answer", "failed"):
+            call.status = outcome
+            call.ended = _now()
+            self._changed.set()
+            if call.params.get("StatusCallback"):
+                await self._callback(call.params["StatusCallback"], self._status_params(call))
+            return
+        call.status = "in-progress"
+        call.answered_by = outcome
+        url = call.params["Url"]
+        public = urlsplit(url)
+        deliver = urlsplit(self.delivery_url(url))
+        callee = FakeTwilioCaller(
+            f"{deliver.scheme}://{deliver.netloc}",
+            public_url=f"{public.scheme}://{public.netloc}",
+            voice_path=public.path + (f"?{public.query}" if public.query else ""),
+            auth_token=self.auth_token,
+            account_sid=self.account_sid,
+            from_number=call.from_number,
+            to_number=call.to_number,
+            call_sid=call.sid,
+            direction="outbound-api",
+            timeout=self.timeout,
+        )
+        self._callers[call.sid] = callee
+        self.outbound_callers[call.sid] = callee
+        self._changed.set()
+        await callee.dial()
+        if outcome.startswith("machine") and callee.state.value == "streaming":
+            await callee.play_speech(self.machine_greeting_ms)  # "leave a message…", the beep
+        await asyncio.sleep(self.amd_delay_s)
+        amd_url = call.params.get("AsyncAmdStatusCallback")
+        if amd_url and call.params.get("MachineDetection"):
+            params = {
+                "CallSid": call.sid,
+                "AccountSid": self.account_sid,
+                "AnsweredBy": outcome,
+                "MachineDetectionDuration": str(int(self.amd_delay_s * 1000)),
+            }
+            await self._callback(amd_url, params)
+
+    def _status_params(self, call: FakeCall) -> dict[str, str]:
+        return {
+            "CallSid": call.sid,
+            "AccountSid": call.account_sid,
+            "From": call.from_number,
+            "To": call.to_number,
+            "CallStatus": call.status,
+            "Direction": call.direction,
+            "ApiVersion": API_VERSION,
+        }
+
+    async def _list_calls(self, request: Request) -> JSONResponse:
+        _, refused = await self._admit(request)
+        query = dict(request.query_params)
+        if refused is not None:
+            return self._record(request, query, refused)
+        selected = [c for c in self.calls.values() if _call_matches(c, query)]
+        selected.sort(key=lambda c: c.created, reverse=True)
+        path = f"/{API_VERSION}/Accounts/{self.account_sid}/Calls.json"
+        size = max(1, min(1000, int(query.get("PageSize", "50") or 50)))
+        uri = f"{path}?{urlencode({**query, 'PageSize': str(size), 'Page': '0'})}"
+        payload = {
+            "calls": [c.resource() for c in selected[:size]],
+            "end": max(0, min(size, len(selected)) - 1),
+            "first_page_uri": uri,
+            "next_page_uri": None,
+            "page": 0,
+            "page_size": size,
+            "previous_page_uri": None,
+            "start": 0,
+            "uri": uri,
+        }
+        return self._record(request, query, JSONResponse(payload))
 
     async def _messages(self, request: Request) -> JSONResponse:
         if request.method == "GET":
@@ -787,6 +939,27 @@ class FakeTwilioApi:
 
 
 _FAR_FUTURE = datetime.max.replace(tzinfo=UTC)
+
+
+def _call_matches(call: FakeCall, query: dict[str, str]) -> bool:
+    """Twilio's call list filters (`StartTime>=` taken as `StartTime>`, as Twilio does)."""
+    for key, value in (("To", call.to_number), ("From", call.from_number)):
+        if key in query and query[key] != value:
+            return False
+    if "Status" in query and query["Status"] != call.status:
+        return False
+    for key, test in (
+        ("StartTime", lambda start, when: start.date() == when.date()),
+        ("StartTime<", lambda start, when: start <= when),
+        ("StartTime>", lambda start, when: start >= when),
+        ("StartTime>=", lambda start, when: start >= when),
+    ):
+        if key not in query:
+            continue
+        when = _parse_when(query[key])
+        if when is None or not test(call.created, when):
+            return False
+    return True
 
 
 def _parse_when(value: str) -> datetime | None:

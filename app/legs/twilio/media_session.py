@@ -8,12 +8,13 @@ Realtime failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
 from app.calls.store import CallRow
 from app.legs.session import CallSession
-from app.legs.twilio import resume, transfer
+from app.legs.twilio import outbound, resume, transfer
 from app.runtime import Runtime
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
@@ -77,11 +78,20 @@ async def run_media_session(
                     f'"{context.first_line}" Then carry on from where you were.'
                 ),
             )
+        elif call.direction == "outbound":
+            # Silent and deaf until it is known who answered (app/legs/twilio/outbound.py).
+            config = dataclasses.replace(
+                runtime.bridge_config, greeting=False, listen_at_start=False
+            )
         bridge = session.build_bridge(
             leg, on_fatal=hang_up, socket=ws, config=config, transfer=put_through
         )
+        line: outbound.OutboundLine | None = None
         if session.entry is not None:
             session.entry.movable = True  # a stopping process hands it over (`<Connect action>`)
+            if call.direction == "outbound" and not resumed:
+                # Before the row is read: a result told meanwhile reaches it either way.
+                line = session.entry.outbound = outbound.OutboundLine(runtime, session, bridge)
         await session.go_live(
             {
                 "stream_sid": start.stream_sid,
@@ -97,7 +107,16 @@ async def run_media_session(
                 CallEvent(call.id, CallEventKind.STREAM_RESUMED, {"holder": runtime.holder})
             )
             await _offer_pending(runtime, call.id)
-        await bridge.run()
+        if line is not None:
+            picked = asyncio.create_task(line.pick_up_stored(), name=f"amd-{call.id}")
+            try:
+                await bridge.run()
+            finally:
+                picked.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await picked
+        else:
+            await bridge.run()
     finally:
         entry = session.entry
         released = False

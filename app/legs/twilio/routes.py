@@ -29,11 +29,12 @@ from app.errors import (
 from app.http.signatures import signed_form
 from app.http.slots import Slot
 from app.legs.session import Admission, Caller, CallSession, start_stream
-from app.legs.twilio import resume, transfer, twiml
+from app.legs.twilio import outbound, resume, transfer, twiml
 from app.legs.twilio.media_session import run_media_session
 from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.logging import RateLimitedLog
 from app.models import LegKind
+from app.ops.outbound import bind_sid
 from app.runtime import Runtime
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.errors import MalformedFrame
@@ -181,14 +182,63 @@ async def transfer_ended(request: Request, runtime: RuntimeDep) -> Response:
         raise DatabaseUnavailable("transfer update failed") from exc
 
 
+@router.post("/twilio/outbound-answer")
+async def outbound_answer(request: Request, runtime: RuntimeDep) -> Response:
+    """An outbound call was picked up (Calls.create's `url`): its stream, with the agent silent
+    until it is known who answered (see outbound.py)."""
+    params = await signed_form(request, runtime.settings)
+    q = request.query_params
+    call_id = outbound.checked_call_id(runtime, q.get("call_id", ""), q.get("k", ""))
+    call_sid = params.get("CallSid", "")
+    if not call_sid:
+        raise BadRequest("no CallSid")
+    if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
+        return _xml(twiml.hangup())
+    try:
+        return _xml(await outbound.answer(runtime, call_id, call_sid))
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls update failed") from exc
+
+
+@router.post("/twilio/amd")
+async def amd_callback(request: Request, runtime: RuntimeDep) -> Response:
+    """Twilio's AsyncAmdStatusCallback: who answered an outbound call (see outbound.py)."""
+    params = await signed_form(request, runtime.settings)
+    q = request.query_params
+    call_id = outbound.checked_call_id(runtime, q.get("call_id", ""), q.get("k", ""))
+    call_sid = params.get("CallSid", "")
+    if not call_sid:
+        raise BadRequest("no CallSid")
+    try:
+        await outbound.amd_result(runtime, call_id, call_sid, params.get("AnsweredBy", ""))
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("calls update failed") from exc
+    return Response(status_code=204)
+
+
 @router.post("/twilio/status")
 async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
-    """Twilio's call-status callback; a final status ends the call everywhere. Idempotent."""
+    """Twilio's call-status callback; a final status ends the call everywhere. Idempotent.
+    An outbound call's carries its call id (and key) in the query: the first word Twilio
+    gives of a call whose create answer was lost, or that nobody picked up."""
     params = await signed_form(request, runtime.settings)
     call_sid = params.get("CallSid", "")
     call_status = params.get("CallStatus", "")
     if not call_sid:
         raise BadRequest("no CallSid")
+    if "call_id" in request.query_params:
+        q = request.query_params
+        call_id = outbound.checked_call_id(runtime, q.get("call_id", ""), q.get("k", ""))
+        try:
+            await bind_sid(runtime.engine, call_id, call_sid)
+        except DataError as exc:
+            raise BadRequest("unstorable CallSid") from exc
+        except DBAPIError as exc:
+            raise DatabaseUnavailable("calls update failed") from exc
     target = call_store.TWILIO_TERMINAL.get(call_status)
     if target is None:
         return Response(status_code=204)
@@ -209,6 +259,7 @@ async def status_callback(request: Request, runtime: RuntimeDep) -> Response:
                 # on the timeline (one writer per call keeps its events in order).
                 await publish_end(runtime.engine, call_sid, reason)
             elif ended is not None:
+                await outbound.unanswered(runtime, row, call_status)
                 data = call_ended_data(reason, EndSource.STATUS)
                 runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_ENDED, data))
     except DataError as exc:
