@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -21,12 +22,15 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
+from app.calls.liveness import end_unstreamed_calls
+from app.calls.store import create_call
 from app.cli.dial import run_dial_command
 from app.errors import StartupError
+from app.ops.outbound import request_call
 from telephony.sim.fake_caller import CallerState
 from telephony.sim.scenario import Scenario
 from tests.console_support import bearer, seed_operation
-from tests.e2e_support import Stack, call_stack, event_kinds, wait_until
+from tests.e2e_support import Stack, call_stack, event_kinds, make_settings, wait_until
 from tests.test_e2e_booking import heard_text
 from tools.states import OperationStatus as S
 
@@ -125,6 +129,9 @@ async def test_a_person_who_answers_hears_the_purpose_and_the_operations_state_f
         kinds = await event_kinds(engine, call_id)
         row = await call_row(engine, call_id)
         op, _ = await operation(engine, op_id)
+        async with httpx.AsyncClient(timeout=10) as client:
+            seen = await client.get(f"{stack.service.url}/api/operations/{op_id}", headers=headers)
+            listed = await client.get(f"{stack.service.url}/api/calls", headers=headers)
     # The agent named the purpose and where the booking stands, after Twilio said a person.
     assert PURPOSE in said, said
     assert "table for 2" in said, said
@@ -148,6 +155,33 @@ async def test_a_person_who_answers_hears_the_purpose_and_the_operations_state_f
     assert row["outbound"]["purpose"] == PURPOSE and row["outbound"]["amd"] == "human"
     assert op["tool"] == "place_call" and op["status"] == "committed"
     assert op["provider_ref"] == placed.sid and op["call_id"] is None
+    # The console shows the placing operation like any other.
+    assert seen.status_code == 200, seen.text
+    assert seen.json()["operation"]["tool"] == "place_call"
+    assert [c["direction"] for c in listed.json()["calls"]] == ["outbound"]
+
+
+async def test_an_outbound_row_still_ringing_is_given_its_ring_time_before_the_sweep(
+    engine: AsyncEngine,
+) -> None:
+    settings = make_settings(1)
+    placed = await request_call(
+        engine, settings, _no_enqueue, to=CALLEE, purpose=PURPOSE, about_operation_id=None, by="t"
+    )
+    inbound, _ = await create_call(
+        engine, call_sid="CA" + "1" * 32, tenant_id="default", from_number=CALLEE, to_number=None
+    )
+    later = datetime.now(UTC) + timedelta(seconds=100)
+    first = await end_unstreamed_calls(engine, stream_wait_s=90, now=later, outbound_wait_s=60)
+    second = await end_unstreamed_calls(
+        engine, stream_wait_s=90, now=later + timedelta(seconds=61), outbound_wait_s=60
+    )
+    assert [c.call_id for c in first] == [inbound.id]
+    assert [c.call_id for c in second] == [placed.call_id]
+
+
+async def _no_enqueue(conn: Any, operation_id: uuid.UUID) -> None:
+    return None
 
 
 async def test_a_machine_gets_a_short_message_after_the_beep_and_nothing_private(

@@ -136,12 +136,19 @@ def dead_reason(holder: str | None, dead_after_s: float) -> str:
 
 
 async def end_unstreamed_calls(
-    engine: AsyncEngine, *, stream_wait_s: float, now: datetime | None = None, limit: int = 100
+    engine: AsyncEngine,
+    *,
+    stream_wait_s: float,
+    now: datetime | None = None,
+    limit: int = 100,
+    outbound_wait_s: float = 0.0,
 ) -> list[EndedCall]:
     """End `ringing` rows whose stream never came or was rejected, once their stream token
-    has expired (no stream can start any more)."""
+    has expired (no stream can start any more). An outbound call's row is written before it
+    is placed and rings for a while: it gets `outbound_wait_s` more."""
     now = now or datetime.now(UTC)
     cutoff = now - timedelta(seconds=stream_wait_s)
+    outbound_cutoff = cutoff - timedelta(seconds=outbound_wait_s)
     ended: list[EndedCall] = []
     async with engine.begin() as conn:
         rows = await conn.execute(
@@ -149,6 +156,7 @@ async def end_unstreamed_calls(
             .where(
                 calls.c.status == CallStatus.RINGING.value,
                 calls.c.created_at < cutoff,
+                sa.or_(calls.c.direction != "outbound", calls.c.created_at < outbound_cutoff),
                 # A row a live process heartbeats in set-up is that process's to end.
                 sa.or_(calls.c.heartbeat_at.is_(None), calls.c.heartbeat_at < cutoff),
             )

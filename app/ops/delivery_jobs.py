@@ -57,6 +57,8 @@ class DeliveryConfig:
     max_reoffers: int = 2
     announce_timeout_s: float = 120.0
     stream_wait_s: float = 90.0  # a ringing row this old can no longer start its stream
+    # An outbound call's row is written before it is placed, then rings: this much longer.
+    outbound_wait_s: float = 60.0
     nudge_s: float = 5.0  # a delivery waiting on another process's call: look again after
     webhook_policy: webhooks.RetryPolicy = field(default_factory=webhooks.RetryPolicy)
 
@@ -204,7 +206,10 @@ class DeliverySweeper:
         )
         report["dead_calls"] = len(dead)
         unstreamed = await call_liveness.end_unstreamed_calls(
-            self.engine, stream_wait_s=self.config.stream_wait_s, now=now
+            self.engine,
+            stream_wait_s=self.config.stream_wait_s,
+            now=now,
+            outbound_wait_s=self.config.outbound_wait_s,
         )
         report["unstreamed_calls"] = len(unstreamed)
         async with self.engine.begin() as conn:

@@ -165,6 +165,8 @@ def delivery_config(settings: Settings) -> DeliveryConfig:
         max_reoffers=settings.announce_max_reoffers,
         announce_timeout_s=settings.announce_timeout_s,
         stream_wait_s=settings.stream_token_ttl_s + 30.0,
+        # Queued, created (or reconciled), then rung: an outbound row is that much older.
+        outbound_wait_s=2 * settings.outbound_create_timeout_s + settings.outbound_ring_timeout_s,
         webhook_policy=webhooks.RetryPolicy(
             max_attempts=settings.webhook_max_attempts,
             base_s=settings.webhook_base_backoff_s,
