@@ -33,6 +33,8 @@ class FakeSession:
     slot: ResponseSlot = field(default_factory=ResponseSlot)
     items: set[str] = field(default_factory=set)
     sent: list[tuple[Any, ...]] = field(default_factory=list)
+    voice: str | None = "marin"
+    session_id: str = "sess_fake"
 
     async def append(self, payload: str) -> bool:
         self.sent.append(("append", payload))
