@@ -230,7 +230,7 @@ async def test_a_lost_create_answer_is_reconciled_to_the_one_call_never_a_second
     async with outbound_stack(engine, clean_db, outbound_create_timeout_s=1.0) as stack:
         stack.api.lose_call_answers(1)
         stack.api.ring_s = 4.0  # nobody has picked up yet when the worker asks Twilio
-        headers = await bearer(engine, Role.OPERATOR)
+        headers = {**await bearer(engine, Role.OPERATOR), "Idempotency-Key": "crm-job-17"}
         answer = await place(stack, {"to": CALLEE, "purpose": PURPOSE}, headers)
         call_id, op_id = answer.json()["call_id"], answer.json()["operation_id"]
 
@@ -240,11 +240,14 @@ async def test_a_lost_create_answer_is_reconciled_to_the_one_call_never_a_second
         await wait_until(settled, WAIT_S, "the placing operation settles")
         op, events = await operation(engine, op_id)
         row = await call_row(engine, call_id)
+        # The client retrying its request (same key) gets the same call, placed once.
+        again = await place(stack, {"to": CALLEE, "purpose": PURPOSE}, headers)
         creates = stack.api.requests_to("/Calls.json")
         lists = stack.api.requests_to("/Calls.json", method="GET")
         stack.api.release_answers()
         placed = stack.api.created_calls()
     assert len(creates) == 1 and len(placed) == 1, (creates, placed)
+    assert again.status_code == 202 and again.json() == answer.json()
     assert op["status"] == "committed" and op["provider_ref"] == placed[0].sid
     path = [e["to_status"] for e in events if e["kind"] == "transition"]
     assert path == ["admitted", "running", "unknown", "committed"], path
