@@ -127,30 +127,27 @@ def _wrap(exc: Exception, what: str) -> TwilioRestError:
     return TwilioRestError(f"{what}: {exc!r}", status=None, code=None)
 
 
-async def end_call(client: Client, call_sid: str) -> bool:
-    """Hang up a live call; False when it had already ended."""
+async def _update_call(client: Client, call_sid: str, what: str, **fields: str) -> bool:
+    """One update of a live call; False when it had already ended, TwilioRestError else."""
     try:
-        await client.calls(call_sid).update_async(status="completed")
+        await client.calls(call_sid).update_async(**fields)
     except TwilioRestException as exc:
         if exc.code == CALL_NOT_IN_PROGRESS:
             return False
-        raise _wrap(exc, f"ending call {call_sid}") from exc
+        raise _wrap(exc, f"{what} call {call_sid}") from exc
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _wrap(exc, f"ending call {call_sid}") from exc
+        raise _wrap(exc, f"{what} call {call_sid}") from exc
     return True
+
+
+async def end_call(client: Client, call_sid: str) -> bool:
+    """Hang up a live call; False when it had already ended."""
+    return await _update_call(client, call_sid, "ending", status="completed")
 
 
 async def redirect_call(client: Client, call_sid: str, twiml: str) -> bool:
     """Give a live call new instructions (its stream stops); False when it had ended."""
-    try:
-        await client.calls(call_sid).update_async(twiml=twiml)
-    except TwilioRestException as exc:
-        if exc.code == CALL_NOT_IN_PROGRESS:
-            return False
-        raise _wrap(exc, f"redirecting call {call_sid}") from exc
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _wrap(exc, f"redirecting call {call_sid}") from exc
-    return True
+    return await _update_call(client, call_sid, "redirecting", twiml=twiml)
 
 
 async def send_sms(

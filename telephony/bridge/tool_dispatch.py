@@ -246,16 +246,23 @@ class ToolDispatch:
     async def staff_transfer(self, transfer: TransferRequest, by: str) -> None:
         """Staff put the caller through: the agent says so in one sentence, then the leg
         transfers as for the model's own `transfer_call` (the outcome on the timeline)."""
-        session = self._current()
-        if session is not None and not self._port.ended():
-            await session.add_note(
+        if not self._port.ended():
+            await self._say_after_note(
                 f"A member of staff ({by[:60]}) is transferring this caller to "
                 f"{transfer.target.replace('_', ' ')} now. Tell the caller in one short sentence "
-                "that you are putting them through, and say nothing after it."
+                "that you are putting them through, and say nothing after it.",
+                "staff_transfer",
             )
-            self._utterances.queue(CreateRequest("staff_transfer", turn_id=None))
-            await self._utterances.drain()
         await self._carry_out(transfer)
+
+    async def _say_after_note(self, note: str, reason: str) -> None:
+        """A note to the model, then a response (at the next safe moment) that says it."""
+        session = self._current()
+        if session is None:
+            return
+        await session.add_note(note)
+        self._utterances.queue(CreateRequest(reason, turn_id=None))
+        await self._utterances.drain()
 
     async def _carry_out(self, transfer: TransferRequest) -> None:
         """A transfer the engine admitted: once the agent's sentence has been heard (or the
@@ -291,16 +298,12 @@ class ToolDispatch:
             status=outcome.status,
             detail=outcome.detail[:300],
         )
-        session = self._current()
-        if session is None:
-            return
-        await session.add_note(
+        await self._say_after_note(
             f"The transfer to {transfer.target.replace('_', ' ')} did not go through "
             f"({outcome.status}: {outcome.detail}). The caller is still with you: tell them in "
-            "one sentence, and offer to take a message or have someone call them back."
+            "one sentence, and offer to take a message or have someone call them back.",
+            "transfer_failed",
         )
-        self._utterances.queue(CreateRequest("transfer_failed", turn_id=None))
-        await self._utterances.drain()
 
     async def _press(self, reply: ToolReply, digits: str) -> ToolReply:
         """Send the keys on the leg; the model hears back once they have gone out."""

@@ -627,17 +627,7 @@ class FakeTwilioCaller:
         brings the caller back to the service; anything else ends the call."""
         if self.state is not CallerState.STREAMING:
             return
-        now = self._now()
-        await self._echo(self._playout.advance(now), now)
-        with contextlib.suppress(ConnectionClosed, CallerError):
-            await self._send_json(
-                {
-                    "event": "stop",
-                    "sequenceNumber": self._next_sequence(),
-                    "streamSid": self.stream_sid,
-                    "stop": {"accountSid": self.account_sid, "callSid": self.call_sid},
-                }
-            )
+        await self._send_stop()
         self._stop_sent = True
         self._action_url = None
         ws, self._ws = self._ws, None
@@ -693,9 +683,8 @@ class FakeTwilioCaller:
             self._end("closed before the stream opened", None)
         await self._stop_tasks()
 
-    async def _finish(self, by: Literal["caller", "twilio-api"], reason: str) -> None:
-        if self.state is not CallerState.STREAMING:
-            return
+    async def _send_stop(self) -> None:
+        """What was played so far is echoed, then Twilio's `stop` for this stream."""
         now = self._now()
         await self._echo(self._playout.advance(now), now)
         with contextlib.suppress(ConnectionClosed, CallerError):
@@ -707,6 +696,11 @@ class FakeTwilioCaller:
                     "stop": {"accountSid": self.account_sid, "callSid": self.call_sid},
                 }
             )
+
+    async def _finish(self, by: Literal["caller", "twilio-api"], reason: str) -> None:
+        if self.state is not CallerState.STREAMING:
+            return
+        await self._send_stop()
         if self.state is CallerState.STREAMING:
             self._end(reason, by)
         ws = self._ws
