@@ -61,6 +61,9 @@ def bridge_config_from(settings: Settings, catalog: Catalog | None = None) -> Br
         reconnect_budget_s=settings.realtime_reconnect_budget_s,
         max_tool_calls_per_response=settings.max_tool_calls_per_response,
         max_tool_calls_in_flight=settings.max_tool_calls_in_flight,
+        model_api=settings.model_api,
+        live_model=settings.live_model,
+        live_delegation_model=settings.live_delegation_model,
     )
 
 

@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     openai_api_key: SecretStr | None = None
     openai_base_url: str | None = None
     openai_realtime_model: str = "gpt-realtime"
+    # Which OpenAI voice model calls talk to: the Realtime API (client-driven turns, truncate at
+    # heard audio) or GPT-Live (server-driven turns, tools delegated to a Responses model,
+    # LIVE_DELEGATION_MODEL, whose function calls come to our engine). See the README.
+    model_api: Literal["realtime", "live"] = "realtime"
+    live_model: str = Field(default="gpt-live-1", min_length=1)
+    live_delegation_model: str = Field(default="gpt-5-mini", min_length=1)
     openai_webhook_secret: SecretStr | None = None
     realtime_voice: str = "marin"
     # Calls talk to a simulator: true always (even with a key), false never (no key: `serve`

@@ -84,6 +84,12 @@ class BridgeConfig:
     # beyond either, a call is answered with a speakable refusal and reaches no provider.
     max_tool_calls_per_response: int = 8
     max_tool_calls_in_flight: int = 4
+    # Which model protocol the call talks: the Realtime API, or GPT-Live (`live_model`, its
+    # tools delegated to a Responses backend, `live_delegation_model`, whose function calls
+    # come back to our engine).
+    model_api: Literal["realtime", "live"] = "realtime"
+    live_model: str = "gpt-live-1"
+    live_delegation_model: str = "gpt-5-mini"
 
 
 def instructions_text(

@@ -25,10 +25,12 @@ with an apology when it fails.
 
 Seams: every part talks to the model through `ModelSession` (a Protocol; `RealtimeSession`
 implements it) and never sees the SDK; `ModelLink` connects, reconnects and reads, so a second
-model protocol (GPT-Live) is a second link. The variation between the legs that carry audio
-(Twilio, our SIP UAS: local playout, truncate at heard audio) and OpenAI's SIP interconnect
-(server playout, `output_audio_buffer.clear`) is the `Playout` strategy, chosen once when the
-bridge is built. The parts hold no reference to the bridge: the port is all they can reach.
+model protocol is a second link: GPT-Live is `LiveLink` / `LiveSession` (live_link.py), its
+server events routed to the same parts by `LiveEvents` (live_events.py). The variation
+between the legs that carry audio (Twilio, our SIP UAS: local playout, truncate at heard
+audio) and OpenAI's SIP interconnect (server playout, `output_audio_buffer.clear`) is the
+`Playout` strategy, chosen once when the bridge is built. The parts hold no reference to the
+bridge: the port is all they can reach.
 """
 
 from telephony.bridge.bridge import Bridge, BridgeState

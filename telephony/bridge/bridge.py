@@ -37,6 +37,8 @@ from openai.types.realtime.input_audio_buffer_dtmf_event_received_event import (
 
 from telephony.bridge.agent import ActiveAgent
 from telephony.bridge.audio_path import AudioPath
+from telephony.bridge.live_events import LiveEvents
+from telephony.bridge.live_link import LiveLink
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import LocalPlayout, Playout, ServerPlayout
 from telephony.bridge.port import Port
@@ -141,16 +143,31 @@ class Bridge:
         self.active_agent = ActiveAgent(
             starting(config.start_agent) if starting is not None else None, gateway.definitions
         )
-        self.link: ModelLink = RealtimeLink(
-            self.port,
-            config,
-            client,
-            leg.audio_format,
-            self.active_agent.tools,
-            history,
-            sideband_call_sid=sideband.call_sid if sideband is not None else None,
-            persona=self.active_agent.persona,
-            voice=self.active_agent.voice,
+        live = config.model_api == "live"
+        if live and sideband is not None:
+            raise ValueError("GPT-Live runs over its own socket: not on OpenAI's SIP interconnect")
+        self.link: ModelLink = (
+            LiveLink(
+                self.port,
+                config,
+                client,
+                leg.audio_format,
+                self.active_agent.tools,
+                persona=self.active_agent.persona,
+                voice=self.active_agent.voice,
+            )
+            if live
+            else RealtimeLink(
+                self.port,
+                config,
+                client,
+                leg.audio_format,
+                self.active_agent.tools,
+                history,
+                sideband_call_sid=sideband.call_sid if sideband is not None else None,
+                persona=self.active_agent.persona,
+                voice=self.active_agent.voice,
+            )
         )
         self.audio = AudioPath(self.port, leg, self.playout, ctx, gateway, evidence)
         self.audio.deaf = not config.listen_at_start
@@ -181,6 +198,13 @@ class Bridge:
             transfer,
             getattr(leg, "send_digits", None),
         )
+        # GPT-Live's events go to the same parts through their own router (a strategy).
+        self._live = (
+            LiveEvents(self.port, self.turns, self.playout, self.tools, history, evidence)
+            if live
+            else None
+        )
+        self._handle_event = self._live.on_event if self._live is not None else self._on_event
 
     async def transfer(self, request: TransferRequest, by: str) -> None:
         """Staff transfer the caller (see ToolDispatch.staff_transfer)."""
@@ -303,6 +327,8 @@ class Bridge:
         await self._close_session()
         with contextlib.suppress(Exception):
             await self.leg.close(self._end_reason)
+        if self._live is not None:
+            self._live.flush()
         self.playout.record_rest()
         self.utterances.settle(f"call ended: {self._end_reason}", self._session)
         try:
@@ -391,7 +417,8 @@ class Bridge:
                     attempts=attempts,
                     connect_ms=round((time.monotonic() - started) * 1000, 1),
                 )
-                if self.config.greeting:
+                # On GPT-Live the server takes the first turn itself.
+                if self.config.greeting and self._live is None:
                     self.utterances.queue(
                         CreateRequest(
                             "greeting",
@@ -411,7 +438,7 @@ class Bridge:
             first = False
             await self.audio.flush_backlog(session)
             await self.utterances.drain()
-            reason = await self.link.read(session, self.audio.play, self._on_event)
+            reason = await self.link.read(session, self.audio.play, self._handle_event)
             if self._ended.is_set():
                 return
             self._emit(CallEventKind.REALTIME_DROPPED, reason=reason)

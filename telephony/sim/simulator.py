@@ -1,5 +1,8 @@
 """A local stand-in for the OpenAI Realtime API (GA protocol), driven by a scenario file.
 
+The same server also speaks GPT-Live on `/v1/live/sessions` (`client.live.connect()`), from
+the same scenario: see telephony.sim.live_session.
+
 It speaks the real wire protocol over a real WebSocket at `/v1/realtime`, so the official SDK
 connects to it unchanged::
 
@@ -103,6 +106,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from telephony.sim.live_session import LIVE_PATH, LiveSimulatedSession
 from telephony.sim.recognizer import PhraseRecognizer, Recognition
 from telephony.sim.scenario import (
     FunctionCallStep,
@@ -1732,6 +1736,8 @@ class RealtimeSimulator:
         self.realtime_factor = realtime_factor
         self.chunk_ms = chunk_ms
         self.sessions: list[SimulatedSession] = []
+        # GPT-Live connections (`/v1/live/sessions`, `client.live.connect()`), in order.
+        self.live_sessions: list[LiveSimulatedSession] = []
         self.connect_attempts = 0
         self._requested_port = port
         self._port: int | None = None
@@ -1842,7 +1848,7 @@ class RealtimeSimulator:
         self.connect_attempts += 1
         if self.handshake_delay_s > 0:
             await asyncio.sleep(self.handshake_delay_s)
-        if url.path.rstrip("/") != REALTIME_PATH:
+        if url.path.rstrip("/") not in (REALTIME_PATH, LIVE_PATH):
             return connection.respond(HTTPStatus.NOT_FOUND, "Not Found\n")
         if self._refuse > 0:
             self._refuse -= 1
@@ -1866,8 +1872,42 @@ class RealtimeSimulator:
         response.headers["Connection"] = "close"  # websockets serves one request a connection
         return response
 
+    async def wait_for_live_session(
+        self, index: int = 0, *, within: float = 5.0
+    ) -> LiveSimulatedSession:
+        """Wait until GPT-Live connection number `index` (0-based) was accepted."""
+        async with asyncio.timeout(within):
+            while len(self.live_sessions) <= index:
+                await self._sessions_changed.wait()
+            return self.live_sessions[index]
+
+    async def _handle_live(self, ws: ServerConnection) -> None:
+        assert ws.request is not None
+        session = LiveSimulatedSession(
+            ws,
+            self.scenario,
+            authorization=ws.request.headers.get("Authorization"),
+            realtime_factor=self.realtime_factor,
+            chunk_ms=self.chunk_ms,
+            synthesize=synthesize_speech,
+            record=self.record,
+        )
+        self.live_sessions.append(session)
+        changed, self._sessions_changed = self._sessions_changed, asyncio.Event()
+        changed.set()
+        try:
+            await session.run()
+        except Exception:
+            log.exception("simulator live session %s failed", session.id)
+        finally:
+            if not self.record:
+                self.live_sessions.remove(session)
+
     async def _handle(self, ws: ServerConnection) -> None:
         assert ws.request is not None  # set once the handshake completed
+        if urlsplit(ws.request.path).path.rstrip("/") == LIVE_PATH:
+            await self._handle_live(ws)
+            return
         query = parse_qs(urlsplit(ws.request.path).query)
         session = SimulatedSession(
             ws,

@@ -1,0 +1,337 @@
+"""The GPT-Live model link: `session.start` and `session.started`, reconnect within a budget,
+read; and each client event the parts send (`LiveSession`), bounded by the send timeout.
+
+GPT-Live is full duplex and takes its turns itself: there is no response to create, cancel or
+truncate. What the parts ask of a `ModelSession` maps as follows: caller audio is
+`session.input_audio.append` (the leg's G.711 as is: `session.start` names it, 8000 Hz, so
+there is no resampling); a function output is `response.item.create` (`function_call_output`)
+and the `response.create` that lets the Responses backend go on; a note (a late result, a
+result for a session that is gone) is `session.commentary.append`, speakable context the model
+says when it sees fit; truncate, cancel and clear have no Live counterpart and send nothing.
+
+Live audio deltas carry no item: the link names each agent utterance itself
+(`LiveSession.item_id`, moved on by `next_utterance` at every turn boundary) so that playout
+accounts for what the caller heard per utterance, as it does per Realtime item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from openai import AsyncOpenAI
+from openai.resources.live.live import AsyncLiveConnection
+from websockets.exceptions import ConnectionClosed
+
+from telephony.bridge.model_link import DeltaHandler, DeltaLane, EventHandler
+from telephony.bridge.port import Port
+from telephony.bridge.slot import ResponseSlot, ResponseState
+from telephony.call_events import CallEventKind
+from telephony.errors import TelephonyError
+from telephony.legs.leg import AudioFormat
+from telephony.realtime_wire import AudioDelta
+from telephony.session_config import BridgeConfig, instructions_text
+
+log = logging.getLogger(__name__)
+
+SESSION_START_EVENT_ID = "bridge_session_start"
+TIMEOUT_S = 10.0
+LIVE_SOCKET_OPTIONS: Any = {"compression": None}
+# The leg's codec is what GPT-Live carries too (G.711 at 8 kHz): no transcoding either way.
+LIVE_FORMATS: dict[AudioFormat, dict[str, Any]] = {
+    "audio/pcmu": {"type": "audio/pcmu", "rate": 8000},
+    "audio/pcma": {"type": "audio/pcma", "rate": 8000},
+}
+
+
+class LiveSessionRejected(TelephonyError):
+    """The server refused our `session.start`."""
+
+
+async def close_quietly(conn: AsyncLiveConnection) -> None:
+    """Close a Live socket we are giving up on, within a second, whatever state it is in."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await conn.close()
+
+
+def session_start(
+    config: BridgeConfig,
+    audio_format: AudioFormat,
+    tools: list[dict[str, Any]],
+    persona: str | None,
+    voice: str | None,
+) -> dict[str, Any]:
+    """The `session.start` payload: model, instructions, audio format and voice, and the
+    catalog's tools as function tools of the Responses delegation (their calls come to us)."""
+    functions = [
+        {
+            "type": "function",
+            "name": tool["name"],
+            "description": tool.get("description", ""),
+            "parameters": tool.get("parameters", {"type": "object", "properties": {}}),
+        }
+        for tool in tools
+        if tool.get("type") == "function"
+    ]
+    return {
+        "model": config.live_model,
+        "instructions": instructions_text(config, persona=persona),
+        "audio": {"format": LIVE_FORMATS[audio_format], "output": {"voice": voice}},
+        "delegation": {
+            "type": "responses",
+            "responses": {"model": config.live_delegation_model, "tools": functions},
+        },
+    }
+
+
+class LiveSession:
+    """One GPT-Live connection: the client events the parts send, each bounded."""
+
+    def __init__(
+        self, conn: AsyncLiveConnection, generation: int, call_id: str, timeout_s: float
+    ) -> None:
+        self.conn = conn
+        self.generation = generation
+        self.items: set[str] = set()  # never truncated: Live has no truncate
+        self.voice: str | None = None
+        self.session_id = f"{call_id}/{generation}"
+        self.slot = ResponseSlot()
+        self._call_id = call_id
+        self._timeout_s = timeout_s
+        self._utterance = 0
+        self._outputs_waiting = False  # a function output awaits its response.create
+
+    # The agent's utterances, named by us (Live deltas carry no item).
+
+    @property
+    def item_id(self) -> str:
+        return f"{self.session_id}/u{self._utterance}"
+
+    @property
+    def response_id(self) -> str:
+        return f"{self.session_id}/r{self._utterance}"
+
+    def next_utterance(self) -> None:
+        self._utterance += 1
+
+    # ModelSession.
+
+    async def append(self, payload: str) -> bool:
+        return await self._send({"type": "session.input_audio.append", "audio": payload})
+
+    def append_now(self, payload: str) -> bool:
+        return False  # no synchronous lane on the Live socket: the audio path awaits append
+
+    async def truncate(self, item_id: str, audio_end_ms: int) -> bool:
+        return False  # the model decides where it stopped; nothing to tell it
+
+    async def cancel_response(self) -> bool:
+        return False
+
+    async def clear_output(self) -> bool:
+        return False
+
+    async def add_function_output(self, function_call_id: str, output: str) -> bool:
+        sent = await self._send(
+            {
+                "type": "response.item.create",
+                "item": {
+                    "type": "function_call_output",
+                    "call_id": function_call_id,
+                    "output": output,
+                },
+            }
+        )
+        self._outputs_waiting = self._outputs_waiting or sent
+        return sent
+
+    async def add_note(self, text: str) -> bool:
+        # Speakable context, not a forced turn: the model says it when the moment suits.
+        return await self._send(
+            {"type": "session.commentary.append", "content": text, "delegation_id": None}
+        )
+
+    async def create_response(self, event_id: str, instructions: str | None) -> bool:
+        # Turns are the server's: the only create is the one that lets the Responses backend
+        # go on with the outputs it was given. Nothing answers it, so the slot is free again.
+        sent = True
+        if self._outputs_waiting:
+            sent = await self._send({"type": "response.create", "event_id": event_id})
+            self._outputs_waiting = False
+        self.slot.move(ResponseState.IDLE)
+        self.slot.forget_request()
+        return sent
+
+    async def update_session(self, persona: str, tools: list[dict[str, Any]]) -> bool:
+        return False  # a handoff on GPT-Live is not in this slice
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(TIMEOUT_S):
+                await self.conn.close()
+
+    async def _send(self, event: dict[str, Any]) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self.conn.send(event)  # type: ignore[arg-type]
+        except (ConnectionClosed, TimeoutError, OSError) as exc:
+            log.info("call %s: send to GPT-Live failed: %r", self._call_id, exc)
+            await close_quietly(self.conn)
+            return False
+        except Exception as exc:  # the SDK wraps some socket errors in its own
+            log.info("call %s: send to GPT-Live failed: %r", self._call_id, exc)
+            return False
+        return True
+
+
+class LiveLink:
+    """`ModelLink` for GPT-Live over its primary WebSocket (Twilio and our SIP legs)."""
+
+    def __init__(
+        self,
+        port: Port,
+        config: BridgeConfig,
+        client: AsyncOpenAI,
+        audio_format: AudioFormat,
+        tools: Callable[[], list[dict[str, Any]]],
+        persona: Callable[[], str | None] = lambda: None,
+        voice: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self._port = port
+        self._config = config
+        self._client = client
+        self._audio_format = audio_format
+        self._tools = tools
+        self._persona = persona
+        self._voice = voice
+        self.keeps_conversation = False
+        self.ended_remotely = False
+        self.deltas_by_lane = 0
+        self._generation = 0
+
+    async def connect(self, *, resumed: bool) -> tuple[LiveSession | None, int, str | None]:
+        """Open a session and start it, retrying with backoff within the budget."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._config.reconnect_budget_s
+        delay = 0.1
+        attempts = 0
+        error: str | None = None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None, attempts, error
+            attempts += 1
+            conn: AsyncLiveConnection | None = None
+            try:
+                async with asyncio.timeout(min(self._config.connect_timeout_s, remaining)):
+                    conn = await self._client.live.connect(
+                        websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
+                    ).enter()
+                    start = session_start(
+                        self._config,
+                        self._audio_format,
+                        self._tools(),
+                        self._persona(),
+                        self._voice() or self._config.voice,
+                    )
+                    await conn.send(
+                        {  # type: ignore[arg-type]
+                            "type": "session.start",
+                            "event_id": SESSION_START_EVENT_ID,
+                            "session": start,
+                        }
+                    )
+                    server_id = await self._await_started(conn)
+            except asyncio.CancelledError:
+                if conn is not None:
+                    await close_quietly(conn)
+                raise
+            except LiveSessionRejected as exc:
+                if conn is not None:
+                    await close_quietly(conn)
+                return None, attempts, str(exc)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:200]
+                log.info(
+                    "call %s: GPT-Live connect attempt %d failed: %s",
+                    self._port.call_id,
+                    attempts,
+                    error,
+                )
+                if conn is not None:
+                    await close_quietly(conn)
+            else:
+                self._generation += 1
+                session = LiveSession(
+                    conn, self._generation, self._port.call_id, self._config.send_timeout_s
+                )
+                session.voice = self._voice() or self._config.voice
+                session.session_id = server_id[:64] or session.session_id
+                return session, attempts, None
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            delay = min(delay * 2, 2.0)
+
+    async def _await_started(self, conn: AsyncLiveConnection) -> str:
+        """Until `session.started` (audio before it would be refused); the server's id."""
+        while True:
+            event = await conn.recv()
+            if event.type == "session.started":
+                return event.session.id
+            if event.type == "error":
+                error = event.error
+                self._port.emit(
+                    CallEventKind.REALTIME_ERROR,
+                    code=error.code,
+                    type=error.type,
+                    message=error.message[:200],
+                    param=error.param,
+                    event_id=error.client_event_id,
+                )
+                if error.client_event_id == SESSION_START_EVENT_ID:
+                    raise LiveSessionRejected(f"session.start rejected: {error.message}"[:200])
+
+    def open_lane(self, session: Any, lane: DeltaLane) -> bool:
+        return False
+
+    async def read(self, session: Any, on_delta: DeltaHandler, on_event: EventHandler) -> str:
+        """Handle server events until the socket drops; returns why it dropped."""
+        conn: AsyncLiveConnection = session.conn
+        call_id = self._port.call_id
+        while True:
+            try:
+                raw = await conn.recv_bytes()
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else 1006
+                return f"socket closed ({code})"
+            except Exception as exc:
+                return f"receive failed: {type(exc).__name__}"
+            try:
+                event = conn.parse_event(raw)
+            except ValueError as exc:
+                log.warning("call %s: unparsable GPT-Live frame: %s", call_id, exc)
+                continue
+            try:
+                if event.type == "session.output_audio.delta":
+                    delta = AudioDelta(session.response_id, session.item_id, event.delta)
+                    await on_delta(session, delta)
+                    continue
+                fatal = await on_event(session, event)
+            except Exception as exc:  # one odd event must not end the call
+                log.exception("call %s: could not handle %s", call_id, event.type)
+                self._port.emit(
+                    CallEventKind.ERROR, where=f"live:{event.type}", error=repr(exc)[:200]
+                )
+                continue
+            if fatal is not None:
+                await close_quietly(conn)
+                return fatal
+
+    async def close(self, session: Any) -> None:
+        await session.close()
+
+
+__all__ = ["LiveLink", "LiveSession", "session_start"]

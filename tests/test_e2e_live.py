@@ -1,0 +1,187 @@
+"""A Twilio call on GPT-Live end to end over real sockets: fake caller -> service (MODEL_API=live,
+in-process worker) -> the simulator's GPT-Live mode, with the restaurant's system of record.
+
+The model is GPT-Live (server-driven turns, tools delegated); the engine is the same: the
+delegated booking meets policy, confirmation (with the caller's evidence), the ledger and the
+worker exactly as a Realtime function call does, and its answer goes back to the model only as
+the engine allows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from telephony.sim.live_session import parse_live_client_event
+from telephony.sim.scenario import Scenario
+from tests.domains import RESTAURANT
+from tests.e2e_support import call_stack
+from tests.test_e2e_booking import (
+    hear,
+    heard_text,
+    operations_of,
+    tool_calls_of,
+    trail,
+    wait_for_operation,
+)
+
+GREETING = "Hello, how can I help?"
+GREETING_MS = 800
+PREAMBLE_MS = 600
+READBACK_MS = 1500
+REQUESTED = "I've requested it; it is not confirmed yet."
+REQUESTED_MS = 1200
+
+
+def live_booking() -> Scenario:
+    """Book -> readback -> yes -> confirm -> "requested", as the Realtime booking scenario."""
+    return Scenario.model_validate(
+        {
+            "name": "e2e-live-booking",
+            "greeting": {"text": GREETING, "audio_ms": GREETING_MS},
+            "steps": [
+                {
+                    "caller_transcript": "Please book it for tomorrow.",
+                    "function_call": {
+                        "name": RESTAURANT.book_tool,
+                        "arguments": RESTAURANT.book_args,
+                        "preamble": {"text": "One moment.", "audio_ms": PREAMBLE_MS},
+                    },
+                },
+                {"reply": {"text": "{output[readback]}", "audio_ms": READBACK_MS}},
+                {
+                    "caller_transcript": "Yes.",
+                    "function_call": {
+                        "name": "confirm_operation",
+                        "arguments": {
+                            "operation_id": "{output[operation_id]}",
+                            "confirmed": True,
+                        },
+                    },
+                },
+                {"reply": {"text": REQUESTED, "audio_ms": REQUESTED_MS}},
+            ],
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+
+
+async def test_a_twilio_call_on_gpt_live_books_through_the_engine_with_sdk_valid_events(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    async with RESTAURANT.start(clean_db) as backend:
+        catalog = backend.catalog()
+        try:
+            async with call_stack(
+                engine,
+                live_booking(),
+                with_worker=True,
+                catalog=catalog,
+                database_url=clean_db,
+                sweep_interval_s=1.0,
+                model_api="live",
+            ) as stack:
+                caller = stack.caller()
+                await caller.dial()
+                await hear(caller, GREETING_MS)  # the server spoke first, unasked
+                live = await stack.sim.wait_for_live_session()
+                before = caller.heard_ms
+                await caller.play_speech(700)
+                await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+                call_id = await stack.call_id(caller)
+                ops = await operations_of(engine, call_id)
+                # Delegated, admitted by nobody yet: the engine waits for the caller's yes.
+                assert [op["status"] for op in ops] == ["awaiting_confirmation"]
+                before = caller.heard_ms
+                await caller.play_speech(500)
+                op = await wait_for_operation(engine, call_id, "committed")
+                # The model's last words are closed by the end of the call: heard in full.
+                await hear(caller, before + REQUESTED_MS)
+                # The commit is a late result: offered to the model as commentary, not forced.
+                note = await live.wait_for_received("session.commentary.append", within=15)
+                await caller.hangup()
+                events = await stack.events(caller)
+                calls = await tool_calls_of(engine, call_id)
+                op_events = await trail(engine, op["operation_id"])
+                spoken = await heard_text(engine, call_id)
+                booked = await backend.booked()
+        finally:
+            await catalog.aclose()
+
+    # The call talked GPT-Live only, and every client event we sent fits the SDK's union.
+    assert stack.sim.sessions == [] and live.refused == []
+    received = [event for _, event in live.received]
+    for event in received:
+        parse_live_client_event(event)
+    start = received[0]
+    assert start["type"] == "session.start"
+    assert start["session"]["model"] == "gpt-live-1"
+    assert start["session"]["audio"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+    delegation = start["session"]["delegation"]
+    assert delegation["type"] == "responses"
+    assert RESTAURANT.book_tool in {t["name"] for t in delegation["responses"]["tools"]}
+    assert "response.cancel" not in {e["type"] for e in received}
+    # The booking went through the engine: one operation, confirmed by the caller's yes.
+    assert booked == 1
+    assert [e["to_status"] for e in op_events if e["kind"] == "transition"][:2] == [
+        "awaiting_confirmation",
+        "admitted",
+    ]
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        (RESTAURANT.book_tool, "needs_confirmation"),
+        ("confirm_operation", "allow"),
+    ]
+    # Each answer went back as a function_call_output, then a response.create after it.
+    kinds = [e["type"] for e in received if e["type"] != "session.input_audio.append"]
+    assert kinds == [
+        "session.start",
+        "response.item.create",
+        "response.create",
+        "response.item.create",
+        "response.create",
+        "session.commentary.append",
+    ], kinds
+    assert note["delegation_id"] is None and "confirmed" in note["content"].lower()
+    outputs = [json.loads(output) for _, output in live.function_outputs]
+    assert outputs[0]["status"] == "awaiting_confirmation" and outputs[0]["readback"]
+    assert outputs[1]["operation_id"] == str(op["operation_id"])
+    # What the caller heard, from our own playback: the greeting and the readback in full.
+    readback: Any = outputs[0]["readback"]
+    # (Speech the model chains without a turn between is one utterance: nothing marks it.)
+    assert spoken[:4] == [GREETING, "One moment.", readback, spoken[3]], spoken
+    assert spoken[3].startswith(REQUESTED)
+    assert [e["kind"] for e in events][-1] == "call_ended"
+
+
+async def test_on_gpt_live_the_caller_cutting_in_clears_the_leg_and_counts_only_what_was_heard(
+    engine: AsyncEngine,
+) -> None:
+    scenario = Scenario.model_validate(
+        {
+            "greeting": {"text": "Welcome to a long list of tonight's specials.", "audio_ms": 8000},
+            "steps": [{"caller_transcript": "Just a table, please.", "reply": "Sure."}],
+        }
+    )
+    async with call_stack(engine, scenario, model_api="live") as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await caller.wait_for(lambda c: c.heard_ms >= 1000, 10)
+        await caller.play_speech(600)
+        # The model stopped talking over the caller; the leg stops playing what it queued.
+        await caller.wait_for(lambda c: len(c.clears) == 1, 10)
+        live = stack.sim.live_sessions[0]
+        await live.wait_for_sent("session.output_transcript.delta", count=2, within=10)
+        await caller.hangup()
+        events = await stack.events(caller)
+    assert live.interruptions == 1 and live.refused == []
+    # No truncate, no cancel: on GPT-Live the model decides where it stopped.
+    assert {e["type"] for _, e in live.received} == {"session.start", "session.input_audio.append"}
+    barge_ins = [e["data"] for e in events if e["kind"] == "barge_in"]
+    assert len(barge_ins) == 1 and barge_ins[0]["truncated"] is False
+    greeting = next(e["data"] for e in events if e["kind"] == "agent_transcript")
+    # Cut where the caller stopped hearing it, from our own playback position.
+    assert greeting["cut"] is True
+    assert 1000 <= greeting["heard_ms"] < 8000 and greeting["audio_ms"] > greeting["heard_ms"]
+    assert caller.clears[0].dropped_ms > 0
