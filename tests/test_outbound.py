@@ -272,10 +272,12 @@ async def test_busy_is_recorded_on_the_row_the_timeline_and_the_operation(
         uuid.UUID(call_id)
 
         async def ended() -> bool:
-            return (await call_row(engine, call_id))["status"] == "busy"
+            # The row turns busy first; the status callback then writes the timeline's end.
+            await stack.service.runtime.events.flush()
+            recorded = (await call_row(engine, call_id))["status"] == "busy"
+            return recorded and "call_ended" in await event_kinds(engine, call_id)
 
-        await wait_until(ended, WAIT_S, "the call is recorded busy")
-        await stack.service.runtime.events.flush()
+        await wait_until(ended, WAIT_S, "the call is recorded busy and its end written")
         row = await call_row(engine, call_id)
         kinds = await event_kinds(engine, call_id)
         _, op_events = await operation(engine, str(row["outbound"]["placing_operation_id"]))
