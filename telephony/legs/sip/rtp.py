@@ -100,6 +100,9 @@ class MediaStats:
 
 _monotonic = time.monotonic  # (a global lookup less per packet)
 RTCP_INTERVAL_S = 5.0
+# The RTCP interval's randomization (RFC 3550 6.3.1) draws from its own generator: the clock
+# thread never touches the process's global `random` state.
+_RNG = random.Random()
 NTP_EPOCH_OFFSET = 2208988800  # 1900-01-01 to 1970-01-01, in seconds
 
 
@@ -384,7 +387,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self._rtcp_port: int | None = None  # the peer's, from its SDP (not multiplexed)
         self._rtcp_sendto: Callable[[bytes, tuple[str, int]], object] | None = None
         self._rtcp_ticks = max(1, round(rtcp_interval_s / PERIOD_S))
-        self._rtcp_due = max(1, round(self._rtcp_ticks * random.uniform(0.25, 0.75)))
+        self._rtcp_due = max(1, round(self._rtcp_ticks * _RNG.uniform(0.25, 0.75)))
         self._cname = f"voice-agent-{self.ssrc:08x}".encode()
         self._peer_sr: tuple[int, float] | None = None  # (LSR, monotonic when it came)
         self.octets_sent = 0
@@ -731,7 +734,7 @@ class RtpStream(asyncio.DatagramProtocol):
             self._rtcp_due -= 1
             if self._rtcp_due <= 0:
                 # Reports go on, on hold too (a receiver report then), at a randomized pace.
-                self._rtcp_due = max(1, round(self._rtcp_ticks * random.uniform(0.5, 1.5)))
+                self._rtcp_due = max(1, round(self._rtcp_ticks * _RNG.uniform(0.5, 1.5)))
                 self._send_rtcp()
             remote, sendto = self.remote, self._sendto
             if not self.sending or remote is None or sendto is None or self._closed:
