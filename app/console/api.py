@@ -20,9 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.access import api_tokens, staff
 from app.access.auth import AdminDep, OperatorDep, Principal, ViewerDep
 from app.access.staff import StaffError
-from app.calls.control import publish_end, publish_transfer
 from app.calls.recording_store import get_recording
 from app.calls.store import call_events, calls
+from app.console.call_actions import end_live_call, transfer_live_call
 from app.console.live import ALL_CALLS, LiveHub, call_key, op_key
 from app.console.schemas import (
     ActionBody,
@@ -57,7 +57,7 @@ from app.console.views import (
 )
 from app.console_models import call_recordings_table as recordings_t
 from app.deps import EngineDep, RuntimeDep
-from app.errors import BadRequest, Conflict, InvalidRequest, NotFound, TooManyStreams
+from app.errors import Conflict, InvalidRequest, NotFound, TooManyStreams
 from app.http.guard import leave_source_count
 from app.http.slots import Slot
 from app.ops.operation_actions import Action, ActionDone
@@ -284,22 +284,6 @@ _CALL_ACTION: dict[str, Any] = {
 }
 
 
-async def _live_call(engine: AsyncEngine, call_id: uuid.UUID) -> Any:
-    async with engine.connect() as conn:
-        row = (
-            await conn.execute(
-                sa.select(calls.c.call_sid, calls.c.leg, calls.c.status, calls.c.ended_at).where(
-                    calls.c.id == call_id
-                )
-            )
-        ).one_or_none()
-    if row is None:
-        raise NotFound(f"no call {call_id}")
-    if row.ended_at is not None or row.status not in ("ringing", "in_progress"):
-        raise Conflict(f"the call is not live (status {row.status})")
-    return row
-
-
 @router.post("/calls/{call_id}/actions/end", **_CALL_ACTION)
 async def call_action_end(
     call_id: uuid.UUID,
@@ -311,17 +295,14 @@ async def call_action_end(
     """End a live call on any leg (Twilio: the stream ends and the call is hung up; SIP: BYE;
     OpenAI SIP interconnect: `hangup`). The process holding the call ends it; the reason on
     the timeline names who and why."""
-    row = await _live_call(engine, call_id)
-    reason = f"ended by staff ({principal.name}): {body.why}"[:128]
-    await publish_end(engine, row.call_sid, reason)
-    return {"message": "asked the process holding the call to end it", "call_id": str(call_id)}
+    message = await end_live_call(engine, call_id, principal.name, body.why)
+    return {"message": message, "call_id": str(call_id)}
 
 
 @router.post("/calls/{call_id}/actions/transfer", **_CALL_ACTION)
 async def call_action_transfer(
     call_id: uuid.UUID,
     body: TransferBody,
-    engine: EngineDep,
     runtime: RuntimeDep,
     principal: OperatorDep,
     _q: Annotated[NoQuery, Query()],
@@ -330,21 +311,8 @@ async def call_action_transfer(
     interconnect call is referred at once (`call_transferred` on the timeline); a Twilio call
     (and a SIP call, where the leg can transfer) is put through after the agent's sentence
     (`transfer_requested`, `transfer_started`, then answered or failed)."""
-    from app.legs.openai_sip.calls import transfer_target
-    from app.legs.staff_transfer import staff_target
-
-    row = await _live_call(engine, call_id)
-    try:
-        if row.leg == "openai_sip":
-            target = transfer_target(body.target)
-        else:
-            staff_target(runtime, body.target)  # refused here, before any replica acts
-            target = body.target.strip()
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
-    await publish_transfer(engine, row.call_sid, target, f"{principal.name}: {body.why}")
-    return {"message": f"asked the process holding the call to transfer it to {target}",
-            "call_id": str(call_id)}  # fmt: skip
+    message = await transfer_live_call(runtime, call_id, principal.name, body.target, body.why)
+    return {"message": message, "call_id": str(call_id)}
 
 
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")

@@ -6,6 +6,7 @@ JavaScript (static/console.js) refreshes what changed when the server says so (S
 from __future__ import annotations
 
 import uuid
+from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from app.access import api_tokens, login_limits, staff
 from app.access.auth import AdminPageDep, OperatorPageDep, Principal, ViewerPageDep
 from app.access.staff import Role, StaffError
+from app.console.call_actions import LIVE, end_live_call, transfer_live_call
 from app.console.schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
 from app.console.swimlanes import layout
 from app.console.templating import templates
@@ -29,10 +31,11 @@ from app.console.views import (
     view_or_404,
 )
 from app.deps import EngineDep, RuntimeDep
-from app.errors import Conflict, Forbidden, NotFound, TooManyAttempts
+from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts
 from app.models import LegKind
 from app.ops.operation_actions import TITLES, Action
 from app.ops.operation_query import ConsoleState
+from tools.transfers import parse_targets
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -185,6 +188,7 @@ async def call_page(
 ) -> Response:
     view = await view_or_404(engine, console, call_id, who)
     lanes = layout(view)
+    settings = request.app.state.runtime.settings
     context = {
         "nav": "calls",
         "view": view,
@@ -192,6 +196,8 @@ async def call_page(
         "lanes": lanes,
         "recording": view["recording"],
         "trace_url": trace_url(request, view["call"].get("trace_id")),
+        "live": view["call"]["status"] in LIVE and view["call"].get("ended_at") is None,
+        "transfer_targets": sorted(parse_targets(settings.transfer_targets)),
     }
     name = _page_or_fragment(request, context, "call")
     return _render(request, name, who, context)
@@ -261,6 +267,39 @@ def _back_with(url: str, message: str, secure: bool) -> Response:
         secure=secure,
     )  # fmt: skip
     return response
+
+
+class CallAction(StrEnum):
+    END = "end"
+    TRANSFER = "transfer"
+
+
+@router.post("/calls/{call_id}/actions/{action}")
+async def call_action(
+    call_id: uuid.UUID,
+    action: CallAction,
+    request: Request,
+    runtime: RuntimeDep,
+    who: OperatorPageDep,
+    why: Annotated[str, Form(max_length=500)] = "",
+    target: Annotated[str, Form(max_length=256)] = "",
+) -> Response:
+    """End or transfer a live call from the call page's forms (CSRF-checked by
+    OperatorPageDep); the same checks as the API's call actions."""
+    back = f"/console/calls/{call_id}"
+    secure = request.url.scheme == "https" or runtime.settings.cookie_secure()
+    try:
+        if not why.strip():
+            raise Conflict("say why (it is recorded on the call's timeline)")
+        if action is CallAction.END:
+            message = await end_live_call(runtime.engine, call_id, who.name, why.strip())
+        else:
+            if not target.strip():
+                raise Conflict("choose where to transfer the call")
+            message = await transfer_live_call(runtime, call_id, who.name, target, why.strip())
+    except (Conflict, BadRequest) as exc:
+        return _back_with(back, f"Refused: {exc}", secure)
+    return _back_with(back, message[:1].upper() + message[1:] + ".", secure)
 
 
 @router.post("/operations/{operation_id}/actions/{action}")

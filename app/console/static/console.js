@@ -115,10 +115,15 @@ function details() {
   });
 }
 
-// A call that ended while watched: once its recording is stored, load the page with its player.
+// A call that ended while watched: its live actions go, and once its recording is stored, the
+// page loads again with its player.
 function reloadForRecording() {
   document.addEventListener("console:refreshed", () => {
     const state = document.getElementById("live-state");
+    const actions = document.getElementById("call-actions");
+    if (state && actions && !["ringing", "in_progress"].includes(state.dataset.status)) {
+      actions.hidden = true;
+    }
     if (state && state.dataset.recording === "1" && !document.getElementById("recording")) {
       window.location.reload();
     }
