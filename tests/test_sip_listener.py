@@ -3,6 +3,8 @@ hang-ups that sipp's scenarios do not reach."""
 
 from __future__ import annotations
 
+import itertools
+
 import sqlalchemy as sa
 from aiosipua import SipRequest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -91,3 +93,40 @@ async def test_realtime_lost_mid_call_apologises_then_hangs_up_with_a_bye(
     events = await event_rows(engine, row["id"])
     apology = next(e for e in events if e["kind"] == "apology_played")
     assert apology["data"]["heard_ms"] > 0  # the caller heard the chime before the BYE
+
+
+async def test_an_offer_of_30_ms_packets_gets_them_and_keeps_them_through_a_reinvite(
+    engine: AsyncEngine,
+) -> None:
+    from aiortc.rtp import RtpPacket
+
+    offer = sdp_offer(formats="0 101").replace(b"a=ptime:20", b"a=ptime:30")
+    async with sip_stack(engine) as stack:
+        server = ("127.0.0.1", stack.service.runtime.sip.port)
+        sip_peer, rtp_peer = await UdpPeer.open(), await UdpPeer.open()
+        uac = Uac(port=sip_peer.port)
+        try:
+            sip_peer.send(uac.invite(offer.replace(b"40000", str(rtp_peer.port).encode())), server)
+            ok = await sip_peer.response(200)
+            uac.learn(ok)
+            sip_peer.send(uac.ack(), server)
+            await wait_until(lambda: len(rtp_peer.got) > 20, 10, "our RTP flowing")
+            start = len(sip_peer.got)
+            again = sdp_offer(port=rtp_peer.port, formats="0 101")  # a re-offer of 20 ms
+            sip_peer.send(uac.reinvite(again), server)
+            reanswered = await sip_peer.response(200, start=start)
+            sip_peer.send(uac.ack(), server)
+            seen = len(rtp_peer.got)
+            await wait_until(lambda: len(rtp_peer.got) > seen + 10, 10, "RTP after re-INVITE")
+            start = len(sip_peer.got)
+            sip_peer.send(uac.bye(), server)
+            await sip_peer.response(200, start=start)
+        finally:
+            sip_peer.close()
+            rtp_peer.close()
+    packets = [RtpPacket.parse(data) for _, data in rtp_peer.got if 0 <= data[1] & 0x7F < 96]
+    audio = [p for p in packets if p.payload_type == 0]
+    assert "a=ptime:30\r\n" in ok.text and "a=ptime:30\r\n" in reanswered.text
+    assert len(audio) > 30 and {len(p.payload) for p in audio} == {240}
+    steps = {(b.timestamp - a.timestamp) & 0xFFFFFFFF for a, b in itertools.pairwise(audio)}
+    assert steps == {240}

@@ -534,3 +534,100 @@ def test_multiplexed_rtcp_shares_the_rtp_port_both_ways() -> None:
     reports = [d for d, addr in socket_out.sent if 200 <= d[1] <= 204]
     assert reports and all(addr == PEER for d, addr in socket_out.sent)
     assert rtp.remote_report == {"loss_ratio": 0.0, "packets_lost": 0, "jitter_ms": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("ptime", "maxptime", "ours"),
+    [
+        (None, None, 20),  # no wish: our 20 ms
+        (30, None, 30),  # a wish we can pace
+        (10, None, 10),
+        (60, None, 60),
+        (25, None, 20),  # not a packet time we pace: 20 ms
+        (60, 40, 40),  # the wish is over their maximum: the longest within it
+        (None, 10, 10),  # 20 ms would be over their maximum
+        (30, 5, 10),  # a maximum under anything: the shortest we have
+    ],
+)
+def test_our_packet_time_is_the_offers_where_we_can_pace_it_within_its_maxptime(
+    ptime: int | None, maxptime: int | None, ours: int
+) -> None:
+    assert sdp.choose_ptime(ptime, maxptime) == ours
+
+
+def _with_ptime(body: bytes, attributes: str) -> bytes:
+    return body.replace(b"a=ptime:20\r\n", attributes.encode())
+
+
+def test_the_answer_says_the_packet_time_the_offer_asked_for() -> None:
+    local = LocalMedia("127.0.0.1", 30000, 1)
+    base = sdp_offer(port=40000, formats="0 101")
+    offer = _with_ptime(base, "a=ptime:30\r\n")
+    remote = sdp.read_offer(offer)
+    assert remote.ptime == 30
+    answer = sdp.answer(offer, remote, local, 1, "sendrecv")
+    assert b"a=ptime:30\r\n" in answer and b"a=ptime:20" not in answer
+    capped = _with_ptime(base, "a=ptime:60.0\r\na=maxptime:40\r\n")
+    remote = sdp.read_offer(capped)
+    answer = sdp.answer(capped, remote, local, 1, "sendrecv")
+    assert remote.ptime == 40 and b"a=ptime:40\r\n" in answer and b"maxptime" not in answer
+    garbage = _with_ptime(base, "a=ptime:soon\r\n")
+    assert sdp.read_offer(garbage).ptime == 20
+
+
+def _paced(ptime: int) -> tuple[RtpStream, FakeTransport]:
+    rtp = RtpStream(PCMU, 101, SentPlayback(), RtpClock(), lambda a, _: None, lambda d: None,
+                    ptime_ms=ptime)  # fmt: skip
+    out = FakeTransport()
+    rtp.connection_made(out)  # type: ignore[arg-type]
+    rtp.set_remote(RemoteMedia(PCMU, 101, PEER, "sendrecv", ptime=ptime), "sendrecv")
+    return rtp, out
+
+
+def test_a_30_ms_stream_sends_a_packet_of_30_ms_every_third_10_ms_tick() -> None:
+    rtp, out = _paced(30)
+    rtp.enqueue("item1", agent(75))  # two and a half packets
+    for _ in range(12):  # 120 ms of a 10 ms clock: four packets
+        rtp.tick(10)
+    packets = [p for p, _ in out.sent]
+    assert [len(p.payload) for p in packets] == [240] * 4
+    assert packets[0].payload == packets[1].payload == agent(30)
+    assert packets[2].payload == agent(15) + b"\xff" * 120
+    assert packets[3].payload == b"\xff" * 240
+    for a, b in itertools.pairwise(packets):
+        assert (b.timestamp - a.timestamp) & 0xFFFFFFFF == 240
+        assert (b.sequence_number - a.sequence_number) & 0xFFFF == 1
+    assert rtp.playback.heard_ms("item1") == 75
+
+
+def test_digits_on_a_30_ms_stream_last_as_long_as_on_a_20_ms_one() -> None:
+    rtp, out = _paced(30)
+    tone = -(-100 // 30)  # the leg's tone of 100 ms, in packets of 30 ms
+    rtp.send_events([(5, tone, 0)])
+    for _ in range(10):
+        rtp.tick()
+    events = [p for p, _ in out.sent if p.payload_type == 101]
+    durations = [(p.payload[2] << 8) | p.payload[3] for p in events]
+    assert durations == [240, 480, 720, 960, 960, 960]  # 120 ms of tone, its end sent 3 times
+
+
+def test_the_clock_ticks_every_10_ms_while_a_stream_needs_it_and_every_20_ms_otherwise() -> None:
+    clock = RtpClock()
+    even, _ = _paced(40)
+    odd, _ = _paced(30)
+    even._clock = odd._clock = clock
+    clock.add(even)
+    assert clock.period_s == 0.020
+    clock.add(odd)
+    clock.add(odd)  # twice: still one stream
+    assert clock.period_s == 0.010
+    clock.remove(odd)
+    assert clock.period_s == 0.020
+    clock.remove(even)
+    clock.remove(even)
+    assert clock.period_s == 0.020
+
+
+def test_an_invalid_packet_time_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 10"):
+        _paced(25)

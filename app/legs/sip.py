@@ -36,7 +36,7 @@ from telephony.legs.sip.errors import RtpPortsExhausted
 from telephony.legs.sip.leg import SipLeg
 from telephony.legs.sip.ports import RtpPorts
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtcpSocket, RtpClock
-from telephony.legs.sip.sdp import ANSWER_DIRECTION, LocalMedia
+from telephony.legs.sip.sdp import ANSWER_DIRECTION, PTIME_MS, LocalMedia
 from telephony.legs.sip.timers import TimerConfig
 from telephony.legs.sip.transport import SipTransport
 from telephony.legs.sip.uas import (
@@ -287,7 +287,8 @@ class SipService:
         leg = SipLeg(key.call_id, incoming.codec, dtmf_pt, self.clock,
                      lambda reason: self._hang_up(key, reason),
                      policy=self._media_policy(incoming), stats=self.media_stats,
-                     on_foreign=lambda source: self._foreign_media(call_id, source))  # fmt: skip
+                     on_foreign=lambda source: self._foreign_media(call_id, source),
+                     ptime_ms=incoming.remote.ptime if incoming.remote else PTIME_MS)  # fmt: skip
         try:
             _, _, rtp_port, rtp_sock = await self.ports.bind(self.bind_host, lambda: leg.rtp)
             leg.rtp.use_socket(rtp_sock)

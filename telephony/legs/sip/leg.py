@@ -13,7 +13,7 @@ from typing import Any
 from telephony import dtmf_out
 from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
-from telephony.legs.sip.sdp import Codec, Direction, RemoteMedia
+from telephony.legs.sip.sdp import PTIME_MS, Codec, Direction, RemoteMedia
 from telephony.playback import PlaybackTracker
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class SipLeg:
         policy: MediaPolicy | None = None,
         stats: MediaStats | None = None,
         on_foreign: Callable[[tuple[str, int]], None] | None = None,
+        ptime_ms: int = PTIME_MS,
     ) -> None:
         self.call_id = call_id
         self.codec = codec
@@ -52,7 +53,7 @@ class SipLeg:
         self.dropped_audio = 0
         self.rtp = RtpStream(
             codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit,
-            policy=policy, stats=stats, on_foreign=on_foreign,
+            policy=policy, stats=stats, on_foreign=on_foreign, ptime_ms=ptime_ms,
         )  # fmt: skip
 
     # ---- from the media and signalling sides --------------------------------------------
@@ -125,8 +126,9 @@ class SipLeg:
         if self._closed:
             return "not sent: the call is over"
         if self.rtp.dtmf_pt is not None:
-            tone, gap = dtmf_out.TONE_MS // 20, dtmf_out.GAP_MS // 20
-            pause = dtmf_out.PAUSE_MS // 20
+            packet = self.rtp.ptime_ms  # events go out one per packet time
+            tone, gap = -(-dtmf_out.TONE_MS // packet), -(-dtmf_out.GAP_MS // packet)
+            pause = -(-dtmf_out.PAUSE_MS // packet)
             self.rtp.send_events(
                 [(-1, pause, 0) if d in ",w" else (dtmf_out.EVENT_CODES[d], tone, gap)
                  for d in digits]

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 FRAME_MS = 20
 FRAME_BYTES = 160  # 20 ms of 8 kHz G.711
 PERIOD_S = FRAME_MS / 1000
+# The clock's finer period, for streams whose packets are not a multiple of 20 ms (ptime 10, 30).
+FINE_PERIOD_S = 0.010
 # A loop stalled this many frames behind gives up catching up (a burst would not help anyone).
 MAX_CATCH_UP = 5
 MAX_PAYLOAD = 1500
@@ -251,7 +253,9 @@ class SentPlayback(PlaybackTracker):
 
 
 class RtpClock:
-    """One 20 ms clock for every RTP stream of the process, in its own thread.
+    """One clock for every RTP stream of the process, in its own thread: 20 ms, or 10 ms while
+    a stream's packets are not a multiple of 20 ms (an offer's `ptime:30` or `ptime:10`); each
+    stream sends when its own packet time has passed.
 
     The event loop also runs the bridges (JSON, WebSockets, the event writer); a tick waiting
     behind their callbacks would leave late. The thread sleeps to absolute deadlines and only
@@ -262,6 +266,8 @@ class RtpClock:
 
     def __init__(self, period_s: float = PERIOD_S) -> None:
         self.period_s = period_s
+        self._coarse_s = period_s
+        self._fine = 0  # streams that need the finer period
         self._streams: set[RtpStream] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -270,6 +276,9 @@ class RtpClock:
 
     def add(self, stream: RtpStream) -> None:
         with self._lock:
+            if stream not in self._streams and stream.ptime_ms % round(self._coarse_s * 1000):
+                self._fine += 1
+                self.period_s = min(self._coarse_s, FINE_PERIOD_S)
             self._streams.add(stream)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rtp-clock", daemon=True)
@@ -277,6 +286,10 @@ class RtpClock:
 
     def remove(self, stream: RtpStream) -> None:
         with self._lock:
+            if stream in self._streams and stream.ptime_ms % round(self._coarse_s * 1000):
+                self._fine -= 1
+                if self._fine == 0:
+                    self.period_s = self._coarse_s
             self._streams.discard(stream)
 
     def _run(self) -> None:
@@ -287,22 +300,24 @@ class RtpClock:
                     self._thread = None  # the next add() starts a new thread
                     return
                 streams = list(self._streams)
+                period_s = self.period_s
+            period_ms = round(period_s * 1000)
             delay = next_at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             self.ticks += 1
             for stream in streams:
                 try:
-                    stream.tick()
+                    stream.tick(period_ms)
                 except Exception:
                     now = time.monotonic()
                     if now - self._last_error > 60:
                         self._last_error = now
                         log.exception("RTP tick failed")
-            next_at += self.period_s
+            next_at += period_s
             now = time.monotonic()
-            if next_at < now - MAX_CATCH_UP * self.period_s:
-                next_at = now + self.period_s  # stalled: resume from now, no burst
+            if next_at < now - MAX_CATCH_UP * period_s:
+                next_at = now + period_s  # stalled: resume from now, no burst
 
 
 @dataclass(slots=True)
@@ -328,8 +343,15 @@ class RtpStream(asyncio.DatagramProtocol):
         stats: MediaStats | None = None,
         on_foreign: Callable[[tuple[str, int]], None] | None = None,
         rtcp_interval_s: float = RTCP_INTERVAL_S,
+        ptime_ms: int = FRAME_MS,
     ) -> None:
+        if ptime_ms <= 0 or ptime_ms % 10:
+            raise ValueError(f"ptime {ptime_ms} ms is not a multiple of 10 ms")
         self.codec = codec
+        # Our packets' length (the offer's ptime, see sdp.choose_ptime), in ms and in bytes.
+        self.ptime_ms = ptime_ms
+        self.frame_bytes = ptime_ms * 8
+        self._elapsed_ms = 0
         self.dtmf_pt = dtmf_pt
         self.playback = playback
         self._clock = clock
@@ -341,7 +363,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self.ssrc = secrets.randbits(32)
         self.seq = secrets.randbits(16)
         self.ts = secrets.randbits(32)
-        self._silence = bytes([codec.silence]) * FRAME_BYTES
+        self._silence = bytes([codec.silence]) * self.frame_bytes
         self._queue: deque[_Frame] = deque()
         self._tail = b""
         self._tail_item: str | None = None
@@ -375,8 +397,8 @@ class RtpStream(asyncio.DatagramProtocol):
         self.foreign_packets = 0
         self.discontinuities = 0  # re-anchored stream times (a new SSRC, address or a jump)
         self.reception = Reception()
-        # Digits to send as RFC 4733 events: (code, ticks of tone, ticks of gap after), and the
-        # one being sent: [code, start timestamp, ticks sent, ticks of tone, end packets left].
+        # Digits to send as RFC 4733 events: (code, packets of tone, packets of gap after), and
+        # the one being sent: [code, start timestamp, packets sent, of tone, end packets left].
         self._digits: deque[tuple[int, int, int]] = deque()
         self._event: list[int] | None = None
         self._gap = 0
@@ -386,7 +408,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self.rtcp_mux = False
         self._rtcp_port: int | None = None  # the peer's, from its SDP (not multiplexed)
         self._rtcp_sendto: Callable[[bytes, tuple[str, int]], object] | None = None
-        self._rtcp_ticks = max(1, round(rtcp_interval_s / PERIOD_S))
+        self._rtcp_ticks = max(1, round(rtcp_interval_s * 1000 / ptime_ms))
         self._rtcp_due = max(1, round(self._rtcp_ticks * _RNG.uniform(0.25, 0.75)))
         self._cname = f"voice-agent-{self.ssrc:08x}".encode()
         self._peer_sr: tuple[int, float] | None = None  # (LSR, monotonic when it came)
@@ -632,7 +654,7 @@ class RtpStream(asyncio.DatagramProtocol):
     # ---- outbound -----------------------------------------------------------------------
 
     def enqueue(self, item_id: str, audio: bytes) -> None:
-        """Queue agent audio of `item_id` as 20 ms frames."""
+        """Queue agent audio of `item_id` as frames of our packet time."""
         with self.lock:
             self._enqueue(item_id, audio)
 
@@ -642,15 +664,16 @@ class RtpStream(asyncio.DatagramProtocol):
         if self._tail and self._tail_item != item_id:
             self._push_tail()
         data = self._tail + audio
-        whole = len(data) - len(data) % FRAME_BYTES
-        for offset in range(0, whole, FRAME_BYTES):
-            self._push(item_id, data[offset : offset + FRAME_BYTES])
+        size = self.frame_bytes
+        whole = len(data) - len(data) % size
+        for offset in range(0, whole, size):
+            self._push(item_id, data[offset : offset + size])
         self._tail = data[whole:]
         self._tail_item = item_id if self._tail else None
 
     def _push(self, item_id: str, payload: bytes) -> None:
         epoch, end_ms = self.playback.queued(item_id, len(payload) / 8)
-        if len(payload) < FRAME_BYTES:
+        if len(payload) < self.frame_bytes:
             payload += self._silence[len(payload) :]
         self._queue.append(_Frame(item_id, payload, epoch, end_ms))
 
@@ -715,7 +738,7 @@ class RtpStream(asyncio.DatagramProtocol):
         if end and ends <= 0:
             self._event = None
             self.events_sent += 1
-        duration = sent * FRAME_BYTES
+        duration = sent * self.frame_bytes
         payload = bytes([code, (0x80 if end else 0) | 10, duration >> 8, duration & 0xFF])
         assert self.dtmf_pt is not None
         return RtpPacket(
@@ -727,10 +750,16 @@ class RtpStream(asyncio.DatagramProtocol):
             payload=payload,
         )
 
-    def tick(self) -> None:
-        """One 20 ms period: send the next agent frame, or silence (the clock thread)."""
+    def tick(self, elapsed_ms: int | None = None) -> None:
+        """The clock moved on by `elapsed_ms` (None: a whole packet time): once a packet time
+        has passed, send the next agent frame, or silence (the clock thread)."""
         with self.lock:
-            self.ts = (self.ts + FRAME_BYTES) & 0xFFFFFFFF  # time runs on, on hold too
+            if elapsed_ms is not None:
+                self._elapsed_ms += elapsed_ms
+                if self._elapsed_ms < self.ptime_ms:
+                    return
+                self._elapsed_ms -= self.ptime_ms
+            self.ts = (self.ts + self.frame_bytes) & 0xFFFFFFFF  # time runs on, on hold too
             self._rtcp_due -= 1
             if self._rtcp_due <= 0:
                 # Reports go on, on hold too (a receiver report then), at a randomized pace.

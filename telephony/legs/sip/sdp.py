@@ -2,14 +2,15 @@
 
 aiosipua parses, negotiates and serializes; this module decides what we accept: the first of
 PCMU/PCMA in the offer's preference order, telephone-event at 8 kHz with the offer's own
-payload type, our 20 ms packets, and the direction answer of RFC 3264 section 6.1 (a
+payload type, packets of the offer's `ptime` where we can pace it (10, 20, 30, 40 or 60 ms,
+within its `maxptime`; 20 ms otherwise), and the direction answer of RFC 3264 section 6.1 (a
 `sendonly` hold is answered `recvonly`, `inactive` with `inactive`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from aiosipua import SdpMessage, negotiate_sdp, parse_sdp, serialize_sdp
@@ -35,6 +36,8 @@ ANSWER_DIRECTION: dict[Direction, Direction] = {
     "inactive": "inactive",
 }
 PTIME_MS = 20
+# Packet times the RTP clock can pace (it ticks every 20 ms, or 10 ms for 10 and 30).
+PTIMES = (10, 20, 30, 40, 60)
 MAX_SDP_BYTES = 16 * 1024
 RTP_PROFILES = frozenset({"RTP/AVP", "RTP/AVPF"})
 DEFAULT_DTMF_PT = 101
@@ -67,6 +70,8 @@ class RemoteMedia:
     # of `a=rtcp` (RFC 3605) or the RTP port + 1.
     rtcp_mux: bool = False
     rtcp_port: int | None = None
+    # Our packet time toward this peer (`choose_ptime` of its offer), in ms.
+    ptime: int = PTIME_MS
 
     @property
     def rtcp_address(self) -> tuple[str, int] | None:
@@ -149,6 +154,29 @@ def _codec(media: MediaDescription, allowed: tuple[Codec, ...]) -> Codec:
     raise SdpError("no common codec (PCMU or PCMA)")
 
 
+def _ms_attribute(media: MediaDescription, name: str) -> int | None:
+    values = media.attributes.get(name) or []
+    text = str(values[0]).strip() if values else ""
+    try:
+        value = float(text)  # RFC 4566 allows a fraction (`ptime:20.0`)
+    except ValueError:
+        return None
+    return round(value) if 0 < value <= 10_000 else None
+
+
+def choose_ptime(offered: int | None, maxptime: int | None) -> int:
+    """Our packet time for an offer: its `ptime` where we can pace it and its `maxptime`
+    allows, else the longest we can pace within `maxptime`, else 20 ms (RFC 4566 6: `ptime`
+    is what the offerer would like to receive, `maxptime` the most it can take)."""
+    limit = maxptime or max(PTIMES)
+    if offered in PTIMES and offered <= limit:
+        return offered
+    if PTIME_MS <= limit and (offered is None or offered not in PTIMES):
+        return PTIME_MS
+    fitting = [p for p in PTIMES if p <= limit]
+    return max(fitting) if fitting else min(PTIMES)
+
+
 def read_offer(body: bytes, allowed: tuple[Codec, ...] = (PCMU, PCMA)) -> RemoteMedia:
     """The peer's offer; SdpError (488, or 400 when it is not SDP) if we cannot answer it."""
     sdp = _decode(body)
@@ -160,6 +188,7 @@ def read_offer(body: bytes, allowed: tuple[Codec, ...] = (PCMU, PCMA)) -> Remote
         direction=_direction(sdp, media),
         rtcp_mux="rtcp-mux" in media.attributes,
         rtcp_port=_rtcp_port(media),
+        ptime=choose_ptime(_ms_attribute(media, "ptime"), _ms_attribute(media, "maxptime")),
     )
 
 
@@ -173,8 +202,9 @@ def _rtcp_port(media: MediaDescription) -> int | None:
 
 
 def read_answer(body: bytes, codec: Codec) -> RemoteMedia:
-    """The peer's answer to our offer (delayed offer: it comes in the ACK)."""
-    return read_offer(body, (codec,))
+    """The peer's answer to our offer (delayed offer: it comes in the ACK). Our packets stay
+    at the 20 ms we offered (the stream already runs)."""
+    return replace(read_offer(body, (codec,)), ptime=PTIME_MS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +237,7 @@ def answer(
         supported_codecs=[remote.codec.payload_type],
         # The offer's payload type, not a fixed 101: RFC 3264 6.1 answers with the offer's.
         dtmf_payload_type=remote.dtmf_pt or 0,
-        ptime=PTIME_MS,
+        ptime=remote.ptime,
         session_id=str(local.session_id),
     )
     answer_sdp.origin = _origin(local, version)
@@ -215,7 +245,8 @@ def answer(
     media = answer_sdp.media[index]
     for d in DIRECTIONS:
         media.attributes.pop(d, None)
-    media.attributes["ptime"] = [str(PTIME_MS)]
+    media.attributes["ptime"] = [str(remote.ptime)]
+    media.attributes.pop("maxptime", None)
     if remote.dtmf_pt is not None:
         media.attributes["fmtp"] = [f"{remote.dtmf_pt} 0-15"]
     # RTCP: on the RTP port when the offer multiplexes it, else on the odd port above.

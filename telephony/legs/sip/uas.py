@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiosipua import SipMessage, SipResponse
 from aiosipua.headers import parse_address, parse_auth, parse_via, stringify_uri
@@ -45,7 +45,7 @@ from telephony.legs.sip.refer import (
     sipfrag_status,
     subscription_terminated,
 )
-from telephony.legs.sip.sdp import PCMU, Codec, Direction, LocalMedia, RemoteMedia
+from telephony.legs.sip.sdp import PCMU, PTIME_MS, Codec, Direction, LocalMedia, RemoteMedia
 from telephony.legs.sip.timers import TimerConfig, TimerHeap, TimerOwner
 from telephony.legs.sip.transaction import (
     ClientTransaction,
@@ -676,6 +676,8 @@ class UserAgentServer:
         if msg.body:
             try:
                 remote = sdp_mod.read_offer(msg.body, (codec,))
+                # The stream keeps its packet time (a re-offer's ptime is only a wish).
+                remote = replace(remote, ptime=call.remote.ptime if call.remote else PTIME_MS)
             except SdpError as exc:
                 # The call goes on with what it had (RFC 3261 14.2).
                 self._respond(tx, exc.status, now)
