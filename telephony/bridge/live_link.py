@@ -26,11 +26,17 @@ from openai import AsyncOpenAI
 from openai.resources.live.live import AsyncLiveConnection
 from websockets.exceptions import ConnectionClosed
 
+from telephony.bridge.link_common import (
+    SessionRefused,
+    bounded_send,
+    close_quietly,
+    emit_server_error,
+    open_within_budget,
+)
 from telephony.bridge.model_link import DeltaHandler, DeltaLane, EventHandler
 from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot, ResponseState
 from telephony.call_events import CallEventKind
-from telephony.errors import TelephonyError
 from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import AudioDelta
 from telephony.session_config import BridgeConfig, instructions_text
@@ -47,15 +53,8 @@ LIVE_FORMATS: dict[AudioFormat, dict[str, Any]] = {
 }
 
 
-class LiveSessionRejected(TelephonyError):
+class LiveSessionRejected(SessionRefused):
     """The server refused our `session.start`."""
-
-
-async def close_quietly(conn: AsyncLiveConnection) -> None:
-    """Close a Live socket we are giving up on, within a second, whatever state it is in."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await conn.close()
 
 
 def session_start(
@@ -175,17 +174,10 @@ class LiveSession:
                 await self.conn.close()
 
     async def _send(self, event: dict[str, Any]) -> bool:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await self.conn.send(event)  # type: ignore[arg-type]
-        except (ConnectionClosed, TimeoutError, OSError) as exc:
-            log.info("call %s: send to GPT-Live failed: %r", self._call_id, exc)
-            await close_quietly(self.conn)
-            return False
-        except Exception as exc:  # the SDK wraps some socket errors in its own
-            log.info("call %s: send to GPT-Live failed: %r", self._call_id, exc)
-            return False
-        return True
+        return await bounded_send(
+            self.conn.send(event),  # type: ignore[arg-type]
+            self.conn, call_id=self._call_id, api="GPT-Live", timeout_s=self._timeout_s,
+        )  # fmt: skip
 
 
 class LiveLink:
@@ -215,65 +207,42 @@ class LiveLink:
 
     async def connect(self, *, resumed: bool) -> tuple[LiveSession | None, int, str | None]:
         """Open a session and start it, retrying with backoff within the budget."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._config.reconnect_budget_s
-        delay = 0.1
-        attempts = 0
-        error: str | None = None
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None, attempts, error
-            attempts += 1
-            conn: AsyncLiveConnection | None = None
-            try:
-                async with asyncio.timeout(min(self._config.connect_timeout_s, remaining)):
-                    conn = await self._client.live.connect(
-                        websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
-                    ).enter()
-                    start = session_start(
-                        self._config,
-                        self._audio_format,
-                        self._tools(),
-                        self._persona(),
-                        self._voice() or self._config.voice,
-                    )
-                    await conn.send(
-                        {  # type: ignore[arg-type]
-                            "type": "session.start",
-                            "event_id": SESSION_START_EVENT_ID,
-                            "session": start,
-                        }
-                    )
-                    server_id = await self._await_started(conn)
-            except asyncio.CancelledError:
-                if conn is not None:
-                    await close_quietly(conn)
-                raise
-            except LiveSessionRejected as exc:
-                if conn is not None:
-                    await close_quietly(conn)
-                return None, attempts, str(exc)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"[:200]
-                log.info(
-                    "call %s: GPT-Live connect attempt %d failed: %s",
-                    self._port.call_id,
-                    attempts,
-                    error,
-                )
-                if conn is not None:
-                    await close_quietly(conn)
-            else:
-                self._generation += 1
-                session = LiveSession(
-                    conn, self._generation, self._port.call_id, self._config.send_timeout_s
-                )
-                session.voice = self._voice() or self._config.voice
-                session.session_id = server_id[:64] or session.session_id
-                return session, attempts, None
-            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
-            delay = min(delay * 2, 2.0)
+        opened, attempts, error, _ = await open_within_budget(
+            self._config, self._port.call_id, "GPT-Live", self._dial, self._start
+        )
+        if opened is None:
+            return None, attempts, error
+        conn, server_id = opened
+        self._generation += 1
+        session = LiveSession(
+            conn, self._generation, self._port.call_id, self._config.send_timeout_s
+        )
+        session.voice = self._voice() or self._config.voice
+        session.session_id = server_id[:64] or session.session_id
+        return session, attempts, None
+
+    async def _dial(self) -> AsyncLiveConnection:
+        return await self._client.live.connect(
+            websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
+        ).enter()
+
+    async def _start(self, conn: AsyncLiveConnection) -> str:
+        """`session.start`, then wait for `session.started`; the server's session id."""
+        start = session_start(
+            self._config,
+            self._audio_format,
+            self._tools(),
+            self._persona(),
+            self._voice() or self._config.voice,
+        )
+        await conn.send(
+            {  # type: ignore[arg-type]
+                "type": "session.start",
+                "event_id": SESSION_START_EVENT_ID,
+                "session": start,
+            }
+        )
+        return await self._await_started(conn)
 
     async def _await_started(self, conn: AsyncLiveConnection) -> str:
         """Until `session.started` (audio before it would be refused); the server's id."""
@@ -283,14 +252,7 @@ class LiveLink:
                 return event.session.id
             if event.type == "error":
                 error = event.error
-                self._port.emit(
-                    CallEventKind.REALTIME_ERROR,
-                    code=error.code,
-                    type=error.type,
-                    message=error.message[:200],
-                    param=error.param,
-                    event_id=error.client_event_id,
-                )
+                emit_server_error(self._port, error, error.client_event_id)
                 if error.client_event_id == SESSION_START_EVENT_ID:
                     raise LiveSessionRejected(f"session.start rejected: {error.message}"[:200])
 

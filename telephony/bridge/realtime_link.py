@@ -23,11 +23,17 @@ from openai.resources.realtime.realtime import AsyncRealtimeConnection
 from openai.types.realtime import RealtimeErrorEvent
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from telephony.bridge.link_common import (
+    SessionRefused,
+    bounded_send,
+    close_quietly,
+    emit_server_error,
+    open_within_budget,
+)
 from telephony.bridge.model_link import DeltaHandler, DeltaLane, EventHandler
 from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot
 from telephony.call_events import CallEventKind
-from telephony.errors import TelephonyError
 from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import (
     APPEND_HEAD,
@@ -54,19 +60,14 @@ TIMEOUT_S = 10.0  # bound for closing a socket at the end
 REALTIME_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": LaneConnection}
 
 
-class SessionRejected(TelephonyError):
+class SessionRejected(SessionRefused):
     """The server refused the session configuration."""
 
 
-class SidebandRefused(TelephonyError):
+class SidebandRefused(SessionRefused):
     """OpenAI refused to (re-)attach the sideband: the call is over on its side."""
 
-
-async def close_quietly(conn: AsyncRealtimeConnection) -> None:
-    """Close a Realtime socket we are giving up on, within a second, whatever state it is in."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await conn.close()
+    call_over = True
 
 
 def _system_note(text: str) -> Any:
@@ -172,25 +173,11 @@ class RealtimeSession:
                 await self.conn.close()
 
     async def _send(self, send: Awaitable[None], watch: Watchdog | None = None) -> bool:
-        """Run one send; a dead or stuck socket is closed so the reader reconnects.
-
-        Bounded by `config.send_timeout_s`: by `watch` on the audio path, else a timeout.
-        """
-        try:
-            if watch is not None:
-                with watch:
-                    await send
-            else:
-                async with asyncio.timeout(self._timeout_s):
-                    await send
-        except (ConnectionClosed, TimeoutError, OSError) as exc:
-            log.info("call %s: send to Realtime failed: %r", self._call_id, exc)
-            await close_quietly(self.conn)
-            return False
-        except Exception as exc:  # the SDK wraps some socket errors in its own
-            log.info("call %s: send to Realtime failed: %r", self._call_id, exc)
-            return False
-        return True
+        """Run one send, bounded by `watch` on the audio path, else by the send timeout."""
+        return await bounded_send(
+            send, self.conn, call_id=self._call_id, api="Realtime", timeout_s=self._timeout_s,
+            watch=watch,
+        )  # fmt: skip
 
 
 class RealtimeLink:
@@ -227,79 +214,52 @@ class RealtimeLink:
 
     async def connect(self, *, resumed: bool) -> tuple[RealtimeSession | None, int, str | None]:
         """Open a session and configure it, retrying with backoff within the budget."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._config.reconnect_budget_s
-        delay = 0.1
-        attempts = 0
-        error: str | None = None
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None, attempts, error
-            attempts += 1
-            conn: AsyncRealtimeConnection | None = None
-            try:
-                async with asyncio.timeout(min(self._config.connect_timeout_s, remaining)):
-                    if self._sideband_call_sid is not None:
-                        conn = await self._attach_sideband(self._sideband_call_sid)
-                    else:
-                        conn = await self._client.realtime.connect(
-                            model=self._config.model,
-                            websocket_connection_options=REALTIME_SOCKET_OPTIONS,
-                        ).enter()
-                        history = list(self._history) if resumed else []
-                        await conn.session.update(
-                            event_id=SESSION_UPDATE_EVENT_ID,
-                            session=session_update(
-                                self._config,
-                                self._audio_format,
-                                self._tools(),
-                                history,
-                                self._persona(),
-                                self._voice(),
-                            ),
-                        )
-                        await self._await_session_updated(conn)
-            except asyncio.CancelledError:
-                # The call ended while the session was still being configured: the socket is
-                # not the bridge's session yet, so nothing else would ever close it.
-                if conn is not None:
-                    await close_quietly(conn)
-                raise
-            except SidebandRefused as exc:
-                self.ended_remotely = True
-                return None, attempts, str(exc)
-            except SessionRejected as exc:
-                # The server refuses our configuration: retrying cannot help.
-                if conn is not None:
-                    await close_quietly(conn)
-                return None, attempts, str(exc)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"[:200]
-                log.info(
-                    "call %s: Realtime connect attempt %d failed: %s",
-                    self._port.call_id,
-                    attempts,
-                    error,
-                )
-                if conn is not None:
-                    await close_quietly(conn)
-            else:
-                self._generation += 1
-                session = RealtimeSession(
-                    conn,
-                    self._generation,
-                    self._port.call_id,
-                    self._config.send_timeout_s,
-                    self._config,
-                )
-                if self._sideband_call_sid is None:
-                    session.voice = self._voice() or self._config.voice
-                if self._session_id is not None:
-                    session.session_id = self._session_id
-                return session, attempts, None
-            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
-            delay = min(delay * 2, 2.0)
+        opened, attempts, error, refused = await open_within_budget(
+            self._config, self._port.call_id, "Realtime", self._dial,
+            lambda conn: self._configure(conn, resumed),
+        )  # fmt: skip
+        if refused is not None and refused.call_over:
+            self.ended_remotely = True
+        if opened is None:
+            return None, attempts, error
+        self._generation += 1
+        session = RealtimeSession(
+            opened[0],
+            self._generation,
+            self._port.call_id,
+            self._config.send_timeout_s,
+            self._config,
+        )
+        if self._sideband_call_sid is None:
+            session.voice = self._voice() or self._config.voice
+        if self._session_id is not None:
+            session.session_id = self._session_id
+        return session, attempts, None
+
+    async def _dial(self) -> AsyncRealtimeConnection:
+        if self._sideband_call_sid is not None:
+            return await self._attach_sideband(self._sideband_call_sid)
+        return await self._client.realtime.connect(
+            model=self._config.model, websocket_connection_options=REALTIME_SOCKET_OPTIONS
+        ).enter()
+
+    async def _configure(self, conn: AsyncRealtimeConnection, resumed: bool) -> None:
+        """Our own session: one `session.update`, confirmed (the sideband's was the accept)."""
+        if self._sideband_call_sid is not None:
+            return
+        history = list(self._history) if resumed else []
+        await conn.session.update(
+            event_id=SESSION_UPDATE_EVENT_ID,
+            session=session_update(
+                self._config,
+                self._audio_format,
+                self._tools(),
+                history,
+                self._persona(),
+                self._voice(),
+            ),
+        )
+        await self._await_session_updated(conn)
 
     async def _attach_sideband(self, sideband_call_sid: str) -> AsyncRealtimeConnection:
         """Join OpenAI's call over the sideband: the session was set by the accept."""
@@ -327,14 +287,7 @@ class RealtimeLink:
                 return
             if isinstance(event, RealtimeErrorEvent) and event.type == "error":
                 error = event.error
-                self._port.emit(
-                    CallEventKind.REALTIME_ERROR,
-                    code=error.code,
-                    type=error.type,
-                    message=error.message[:200],
-                    param=error.param,
-                    event_id=error.event_id,
-                )
+                emit_server_error(self._port, error, error.event_id)
                 if error.event_id == SESSION_UPDATE_EVENT_ID:
                     raise SessionRejected(f"session.update rejected: {error.message}"[:200])
 
