@@ -148,3 +148,79 @@ async def _call_events(engine: AsyncEngine) -> list[dict[str, object]]:
             await conn.execute(sa.text("SELECT id FROM calls WHERE leg = 'sip'"))
         ).scalar_one()
     return await event_rows(engine, call_id)
+
+
+async def test_on_gpt_live_a_sip_caller_cutting_in_flushes_our_rtp_and_counts_what_was_sent(
+    engine: AsyncEngine,
+) -> None:
+    """Our own SIP leg on GPT-Live: G.711 straight through (`session.start` names PCMU at 8 kHz),
+    the model stops talking over the caller by itself, and the leg flushes what it queued;
+    what counts as heard is what left in RTP, never a truncate (Live has none)."""
+    from telephony.sim.scenario import Scenario
+
+    scenario = Scenario.model_validate(
+        {
+            "greeting": {"text": "Welcome to a long list of tonight's specials.", "audio_ms": 8000},
+            "steps": [{"caller_transcript": "Just a table, please.", "reply": "Sure."}],
+        }
+    )
+    loop = asyncio.get_running_loop()
+    async with sip_stack(engine, scenario, model_api="live") as stack:
+        sip_t, sip_in, my_sip = await _socket(loop)
+        rtp_t, rtp_in, my_rtp = await _socket(loop)
+        uac = Uac(port=my_sip)
+        server = ("127.0.0.1", stack.service.runtime.sip.port)
+        heard: list[Heard] = []
+
+        def agent_frames() -> int:
+            heard[:] = [Heard(at, RtpPacket.parse(d)) for at, d in rtp_in.got]
+            return sum(h.agent for h in heard)
+
+        try:
+            sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
+            ok = await _response(sip_in, 200)
+            uac.learn(ok)
+            sip_t.sendto(uac.ack(), server)
+            live = await stack.sim.wait_for_live_session()
+            seq = itertools.count(1)
+
+            async def send(payload: bytes) -> None:
+                n = next(seq)
+                packet = RtpPacket(0, 0, n & 0xFFFF, n * 160, 0x1234, payload)
+                rtp_t.sendto(packet.serialize(), ("127.0.0.1", _their_rtp_port(ok)))
+                await asyncio.sleep(0.02)
+
+            while agent_frames() < 30:
+                await send(SILENCE)
+            speech = synthesize_speech(1000, 3, "pcmu")
+            for offset in range(0, len(speech), 160):
+                await send(speech[offset : offset + 160])
+            for _ in range(40):
+                await send(SILENCE)
+            await live.wait_for_sent("session.output_transcript.delta", count=2, within=10)
+            agent_frames()
+            sip_t.sendto(uac.bye(), server)
+            await _response(sip_in, 200, start=len(sip_in.got))
+        finally:
+            sip_t.close()
+            rtp_t.close()
+        sip = stack.service.runtime.sip
+        await wait_until(lambda: sip.live_calls() == 0, 10, "call over")
+        await stack.service.runtime.events.flush()
+    rows = await _call_events(engine)
+    start = next(e for _, e in live.received if e["type"] == "session.start")
+    assert start["session"]["audio"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+    assert live.interruptions == 1 and live.refused == []
+    assert {e["type"] for _, e in live.received} == {"session.start", "session.input_audio.append"}
+    barge = next(r for r in rows if r["kind"] == "barge_in")
+    assert barge["data"]["truncated"] is False
+    greeting = next(r["data"] for r in rows if r["kind"] == "agent_transcript")
+    barge_at = barge["mono_ns"] / 1e9
+    sent_before = sum(h.agent for h in heard if h.at <= barge_at + 0.02)
+    # Cut where the caller stopped hearing it: what left in RTP, not the 8 s generated.
+    assert greeting["cut"] is True
+    assert 600 <= greeting["heard_ms"] < 8000
+    assert abs(greeting["heard_ms"] - 20 * sent_before) <= 40, (greeting, sent_before)
+    # The greeting's queued rest never went out: not one agent frame while the caller talks.
+    late = [h for h in heard if h.agent and barge_at + 0.04 < h.at < barge_at + 0.5]
+    assert late == []
