@@ -286,6 +286,17 @@ class Settings(BaseSettings):
     sms_status_poll_s: float = Field(default=60.0, gt=0)
     # A message still `sent` (no receipt) after this counts as delivered as far as we know.
     sms_settle_s: float = Field(default=6 * 3600.0, gt=0)
+    # How a result that lands after the call reaches the caller: sms, call (a callback with
+    # answering-machine detection), or auto (SMS; a call when the number cannot take SMS).
+    late_result_channel: Literal["sms", "call", "auto"] = "sms"
+    # Callbacks of one result before it falls back to SMS, and the wait before the next one
+    # (doubled after each unanswered call).
+    callback_max_attempts: int = Field(default=3, ge=1, le=10)
+    callback_retry_s: float = Field(default=300.0, gt=0)
+    # Nobody is called in this daily window (HH:MM-HH:MM, in QUIET_HOURS_TZ): a callback due
+    # in it is placed when it ends. Unset: no quiet hours.
+    quiet_hours: str | None = None
+    quiet_hours_tz: str = "UTC"
 
     # Integrator webhooks for operation status changes, as JSON:
     # [{"url": "https://...", "secret": "whsec_...", "description": "..."}]. More can be
@@ -368,6 +379,15 @@ class Settings(BaseSettings):
                 "(for example https://jaeger.example/trace/{trace_id})"
             )
         return value
+
+    @model_validator(mode="after")
+    def _check_quiet_hours(self) -> Self:
+        from tools.quiet_hours import QuietHours, zone
+
+        zone(self.quiet_hours_tz)
+        if self.quiet_hours:
+            QuietHours.parse(self.quiet_hours, self.quiet_hours_tz)
+        return self
 
     @field_validator("transfer_targets")
     @classmethod

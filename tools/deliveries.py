@@ -820,7 +820,11 @@ async def _settle_by_sms(
         why = f"the SMS was {status.value}"
         if message.error_code is not None:
             why += f" (Twilio error {message.error_code})"
-        return await move(conn, delivery.id, D.TEXTING, target, actor=actor, reason=why)
+        moved = await move(conn, delivery.id, D.TEXTING, target, actor=actor, reason=why)
+        if moved is not None and target is D.NOT_DELIVERABLE:
+            # Another channel may take it (a callback, LATE_RESULT_CHANNEL=auto): its job looks.
+            await enqueue(conn, delivery.id)
+        return moved
     return delivery
 
 

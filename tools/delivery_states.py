@@ -7,12 +7,21 @@ A delivery is how one finished operation's outcome reaches the caller:
              -> not_deliverable  no channel: the call is over and no SMS-capable number, or
                                  the caller opted out
              -> not_needed       nothing to tell (never reached the provider, told already)
+             -> calling          a callback call carries it (LATE_RESULT_CHANNEL=call|auto):
+                                 the call's row and its place_call operation exist
+    calling  -> called           a person answered and heard it to its end
+             -> voicemail        a machine answered: a message was left (no details)
+             -> pending          the call was not answered, or ended before it was heard:
+                                 tried again after a backoff, then SMS, else not_deliverable
     offered  -> heard            the audio of the response that carried it was played out
              -> pending          cut by a barge-in, never spoken, or the call went away
     texting  -> texted           Twilio reported the SMS delivered (or sent, for good)
              -> failed           undelivered / failed: visible to staff, who may resend
              -> not_deliverable  the number cannot take SMS or has opted out (21610)
-    heard, texted, failed, not_deliverable -> texting   only when staff resend it
+    not_deliverable -> calling   LATE_RESULT_CHANNEL=auto: the number cannot take SMS, so
+                                 it is called instead
+    heard, texted, failed, not_deliverable, called, voicemail -> texting   only when staff
+                                 resend it
 
 Only `tools.deliveries.move` changes a delivery's state, with a conditional update.
 
@@ -43,27 +52,33 @@ class DeliveryState(StrEnum):
     FAILED = "failed"
     NOT_DELIVERABLE = "not_deliverable"
     NOT_NEEDED = "not_needed"
+    CALLING = "calling"
+    CALLED = "called"
+    VOICEMAIL = "voicemail"
 
 
 D = DeliveryState
 
 # No more work is due on these (staff may still resend an SMS).
 SETTLED: frozenset[DeliveryState] = frozenset(
-    {D.HEARD, D.TEXTED, D.FAILED, D.NOT_DELIVERABLE, D.NOT_NEEDED}
+    {D.HEARD, D.TEXTED, D.FAILED, D.NOT_DELIVERABLE, D.NOT_NEEDED, D.CALLED, D.VOICEMAIL}
 )
 # The caller learnt the outcome.
-COMMUNICATED: frozenset[DeliveryState] = frozenset({D.HEARD, D.TEXTED})
+COMMUNICATED: frozenset[DeliveryState] = frozenset({D.HEARD, D.TEXTED, D.CALLED, D.VOICEMAIL})
 
 DELIVERY_TRANSITIONS: dict[DeliveryState, frozenset[DeliveryState]] = {
-    D.PENDING: frozenset({D.OFFERED, D.TEXTING, D.NOT_DELIVERABLE, D.NOT_NEEDED}),
+    D.PENDING: frozenset({D.OFFERED, D.TEXTING, D.NOT_DELIVERABLE, D.NOT_NEEDED, D.CALLING}),
     D.OFFERED: frozenset({D.HEARD, D.PENDING}),
     D.TEXTING: frozenset({D.TEXTED, D.FAILED, D.NOT_DELIVERABLE, D.TEXTING}),
     # Staff resend (a copy by text): a new message on the same delivery.
     D.HEARD: frozenset({D.TEXTING}),
     D.TEXTED: frozenset({D.TEXTING}),
     D.FAILED: frozenset({D.TEXTING}),
-    D.NOT_DELIVERABLE: frozenset({D.TEXTING}),
+    D.NOT_DELIVERABLE: frozenset({D.TEXTING, D.CALLING}),
     D.NOT_NEEDED: frozenset(),
+    D.CALLING: frozenset({D.CALLED, D.VOICEMAIL, D.PENDING}),
+    D.CALLED: frozenset({D.TEXTING}),
+    D.VOICEMAIL: frozenset({D.TEXTING}),
 }
 
 

@@ -389,7 +389,10 @@ _DELIVERY_MARKS = {
     "texting": "SMS",
     "texted": "SMS sent",
     "failed": "not delivered",
-    "not_deliverable": "no SMS number",
+    "not_deliverable": "not deliverable",
+    "calling": "calling back",
+    "called": "told by callback",
+    "voicemail": "voicemail left",
 }
 
 

@@ -488,6 +488,22 @@ class ResultDelivery:
             delivery_id=str(delivery.id),
         )
 
+    async def tell_on_callback(self, live: Any, call_id: str, delivery_id: uuid.UUID) -> bool:
+        """A person answered the callback call `call_id` of a `calling` delivery: hand its
+        outcome to that call's bridge as an announcement; its heard report (the same
+        accounting as in the caller's own call) makes the delivery `called`. False when the
+        delivery is not calling any more or the call is ending."""
+        async with self._engine.connect() as conn:
+            delivery = await deliveries.get(conn, delivery_id)
+            if delivery is None or delivery.state is not D.CALLING:
+                return False
+            op = await ledger.get_operation(conn, delivery.operation_id)
+            assert op is not None
+            found = await evaluate(conn, self._registry, delivery, op, CallState.ENDED)
+        result = self._late_result(delivery, op, found, None)
+        self._call_of[str(delivery_id)] = call_id
+        return bool(await live.deliver_result(result))
+
     # AnnouncementSink: the bridge's reports, made durable in order.
 
     def report(self, report: AnnouncementReport) -> None:
@@ -533,6 +549,30 @@ class ResultDelivery:
                         reason=f"announced in response {report.response_id}",
                         data=data,
                         response_id=report.response_id,
+                    )
+                case AnnouncementStatus.HEARD if delivery.state is D.CALLING:
+                    # Told on a callback call: a person heard it to its end.
+                    await deliveries.move(
+                        conn,
+                        delivery_id,
+                        D.CALLING,
+                        D.CALLED,
+                        locked=delivery,
+                        actor=self.actor,
+                        reason="the callback's person heard it: its audio played out in full",
+                        data=data,
+                        heard_at=sa.func.now(),
+                        response_id=report.response_id,
+                    )
+                case _ if delivery.state is D.CALLING:
+                    # Held, spoken or cut on a callback call: a note; the call's end decides.
+                    await deliveries.record_event(
+                        conn,
+                        delivery_id,
+                        kind="note",
+                        actor=self.actor,
+                        reason=f"callback announcement {report.status.value}: {report.reason}",
+                        data=data,
                     )
                 case AnnouncementStatus.HEARD:
                     moved = await deliveries.move(

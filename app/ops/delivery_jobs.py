@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import liveness as call_liveness
 from app.calls.store import CallStatus
+from app.ops.callback import CallbackChannel, sms_refused
 from app.ops.delivery import (
     HOLD_RECHECK_S,
     call_state_of,
@@ -74,10 +75,13 @@ class DeliveryDriver:
         config: DeliveryConfig | None = None,
         *,
         http: httpx.AsyncClient | None = None,
+        callback: CallbackChannel | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
         self.sms = sms
+        # The "call" channel (LATE_RESULT_CHANNEL=call|auto); None: SMS only.
+        self.callback = callback
         self.config = config or DeliveryConfig()
         self._http = http
         self._own_http = http is None
@@ -123,7 +127,11 @@ class DeliveryDriver:
             # Locked: the replica holding the call is deciding it right now. If that fails,
             # the sweeper finds the delivery pending with no job and queues one again.
             delivery = await deliveries.get(conn, delivery_id, for_update=True, skip_locked=True)
-            if delivery is None or delivery.state is not D.PENDING:
+            if delivery is None:
+                return None
+            if self.callback is not None and delivery.state is not D.PENDING:
+                return await self._follow_callback(conn, delivery)
+            if delivery.state is not D.PENDING:
                 return None
             op = await ledger.get_operation(conn, delivery.operation_id)
             assert op is not None
@@ -158,7 +166,12 @@ class DeliveryDriver:
             )
             gate = found.gate
             await record_decision(conn, delivery, gate, ACTOR)
-            if gate.action is Action.TEXT:
+            if gate.action is Action.TEXT and (
+                self.callback is not None and await self.callback.wants_call(conn, delivery)
+            ):
+                step = await self.callback.start(conn, delivery, op, reason=gate.reason)
+                message_id = step.message.id if step.message is not None else None
+            elif gate.action is Action.TEXT:
                 message = await self.sms.start(
                     conn,
                     delivery,
@@ -180,6 +193,22 @@ class DeliveryDriver:
             # Persisted (and its own job queued) before this send: a crash here loses nothing.
             await self.sms.drive(message_id)
         return gate.action.value
+
+    async def _follow_callback(self, conn: Any, delivery: deliveries.DeliveryRecord) -> str | None:
+        """A delivery the callback channel carries (calling), or one whose SMS proved the
+        number cannot take SMS (auto: call instead)."""
+        assert self.callback is not None
+        if delivery.state is D.CALLING:
+            return (await self.callback.check(conn, delivery)).action
+        if self.callback.wants_call_after_sms(delivery) and delivery.channel == "sms":
+            if await sms_refused(conn, delivery.caller):
+                op = await ledger.get_operation(conn, delivery.operation_id)
+                assert op is not None
+                step = await self.callback.start(
+                    conn, delivery, op, reason="the number cannot take SMS"
+                )
+                return step.action
+        return None
 
 
 class DeliverySweeper:

@@ -154,50 +154,76 @@ async def request_call(
 ) -> OutboundRequest:
     """The call's row and its `place_call` operation, in one transaction (see the module
     docstring). The same `idempotency_key` again answers the same call, placing nothing."""
+    async with engine.begin() as conn:
+        return await request_call_in(
+            conn,
+            settings,
+            enqueue,
+            to=to,
+            purpose=purpose,
+            about_operation_id=about_operation_id,
+            by=by,
+            idempotency_key=idempotency_key,
+        )
+
+
+async def request_call_in(
+    conn: AsyncConnection,
+    settings: Settings,
+    enqueue: Enqueue,
+    *,
+    to: str,
+    purpose: str,
+    about_operation_id: str | None,
+    by: str,
+    idempotency_key: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> OutboundRequest:
+    """`request_call` inside the caller's transaction (a callback's delivery moves with it);
+    `extra` is kept on the row's `outbound` (a callback's delivery and attempt)."""
     to, purpose, about = check_request(to, purpose, about_operation_id)
     call_id = str(uuid.uuid4())
     key = f"outbound:{idempotency_key or call_id}"[:200]
-    async with engine.begin() as conn:
-        if about is not None:
-            op = await ledger.get_operation(conn, uuid.UUID(about))
-            if op is None or op.tenant_id != settings.tenant_id:
-                raise OutboundRefused(f"no operation {about}")
-        outbound = {"purpose": purpose, "about_operation_id": about, "by": by[:128]}
-        existing = await ledger.find_by_idempotency_key(conn, settings.tenant_id, key)
-        if existing is not None:
-            return OutboundRequest(str(existing.args["call_id"]), str(existing.operation_id), False)
-        await conn.execute(
-            pg_insert(calls).values(
-                id=uuid.UUID(call_id),
-                call_sid=PENDING_SID + call_id,
-                tenant_id=settings.tenant_id,
-                leg="twilio",
-                direction="outbound",
-                from_number=settings.twilio_from_number,
-                to_number=to,
-                status=str(CallStatus.RINGING),
-                outbound=outbound,
-            )
-        )
-        args = PlaceCallArgs(to=to, call_id=call_id, purpose=purpose, about_operation_id=about)
-        admission = await ledger.admit_operation(
-            conn,
+    if about is not None:
+        op = await ledger.get_operation(conn, uuid.UUID(about))
+        if op is None or op.tenant_id != settings.tenant_id:
+            raise OutboundRefused(f"no operation {about}")
+    outbound = {"purpose": purpose, "about_operation_id": about, "by": by[:128], **(extra or {})}
+    existing = await ledger.find_by_idempotency_key(conn, settings.tenant_id, key)
+    if existing is not None:
+        return OutboundRequest(str(existing.args["call_id"]), str(existing.operation_id), False)
+    await conn.execute(
+        pg_insert(calls).values(
+            id=uuid.UUID(call_id),
+            call_sid=PENDING_SID + call_id,
             tenant_id=settings.tenant_id,
-            tool=PLACE_CALL,
-            args=args.model_dump(),
-            idempotency_key=key,
-            key_source="client" if idempotency_key else "derived",
-            caller=to,
-            actor=by[:128],
-            reason="outbound call requested",
-            enqueue=enqueue,
+            leg="twilio",
+            direction="outbound",
+            from_number=settings.twilio_from_number,
+            to_number=to,
+            status=str(CallStatus.RINGING),
+            outbound=outbound,
         )
-        operation_id = str(admission.operation.operation_id)
-        await conn.execute(
-            sa.update(calls)
-            .where(calls.c.id == uuid.UUID(call_id))
-            .values(outbound={**outbound, "placing_operation_id": operation_id})
-        )
+    )
+    args = PlaceCallArgs(to=to, call_id=call_id, purpose=purpose, about_operation_id=about)
+    admission = await ledger.admit_operation(
+        conn,
+        tenant_id=settings.tenant_id,
+        tool=PLACE_CALL,
+        args=args.model_dump(),
+        idempotency_key=key,
+        key_source="client" if idempotency_key else "derived",
+        caller=to,
+        actor=by[:128],
+        reason="outbound call requested",
+        enqueue=enqueue,
+    )
+    operation_id = str(admission.operation.operation_id)
+    await conn.execute(
+        sa.update(calls)
+        .where(calls.c.id == uuid.UUID(call_id))
+        .values(outbound={**outbound, "placing_operation_id": operation_id})
+    )
     return OutboundRequest(call_id, operation_id, True)
 
 

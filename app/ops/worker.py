@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
+from app.ops.callback import CallbackChannel, CallbackConfig
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
 from app.ops.outbound import OutboundRouter, outbound_worker
 from app.ops.sms import SmsChannel
@@ -27,7 +28,7 @@ from app.settings import Settings
 from app.tool_wiring import load_configured_catalog
 from tools import webhooks
 from tools.catalog import Catalog
-from tools.executor import QUEUE, TASK_NAME, Executor, make_app
+from tools.executor import QUEUE, TASK_NAME, Executor, make_app, make_enqueue
 from tools.jobs import DELIVERY_QUEUE
 from tools.outage import quiet_library_outages
 from tools.provider import Provider
@@ -82,6 +83,9 @@ class OperationWorker:
         self.delivery_sweeper: DeliverySweeper | None = None
         if delivery is not None:
             delivery.register(self.app)
+            if delivery.callback is not None and delivery.callback.enqueue_operation is None:
+                # Callback calls are place_call operations this worker's app runs.
+                delivery.callback.enqueue_operation = make_enqueue(self.app)
             self.delivery_sweeper = DeliverySweeper(
                 engine, delivery.config, interval_s=sweep_interval_s
             )
@@ -178,7 +182,10 @@ def delivery_config(settings: Settings) -> DeliveryConfig:
 def build_delivery(settings: Settings, engine: AsyncEngine, registry: Registry) -> DeliveryDriver:
     """The delivery tasks of a worker process (SMS through Twilio, webhooks over HTTP)."""
     sms = SmsChannel.from_settings(settings, engine, registry, actor="sms")
-    return DeliveryDriver(engine, registry, sms, delivery_config(settings))
+    callback = None
+    if settings.late_result_channel != "sms":
+        callback = CallbackChannel(settings, CallbackConfig.from_settings(settings), sms)
+    return DeliveryDriver(engine, registry, sms, delivery_config(settings), callback=callback)
 
 
 async def start_inprocess_worker(

@@ -323,6 +323,8 @@ class FakeTwilioApi:
         self.auth_token = auth_token
         self.sms_outcome: SmsOutcome = sms_outcome
         self.sms_outcomes_by_to: dict[str, SmsOutcome] = {}
+        # The ErrorCode a failed message to this number carries (30006: a landline).
+        self.sms_error_codes_by_to: dict[str, int] = {}
         self.sms_step_delay_s = sms_step_delay_s
         # Faults and behaviours of the Messages API (see the module docstring).
         self.drop_callbacks = False
@@ -874,7 +876,8 @@ class FakeTwilioApi:
             if status == "sent":
                 message.sent = _now()
             if status in _SMS_ERROR_CODES:
-                message.error_code = _SMS_ERROR_CODES[status]
+                code = self.sms_error_codes_by_to.get(message.to_number)
+                message.error_code = code or _SMS_ERROR_CODES[status]
             self._changed.set()
             if message.status_callback:
                 params = {

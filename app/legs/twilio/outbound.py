@@ -36,12 +36,13 @@ from app.errors import BadRequest
 from app.legs.session import CallSession
 from app.legs.twilio import twiml
 from app.legs.twilio.resume import stream_twiml
+from app.ops.callback import voicemail_left
 from app.ops.outbound import ANSWERED_BY, bind_sid, note_on_placing, url_key
 from app.ops.twilio_rest import end_call
 from app.runtime import Runtime
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
-from tools import ledger
+from tools import deliveries, ledger
 from tools.errors import UnknownTool
 from tools.results import status_message
 
@@ -128,6 +129,9 @@ async def unanswered(runtime: Runtime, row: CallRow, call_status: str) -> None:
         await note_on_placing(
             conn, outbound, f"the call ended: {call_status}", {"call_status": call_status}
         )
+        if outbound.get("delivery_id"):
+            # A callback's delivery hears of its call's end now, not at its next check.
+            await deliveries.enqueue(conn, uuid.UUID(str(outbound["delivery_id"])))
 
 
 async def _outbound_of(runtime: Runtime, call_id: str) -> dict[str, Any]:
@@ -176,6 +180,21 @@ class OutboundLine:
         outbound = await _outbound_of(self.runtime, call_id)
         purpose = _quoted(str(outbound.get("purpose") or "a message for you"))
         self._emit(CallEventKind.AMD_RESULT, {"answered_by": answered_by})
+        delivery_id = outbound.get("delivery_id")
+        if answered_by == "human" and delivery_id and self.runtime.delivery is not None:
+            # A callback: the result goes as an announcement, so "told" means heard.
+            line = f"Hello, this is an automated call about {purpose}."
+            await self.bridge.open_line(
+                f'The person you called has answered. Say exactly: "{line}" Then tell them '
+                "the update you are given next, and answer their questions about it briefly.",
+                listen=True,
+            )
+            told = await self.runtime.delivery.tell_on_callback(
+                self.bridge, call_id, uuid.UUID(str(delivery_id))
+            )
+            if not told:
+                log.info("call %s: the callback's result was not handed to the call", call_id)
+            return
         if answered_by == "human":
             facts = await self._facts(outbound.get("about_operation_id"))
             line = f"Hello, this is an automated call about {purpose}. {facts}".strip()
@@ -204,6 +223,8 @@ class OutboundLine:
                 await note_on_placing(
                     conn, outbound, "a voicemail message was left", {"answered_by": answered_by}
                 )
+                if delivery_id:
+                    await voicemail_left(conn, uuid.UUID(str(delivery_id)), call_id, answered_by)
         await self._hang_up("voicemail left" if said else f"answered by {answered_by}")
 
     async def _facts(self, operation_id: Any) -> str:
