@@ -185,3 +185,107 @@ async def test_on_gpt_live_the_caller_cutting_in_clears_the_leg_and_counts_only_
     assert greeting["cut"] is True
     assert 1000 <= greeting["heard_ms"] < 8000 and greeting["audio_ms"] > greeting["heard_ms"]
     assert caller.clears[0].dropped_ms > 0
+
+
+async def test_a_dropped_gpt_live_session_comes_back_with_the_conversation_so_far(
+    engine: AsyncEngine,
+) -> None:
+    scenario = Scenario.model_validate(
+        {
+            "greeting": {"text": GREETING, "audio_ms": GREETING_MS},
+            "steps": [
+                {
+                    "caller_transcript": "Just a table, please.",
+                    "reply": {"text": "Sure, for when?", "audio_ms": 900},
+                },
+            ],
+            "fallback": {"text": "Anything else?", "audio_ms": 800},
+        }
+    )
+    async with call_stack(engine, scenario, model_api="live") as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        await caller.play_speech(600)
+        await hear(caller, GREETING_MS + 900)
+        first = stack.sim.live_sessions[0]
+        await stack.sim.drop_all()
+        second = await stack.sim.wait_for_live_session(1, within=10)
+        start = await second.wait_for_received("session.start", within=10)
+        heard_at_reconnect = caller.heard_ms
+        await second.wait_for_sent("session.started")
+        # Back from the drop the model does not greet again: nothing is said until the caller.
+        await caller.play_speech(600)
+        await hear(caller, heard_at_reconnect + 900)
+        await caller.hangup()
+        events = await stack.events(caller)
+    assert first.refused == [] and second.refused == []
+    for _, event in second.received:
+        parse_live_client_event(event)
+    # The conversation so far, as text-only history: who said what, in order.
+    assert start["session"]["input"] == [
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": GREETING}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Just a table, please."}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Sure, for when?"}]},
+    ]  # fmt: skip
+    assert "do not greet the caller again" in start["session"]["instructions"]
+    assert second.sent_events("session.output_transcript.delta")[0]["delta"] == "Sure, for when?"
+    kinds = [e["kind"] for e in events]
+    assert "realtime_dropped" in kinds and "realtime_reconnected" in kinds
+
+
+async def test_a_handoff_on_gpt_live_gives_the_backend_the_new_agents_tools_and_persona(
+    engine: AsyncEngine,
+) -> None:
+    from tests.handoff_support import AGENTS, MANAGER_HELLO
+
+    scenario = Scenario.model_validate(
+        {
+            "greeting": {"text": GREETING, "audio_ms": GREETING_MS},
+            "steps": [
+                {
+                    "caller_transcript": "Can I ask the manager about a deposit?",
+                    "function_call": {
+                        "name": "handoff_to_agent",
+                        "arguments": {"agent": "manager", "reason": "a deposit question"},
+                    },
+                },
+                {"reply": {"text": MANAGER_HELLO, "audio_ms": 1500}},
+            ],
+        }
+    )
+    async with call_stack(engine, scenario, model_api="live", agents_file=AGENTS) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        live = await stack.sim.wait_for_live_session()
+        started_with = list(live.delegation_tools)
+        await caller.play_speech(600)
+        update = await live.wait_for_received("session.update", within=15)
+        await live.wait_for_sent("session.updated", within=5)
+        await hear(caller, GREETING_MS + 1500)
+        await caller.hangup()
+        events = await stack.events(caller)
+    assert live.refused == []
+    for _, event in live.received:
+        parse_live_client_event(event)
+    assert "cancel_booking" not in started_with  # the host's tools
+    responses = update["session"]["delegation"]["responses"]
+    assert "You are the manager of Luigi's" in responses["instructions"]
+    assert {"cancel_booking", "handoff_to_agent"} <= set(live.delegation_tools)
+    [appended] = live.appended_instructions
+    assert "You are the manager of Luigi's" in appended and len(appended) <= 1500
+    [handoff] = [e["data"] for e in events if e["kind"] == "agent_handoff"]
+    assert handoff["to_agent"] == "manager" and handoff["session_updated"] is True
+    assert MANAGER_HELLO in await heard_text(engine, await _call_id_of(engine, caller))
+
+
+async def _call_id_of(engine: AsyncEngine, caller: Any) -> str:
+    from tests.e2e_support import call_row
+
+    row = await call_row(engine, caller.call_sid)
+    assert row is not None
+    return str(row["id"])

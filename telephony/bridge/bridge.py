@@ -153,6 +153,7 @@ class Bridge:
                 client,
                 leg.audio_format,
                 self.active_agent.tools,
+                history,
                 persona=self.active_agent.persona,
                 voice=self.active_agent.voice,
             )
@@ -442,6 +443,10 @@ class Bridge:
             if self._ended.is_set():
                 return
             self._emit(CallEventKind.REALTIME_DROPPED, reason=reason)
+            if self._live is not None:
+                # GPT-Live names no items: the utterance under way closes with the session, so
+                # the next one starts with it in the conversation so far.
+                self._live.flush()
             self._transition(BridgeState.RECONNECTING)
             await self._close_session()
             self.turns.session_dropped()

@@ -9,6 +9,11 @@ and the `response.create` that lets the Responses backend go on; a note (a late 
 result for a session that is gone) is `session.commentary.append`, speakable context the model
 says when it sees fit; truncate, cancel and clear have no Live counterpart and send nothing.
 
+A reconnect starts the new session with the conversation so far (`session.start`'s `input`);
+a handoff updates the Responses backend (`session.update`: the new agent's rules and tools) and
+appends the new agent's persona (`session.instructions.append`), since the frontend instructions
+cannot change after startup.
+
 Live audio deltas carry no item: the link names each agent utterance itself
 (`LiveSession.item_id`, moved on by `next_utterance` at every turn boundary) so that playout
 accounts for what the caller heard per utterance, as it does per Realtime item.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +50,21 @@ from telephony.session_config import BridgeConfig, instructions_text
 log = logging.getLogger(__name__)
 
 SESSION_START_EVENT_ID = "bridge_session_start"
+SESSION_UPDATE_EVENT_ID = "bridge_session_update"
+# `session.start`'s `input`: at most 128 text messages within a token budget (8,192 by default).
+MAX_INPUT_ITEMS = 128
+MAX_INPUT_CHARS = 16_000
+# `session.instructions.append` takes at most 500 tokens.
+MAX_APPEND_CHARS = 1_500
+LIVE_RESUMED_NOTE = (
+    "The connection to this call was interrupted for a moment and has been restored; the "
+    "conversation so far is this session's input. Continue naturally from there; do not greet "
+    "the caller again."
+)
+HANDOFF_APPEND = (
+    "From now on you speak as another agent of this service; what follows replaces what the "
+    "earlier instructions said about who you are and what you do (the call rules still hold):\n"
+)
 TIMEOUT_S = 10.0
 LIVE_SOCKET_OPTIONS: Any = {"compression": None}
 # The leg's codec is what GPT-Live carries too (G.711 at 8 kHz): no transcoding either way.
@@ -57,16 +78,9 @@ class LiveSessionRejected(SessionRefused):
     """The server refused our `session.start`."""
 
 
-def session_start(
-    config: BridgeConfig,
-    audio_format: AudioFormat,
-    tools: list[dict[str, Any]],
-    persona: str | None,
-    voice: str | None,
-) -> dict[str, Any]:
-    """The `session.start` payload: model, instructions, audio format and voice, and the
-    catalog's tools as function tools of the Responses delegation (their calls come to us)."""
-    functions = [
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The catalog's tools as function tools of the Responses delegation."""
+    return [
         {
             "type": "function",
             "name": tool["name"],
@@ -76,24 +90,76 @@ def session_start(
         for tool in tools
         if tool.get("type") == "function"
     ]
-    return {
+
+
+def history_input(lines: list[str]) -> list[dict[str, Any]]:
+    """The conversation so far (the bridge's "Caller: …" / "Agent: …" lines) as `session.start`
+    input: user and assistant messages, one text part each, the most recent within the limits.
+    An agent line cut by the caller is an incomplete message (Live does not resume it)."""
+    items: list[dict[str, Any]] = []
+    total = 0
+    for line in reversed(lines):
+        if len(items) >= MAX_INPUT_ITEMS or total + len(line) > MAX_INPUT_CHARS:
+            break
+        total += len(line)
+        who, _, text = line.partition(": ")
+        item: dict[str, Any]
+        if who == "Caller":
+            item = {"role": "user", "content": [{"type": "input_text", "text": text}]}
+        elif who.startswith("Agent"):
+            item = {"role": "assistant", "content": [{"type": "output_text", "text": text}]}
+            if who != "Agent":
+                item["status"] = "incomplete"
+        else:
+            item = {"role": "developer", "content": [{"type": "input_text", "text": line}]}
+        items.append({"type": "message", **item})
+    items.reverse()
+    return items
+
+
+def session_start(
+    config: BridgeConfig,
+    audio_format: AudioFormat,
+    tools: list[dict[str, Any]],
+    persona: str | None,
+    voice: str | None,
+    history: list[str] | None = None,
+) -> dict[str, Any]:
+    """The `session.start` payload: model, instructions, audio format and voice, the catalog's
+    tools as function tools of the Responses delegation (their calls come to us) with the same
+    rules as its backend prompt, and after a reconnect the conversation so far as input."""
+    instructions = instructions_text(config, persona=persona)
+    start: dict[str, Any] = {
         "model": config.live_model,
-        "instructions": instructions_text(config, persona=persona),
+        "instructions": instructions + (f"\n\n{LIVE_RESUMED_NOTE}" if history else ""),
         "audio": {"format": LIVE_FORMATS[audio_format], "output": {"voice": voice}},
         "delegation": {
             "type": "responses",
-            "responses": {"model": config.live_delegation_model, "tools": functions},
+            "responses": {
+                "model": config.live_delegation_model,
+                "instructions": instructions,
+                "tools": _functions(tools),
+            },
         },
     }
+    if history:
+        start["input"] = history_input(history)
+    return start
 
 
 class LiveSession:
     """One GPT-Live connection: the client events the parts send, each bounded."""
 
     def __init__(
-        self, conn: AsyncLiveConnection, generation: int, call_id: str, timeout_s: float
+        self,
+        conn: AsyncLiveConnection,
+        generation: int,
+        call_id: str,
+        timeout_s: float,
+        config: BridgeConfig | None = None,
     ) -> None:
         self.conn = conn
+        self._config = config or BridgeConfig()
         self.generation = generation
         self.items: set[str] = set()  # never truncated: Live has no truncate
         self.voice: str | None = None
@@ -166,7 +232,32 @@ class LiveSession:
         return sent
 
     async def update_session(self, persona: str, tools: list[dict[str, Any]]) -> bool:
-        return False  # a handoff on GPT-Live is not in this slice
+        """A handoff: the frontend instructions cannot change after startup, so the new agent's
+        tools and rules go to the Responses backend (`session.update`) and its persona is
+        appended to the conversation's instructions (`session.instructions.append`)."""
+        updated = await self._send(
+            {
+                "type": "session.update",
+                "event_id": SESSION_UPDATE_EVENT_ID,
+                "session": {
+                    "delegation": {
+                        "type": "responses",
+                        "responses": {
+                            "instructions": instructions_text(self._config, persona=persona),
+                            "tools": _functions(tools),
+                        },
+                    }
+                },
+            }
+        )
+        appended = await self._send(
+            {
+                "type": "session.instructions.append",
+                "content": (HANDOFF_APPEND + persona.strip())[:MAX_APPEND_CHARS],
+                "delegation_id": None,
+            }
+        )
+        return updated and appended
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -190,10 +281,12 @@ class LiveLink:
         client: AsyncOpenAI,
         audio_format: AudioFormat,
         tools: Callable[[], list[dict[str, Any]]],
+        history: deque[str] | None = None,
         persona: Callable[[], str | None] = lambda: None,
         voice: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._port = port
+        self._history: deque[str] = history if history is not None else deque()
         self._config = config
         self._client = client
         self._audio_format = audio_format
@@ -208,14 +301,15 @@ class LiveLink:
     async def connect(self, *, resumed: bool) -> tuple[LiveSession | None, int, str | None]:
         """Open a session and start it, retrying with backoff within the budget."""
         opened, attempts, error, _ = await open_within_budget(
-            self._config, self._port.call_id, "GPT-Live", self._dial, self._start
-        )
+            self._config, self._port.call_id, "GPT-Live", self._dial,
+            lambda conn: self._start(conn, resumed),
+        )  # fmt: skip
         if opened is None:
             return None, attempts, error
         conn, server_id = opened
         self._generation += 1
         session = LiveSession(
-            conn, self._generation, self._port.call_id, self._config.send_timeout_s
+            conn, self._generation, self._port.call_id, self._config.send_timeout_s, self._config
         )
         session.voice = self._voice() or self._config.voice
         session.session_id = server_id[:64] or session.session_id
@@ -226,14 +320,16 @@ class LiveLink:
             websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
         ).enter()
 
-    async def _start(self, conn: AsyncLiveConnection) -> str:
-        """`session.start`, then wait for `session.started`; the server's session id."""
+    async def _start(self, conn: AsyncLiveConnection, resumed: bool) -> str:
+        """`session.start` (after a reconnect, with the conversation so far), then wait for
+        `session.started`; the server's session id."""
         start = session_start(
             self._config,
             self._audio_format,
             self._tools(),
             self._persona(),
             self._voice() or self._config.voice,
+            list(self._history) if resumed else None,
         )
         await conn.send(
             {  # type: ignore[arg-type]

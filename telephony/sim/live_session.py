@@ -49,6 +49,7 @@ from openai.types.live import (
     ErrorEvent,
     InputAudioAppendEvent,
     InputTranscriptDeltaEvent,
+    InstructionsAppendEvent,
     OutputAudioDeltaEvent,
     OutputTranscriptDeltaEvent,
     ResponseCreateEvent,
@@ -59,6 +60,8 @@ from openai.types.live import (
     SessionResource,
     SessionStartedEvent,
     SessionStartEvent,
+    SessionUpdatedEvent,
+    SessionUpdateEvent,
     SessionUsage,
 )
 from openai.types.live.delegation_created_event import Delegation
@@ -102,6 +105,13 @@ _ENCODINGS: dict[tuple[str, int], AudioEncoding] = {
 def new_id(prefix: str) -> str:
     """An id in the style of the real API (`sess_…`, `dlg_…`, `call_…`)."""
     return f"{prefix}_{secrets.token_hex(10)}"
+
+
+def _tool_names(delegation: Any) -> list[str]:
+    """The function tools a session's Responses delegation declares, by name."""
+    responses = getattr(delegation, "responses", None)
+    tools = getattr(responses, "tools", None) or ()
+    return [name for tool in tools if (name := getattr(tool, "name", None))]
 
 
 class LiveEventError(Exception):
@@ -170,6 +180,13 @@ class LiveSimulatedSession:
         self.model: str | None = None
         self.encoding: AudioEncoding | None = None  # set by session.start
         self.delegation: str = "client"  # who owns delegated work: client | responses
+        # The Responses backend's function tools by name, as started and then updated.
+        self.delegation_tools: list[str] = []
+        # What session.start gave as history (a reconnect's conversation so far), and every
+        # session.instructions.append.
+        self.initial_input: list[dict[str, Any]] = []
+        self.appended_instructions: list[str] = []
+        self._resolved: dict[str, Any] = {}
         self.received: list[tuple[float, dict[str, Any]]] = []
         self.sent: list[tuple[float, dict[str, Any]]] = []
         self.refused: list[tuple[dict[str, Any], str]] = []
@@ -290,6 +307,10 @@ class LiveSimulatedSession:
             case SessionCloseEvent():
                 await self._close("close_requested")
                 return False
+            case SessionUpdateEvent():
+                await self._on_update(event)
+            case InstructionsAppendEvent():
+                self.appended_instructions.append(event.content)
         # Everything else the union allows (mute, instructions, thinking, decisions…) is
         # accepted and logged: the scenario does not act on it.
         return True
@@ -315,9 +336,12 @@ class LiveSimulatedSession:
         self.encoding = encoding
         self._started_at = time.monotonic()
         self._vad = EnergyVad(VadConfig(silence_ms=500), encoding, kind="energy")
+        self.delegation_tools = _tool_names(session.delegation)
+        self.initial_input = [item.model_dump(mode="json") for item in session.input or ()]
         resolved = session.model_dump(mode="json", exclude_none=True)
         resolved.setdefault("audio", {})["format"] = {"type": kind, "rate": rate}
         resolved.update(id=self.id, expires_at=int(time.time()) + SESSION_SECONDS, status="active")
+        self._resolved = resolved
         await self._send(
             SessionStartedEvent(
                 type="session.started",
@@ -327,8 +351,40 @@ class LiveSimulatedSession:
             )
         )
         greeting = self._scenario.greeting
-        if greeting is not None:
+        # A session started with the conversation so far (a reconnect) goes on from it.
+        if greeting is not None and not self.initial_input:
             self._speak(greeting, greeting.text, None)
+
+    async def _on_update(self, event: SessionUpdateEvent) -> None:
+        """Delegation changes (a handoff's tools and backend rules); the delegation's owner
+        cannot change."""
+        update = event.session.delegation
+        if update is not None:
+            if update.type != self.delegation:
+                raise LiveEventError(
+                    "The delegation type cannot change.",
+                    code="invalid_value",
+                    param="session.delegation.type",
+                )
+            responses = getattr(update, "responses", None)
+            if responses is not None and responses.tools is not None:
+                self.delegation_tools = [
+                    name for t in responses.tools if (name := getattr(t, "name", None))
+                ]
+            merged = self._resolved.setdefault("delegation", {"type": update.type})
+            for key, value in update.model_dump(mode="json", exclude_none=True).items():
+                if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                    merged[key].update(value)
+                else:
+                    merged[key] = value
+        await self._send(
+            SessionUpdatedEvent(
+                type="session.updated",
+                event_id="",
+                session=SessionResource.model_validate(self._resolved),
+                client_event_id=event.event_id,
+            )
+        )
 
     async def _close(self, reason: Any) -> None:
         self._stop_speaking()

@@ -1806,7 +1806,8 @@ class RealtimeSimulator:
 
     async def drop_all(self, *, within: float = 5.0) -> None:
         """Abort every open connection without a close frame, like a network drop (1006)."""
-        live = [s for s in self.sessions if not s.closed.is_set()]
+        live: list[Any] = [s for s in self.sessions if not s.closed.is_set()]
+        live += [s for s in self.live_sessions if not s.closed.is_set()]
         for session in live:
             transport = session._ws.transport
             if transport is not None:
