@@ -30,7 +30,7 @@ from tools.ledger import Enqueue
 from tools.loading import load_catalog, split_import_path
 from tools.policy import PolicyConfig
 from tools.registry import Registry
-from tools.transfers import parse_targets
+from tools.transfers import TransferTarget, parse_targets
 from tools.verification import LockoutPolicy
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,21 @@ def load_configured_catalog(
         plugin=plugin_of(settings),
         tools_file=settings.tools_file,
     )
+
+
+def configured_transfers(settings: Settings, catalog: Catalog | None) -> dict[str, TransferTarget]:
+    """Where callers may be transferred: the tools file's `transfers` (with hours and who),
+    else TRANSFER_TARGETS; StartupError when both name targets."""
+    declared = catalog.transfers if catalog is not None else None
+    if declared is None:
+        return parse_targets(settings.transfer_targets)
+    if parse_targets(settings.transfer_targets):
+        raise StartupError(
+            "TRANSFER_TARGETS is set and the tools file declares `transfers` too. Fix: name the "
+            "targets in one place (unset TRANSFER_TARGETS, or remove `transfers` from the tools "
+            "file)"
+        )
+    return dict(declared)
 
 
 def load_configured_agents(settings: Settings, catalog: Catalog) -> AgentSet | None:
@@ -175,7 +190,7 @@ def build_tools(
             lockout_s=settings.pin_lockout_s,
         ),
         agents=agents,
-        transfers=parse_targets(settings.transfer_targets),
+        transfers=configured_transfers(settings, catalog),
         dtmf_out=settings.dtmf_out,
         policy=PolicyConfig(
             max_mutations_per_caller=settings.max_mutations_per_caller,

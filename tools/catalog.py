@@ -35,6 +35,7 @@ from tools.registry import OnUnknown, OverflowPolicy, Registry, ToolKind, ToolSp
 
 if TYPE_CHECKING:
     from tools.agents import AgentSet
+    from tools.transfers import TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class Catalog:
         self._locate = locate
         # Agents the catalog's file declares (the tools file's `agents`); None: one agent.
         self.agents: AgentSet | None = None
+        # Transfer targets the catalog's file declares (`transfers`); None: TRANSFER_TARGETS.
+        self.transfers: dict[str, TransferTarget] | None = None
 
     def __repr__(self) -> str:
         return f"Catalog({self.name!r}, tools={[t.name for t in self.tools]})"

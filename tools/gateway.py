@@ -286,9 +286,11 @@ class ToolPipeline:
         request: FunctionCallRequest,
         tc: ToolCallRecord,
         args: TransferArgs,
+        identity: CallerIdentity,
     ) -> ToolReply:
-        """A transfer to a person: checked here, carried out by the call's leg, which reports
-        the outcome back (`transfer_outcome`) to the same ledger row."""
+        """A transfer to a person: checked here (the target, its hours, who may be put
+        through), carried out by the call's leg, which reports the outcome back
+        (`transfer_outcome`) to the same ledger row."""
         norm = args.model_dump(mode="json")
         target = self.transfers.get(args.target)
         if target is None:
@@ -302,6 +304,14 @@ class ToolPipeline:
             await ledger.complete_tool_call(
                 conn, tc.id, decision="deny", reason="unknown transfer target", arguments=norm,
                 output=out,
+            )  # fmt: skip
+            return _reply(out)
+        closed = target.unavailable(self._clock(), identity.verified)
+        if closed is not None:
+            out = denied_output(closed, rule="transfer_hours")
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason=f"{target.name}: {closed[:200]}",
+                arguments=norm, output=out,
             )  # fmt: skip
             return _reply(out)
         if args.mode == "warm":
@@ -578,7 +588,7 @@ class ToolPipeline:
                 if isinstance(args, HandoffArgs) and self.agents is not None:
                     return await self._handoff(conn, ctx, request, tc, args)
                 if isinstance(args, TransferArgs):
-                    return await self._transfer(conn, request, tc, args)
+                    return await self._transfer(conn, request, tc, args, identity)
                 if isinstance(args, SendDtmfArgs):
                     out = {"status": "sending", "digits": args.digits}
                     await ledger.complete_tool_call(

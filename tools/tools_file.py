@@ -35,6 +35,7 @@ from tools.registry import (
 )
 from tools.templates import TemplateError, json_names, names, render
 from tools.tools_file_model import Call, LimitDecl, ProviderDecl, ToolDecl, ToolsFile
+from tools.transfers import TransferTarget, TransferTargetError, declared_target
 from tools.yaml_source import Located, YamlProblem, dotted, load
 
 _ENV = re.compile(r"\$\{ENV:([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -119,7 +120,25 @@ def load_tools_text(text: str, *, source: str, environ: Mapping[str, str]) -> Ca
         raise CatalogError(problems, source=source)
     if decl.agents is not None:
         catalog.agents = _agents(decl, located, source, catalog)
+    if decl.transfers is not None:
+        catalog.transfers = _transfers(decl, located, source)
     return catalog
+
+
+def _transfers(decl: ToolsFile, located: Located, source: str) -> dict[str, TransferTarget]:
+    """The transfer targets the tools file declares (their fields were checked by the model)."""
+    targets: dict[str, TransferTarget] = {}
+    for name, target in (decl.transfers or {}).items():
+        try:
+            targets[name] = declared_target(
+                name, target.to, target.hours, target.timezone, target.who
+            )
+        except TransferTargetError as exc:
+            line = located.line(("transfers", name))
+            where = f"{source}:{line}" if line else source
+            problem = CatalogProblem(None, f"transfers.{name}", str(exc), "rename it", where)
+            raise CatalogError([problem], source=source) from None
+    return targets
 
 
 def _agents(decl: ToolsFile, located: Located, source: str, catalog: Catalog) -> AgentSet:

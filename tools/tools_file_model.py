@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tools.agents import AgentDecl
 
@@ -261,6 +261,44 @@ class ToolDecl(_Decl):
     label: str | None = Field(default=None, description="Who confirms (default: the provider's).")
 
 
+class TransferDecl(_Decl):
+    """A person the agent may transfer a caller to (`transfer_call`)."""
+
+    to: str = Field(description="An E.164 number (+15550100009) or a sip: URI.")
+    hours: str | None = Field(
+        default=None,
+        description="When it takes calls, in `timezone`: `mon-fri 09:00-17:00; sat 10:00-14:00` "
+        "(default: always).",
+    )
+    timezone: str = Field(default="UTC", description="IANA time zone of `hours`.")
+    who: Literal["anyone", "verified"] = Field(
+        default="anyone",
+        description="Who may be put through: anyone, or only a caller verified by PIN.",
+    )
+
+    @field_validator("to")
+    @classmethod
+    def _destination(cls, value: str) -> str:
+        from tools.transfers import check_destination
+
+        return check_destination(value)  # a ValueError names what is wrong
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        from tools.transfers import zone_name
+
+        return zone_name(value)
+
+    @model_validator(mode="after")
+    def _hours(self) -> TransferDecl:
+        from tools.transfers import OpenHours
+
+        if self.hours:
+            OpenHours.parse(self.hours, self.timezone)
+        return self
+
+
 class ToolsFile(_Decl):
     """A tools file: providers (HTTP APIs) and the tools that call them."""
 
@@ -279,6 +317,11 @@ class ToolsFile(_Decl):
     )
     start_agent: str | None = Field(
         default=None, description="The agent a call starts with (default: the first one)."
+    )
+    transfers: dict[str, TransferDecl] | None = Field(
+        default=None,
+        description="Where the agent may transfer a caller, by name (instead of "
+        "TRANSFER_TARGETS), each with its hours and who may be put through.",
     )
 
 

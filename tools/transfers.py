@@ -8,6 +8,11 @@ refused with a speakable error and nothing is sent), records the request on the 
 call row, and the call's leg carries it out (Twilio `<Dial>`, SIP REFER, the interconnect's
 `refer`). The model hears "transferring" only once the transfer is under way, and the outcome
 (answered, busy, no answer, refused) is written back to the same row.
+
+A tools file can declare the targets instead (`transfers:`), each with its opening hours in its
+own time zone and who may be put through (anyone, or only a caller who proved who they are): a
+transfer outside the hours or for a caller not verified is refused with a speakable reason (when
+the target opens next) and nothing is sent.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,12 +45,104 @@ class TransferTargetError(ValueError):
     """TRANSFER_TARGETS that cannot be used; the message names the entry and the fix."""
 
 
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+DAY_NAMES = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+_SPAN = re.compile(r"^([a-z]{3})(?:-([a-z]{3}))?\s+(\d{2}):(\d{2})-(\d{2}):(\d{2})$")
+
+
+@dataclass(frozen=True, slots=True)
+class OpenHours:
+    """When a target takes calls: spans of days and times in its own time zone
+    (`mon-fri 09:00-17:00; sat 10:00-14:00`; a span ending before it starts runs past
+    midnight, `fri 22:00-02:00`)."""
+
+    spans: tuple[tuple[frozenset[int], int, int], ...]  # (weekdays, start minute, end minute)
+    zone: str
+    text: str
+
+    @classmethod
+    def parse(cls, text: str, zone: str = "UTC") -> OpenHours:
+        zone_name(zone)
+        spans = []
+        for part in text.lower().split(";"):
+            found = _SPAN.match(part.strip())
+            if (
+                found is None
+                or found.group(1) not in DAYS
+                or (found.group(2) is not None and found.group(2) not in DAYS)
+            ):
+                raise TransferTargetError(
+                    f"hours {part.strip()[:64]!r}: write days and times as "
+                    "`mon-fri 09:00-17:00; sat 10:00-14:00`"
+                )
+            first = DAYS.index(found.group(1))
+            last = DAYS.index(found.group(2) or found.group(1))
+            days = frozenset((first + i) % 7 for i in range((last - first) % 7 + 1))
+            h1, m1, h2, m2 = (int(found.group(i)) for i in range(3, 7))
+            if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59 or (h2 == 24 and m2):
+                raise TransferTargetError(f"hours {part.strip()[:64]!r}: a time is out of range")
+            start, end = h1 * 60 + m1, h2 * 60 + m2
+            if start == end:
+                raise TransferTargetError(f"hours {part.strip()[:64]!r}: the span is empty")
+            spans.append((days, start, end))
+        return cls(tuple(spans), zone, text.strip())
+
+    def is_open(self, now: datetime) -> bool:
+        local = now.astimezone(ZoneInfo(self.zone))
+        minute = local.hour * 60 + local.minute
+        day = local.weekday()
+        for days, start, end in self.spans:
+            if start < end and day in days and start <= minute < end:
+                return True
+            if start > end and (
+                (day in days and minute >= start) or ((day - 1) % 7 in days and minute < end)
+            ):
+                return True
+        return False
+
+    def next_opening(self, now: datetime) -> datetime | None:
+        """When it opens next (local time), within a week; None if never."""
+        local = now.astimezone(ZoneInfo(self.zone)).replace(second=0, microsecond=0)
+        candidates = []
+        for offset in range(8):
+            day = local + timedelta(days=offset)
+            for days, start, _ in self.spans:
+                if day.weekday() in days:
+                    at = day.replace(hour=start // 60, minute=start % 60)
+                    if at > local:
+                        candidates.append(at)
+        return min(candidates) if candidates else None
+
+
 @dataclass(frozen=True, slots=True)
 class TransferTarget:
     """A place a caller may be transferred to."""
 
     name: str
     destination: str  # E.164 number or sip:/sips: URI
+    hours: OpenHours | None = None  # None: always
+    verified_only: bool = False  # only a caller who proved who they are (PIN)
+
+    def unavailable(self, now: datetime, verified: bool) -> str | None:
+        """Why the caller cannot be put through now, as the agent can say it; None: they can."""
+        said = self.name.replace("_", " ")
+        if self.verified_only and not verified:
+            return (
+                f"Only callers who have confirmed who they are can be put through to {said}. "
+                "Nothing was sent. Offer to verify them first, or help them yourself."
+            )
+        if self.hours is not None and not self.hours.is_open(now):
+            opens = self.hours.next_opening(now)
+            when = (
+                f" It opens {DAY_NAMES[opens.weekday()]} at {opens:%H:%M} ({self.hours.zone})."
+                if opens is not None
+                else ""
+            )
+            return (
+                f"{said.capitalize()} is closed now.{when} Nothing was sent. Offer to take a "
+                "message, a text, or a call back instead."
+            )
+        return None
 
     @property
     def is_sip(self) -> bool:
@@ -54,6 +153,27 @@ class TransferTarget:
         if self.is_sip:
             return self.destination
         return "+" + "*" * (len(self.destination) - 5) + self.destination[-4:]
+
+
+def check_destination(destination: str) -> str:
+    """An E.164 number or a sip:/sips: URI, as given; TransferTargetError otherwise."""
+    if not (E164.match(destination) or SIP_URI.match(destination)):
+        raise TransferTargetError(
+            f"{destination[:64]!r} is neither an E.164 number (+15550100009) "
+            "nor a sip: URI (sip:desk@pbx.example)"
+        )
+    return destination
+
+
+def zone_name(zone: str) -> str:
+    """An IANA time zone, as given; TransferTargetError otherwise."""
+    try:
+        ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise TransferTargetError(
+            f"time zone {zone[:64]!r} is unknown (use an IANA name such as Europe/Rome)"
+        ) from None
+    return zone
 
 
 def parse_targets(text: str | None) -> dict[str, TransferTarget]:
@@ -72,15 +192,28 @@ def parse_targets(text: str | None) -> dict[str, TransferTarget]:
             raise TransferTargetError(
                 f"target name {name!r}: use lowercase letters, digits, _ or - (e.g. front_desk)"
             )
-        if not (E164.match(destination) or SIP_URI.match(destination)):
-            raise TransferTargetError(
-                f"target {name!r}: {destination!r} is neither an E.164 number (+15550100009) "
-                "nor a sip: URI (sip:desk@pbx.example)"
-            )
+        try:
+            check_destination(destination)
+        except TransferTargetError as exc:
+            raise TransferTargetError(f"target {name!r}: {exc}") from None
         if name in targets:
             raise TransferTargetError(f"target {name!r} is named twice")
         targets[name] = TransferTarget(name, destination)
     return targets
+
+
+def declared_target(name: str, to: str, hours: str | None, zone: str, who: str) -> TransferTarget:
+    """A target as a tools file declares it; TransferTargetError names what is wrong."""
+    if not TARGET_NAME.match(name):
+        raise TransferTargetError(
+            f"target name {name!r}: use lowercase letters, digits, _ or - (e.g. front_desk)"
+        )
+    return TransferTarget(
+        name,
+        check_destination(to),
+        OpenHours.parse(hours, zone) if hours else None,
+        verified_only=who == "verified",
+    )
 
 
 class TransferArgs(BaseModel):
@@ -133,9 +266,21 @@ SEND_DTMF_SPEC = ToolSpec(
 
 
 def transfer_definition(targets: Mapping[str, TransferTarget]) -> dict[str, Any]:
-    """The tool's definition with exactly these targets as the values `target` may take."""
+    """The tool's definition with exactly these targets as the values `target` may take (and
+    when each takes calls, where it has hours or takes only verified callers)."""
     definition = TRANSFER_SPEC.definition()
     definition["parameters"]["properties"]["target"]["enum"] = sorted(targets)
+    notes = [
+        f"{t.name}: "
+        + ", ".join(
+            ([f"open {t.hours.text} ({t.hours.zone})"] if t.hours else [])
+            + (["verified callers only"] if t.verified_only else [])
+        )
+        for _, t in sorted(targets.items())
+        if t.hours is not None or t.verified_only
+    ]
+    if notes:
+        definition["description"] += " Targets with limits: " + "; ".join(notes) + "."
     return definition
 
 

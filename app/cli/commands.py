@@ -200,13 +200,19 @@ def _tools_schema(args: argparse.Namespace) -> int:
 
 def _tools_check(args: argparse.Namespace) -> int:
     from app.settings import get_settings
-    from app.tool_wiring import load_configured_agents, load_configured_catalog, plugin_of
+    from app.tool_wiring import (
+        configured_transfers,
+        load_configured_agents,
+        load_configured_catalog,
+        plugin_of,
+    )
     from tools.registry import ToolKind
 
     settings = get_settings()
     catalog = load_configured_catalog(settings)  # CatalogError: reported by main()
     try:
         agents = load_configured_agents(settings, catalog)  # StartupError: reported by main()
+        transfers = configured_transfers(settings, catalog)
     except BaseException:
         asyncio.run(catalog.aclose())
         raise
@@ -236,6 +242,12 @@ def _tools_check(args: argparse.Namespace) -> int:
             if agent.voice is not None:
                 parts.append(f"voice: {agent.voice}")
             print(f"  {agent.name}: {'; '.join(parts)}")
+    if transfers:
+        print(f"transfer targets ({'tools file' if catalog.transfers else 'TRANSFER_TARGETS'}):")
+        for target in transfers.values():
+            limits = [f"open {target.hours.text} ({target.hours.zone})"] if target.hours else []
+            limits += ["verified callers only"] if target.verified_only else []
+            print(f"  {target.name}: {target.masked()}" + (f"; {', '.join(limits)}" * bool(limits)))
     for notice in catalog.notices():
         print(f"note: {notice}")
     asyncio.run(catalog.aclose())

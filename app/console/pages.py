@@ -32,10 +32,10 @@ from app.console.views import (
 )
 from app.deps import EngineDep, RuntimeDep
 from app.errors import BadRequest, Conflict, Forbidden, NotFound, TooManyAttempts
+from app.legs.staff_transfer import configured_targets
 from app.models import LegKind
 from app.ops.operation_actions import TITLES, Action
 from app.ops.operation_query import ConsoleState
-from tools.transfers import parse_targets
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -188,7 +188,6 @@ async def call_page(
 ) -> Response:
     view = await view_or_404(engine, console, call_id, who)
     lanes = layout(view)
-    settings = request.app.state.runtime.settings
     context = {
         "nav": "calls",
         "view": view,
@@ -197,7 +196,7 @@ async def call_page(
         "recording": view["recording"],
         "trace_url": trace_url(request, view["call"].get("trace_id")),
         "live": view["call"]["status"] in LIVE and view["call"].get("ended_at") is None,
-        "transfer_targets": sorted(parse_targets(settings.transfer_targets)),
+        "transfer_targets": sorted(configured_targets(request.app.state.runtime)),
     }
     name = _page_or_fragment(request, context, "call")
     return _render(request, name, who, context)

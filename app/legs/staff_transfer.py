@@ -15,18 +15,27 @@ import secrets
 
 from app.runtime import Runtime
 from telephony.tool_gateway import TransferRequest
-from tools.transfers import E164, SIP_URI, TransferTargetError, parse_targets
+from tools.transfers import E164, SIP_URI, TransferTarget, TransferTargetError
 
 log = logging.getLogger(__name__)
 
 DIRECT = "direct"  # the name of a target staff give as a number or URI
 
 
+def configured_targets(runtime: Runtime) -> dict[str, TransferTarget]:
+    """The targets calls of this process may be transferred to (the tools file's, else
+    TRANSFER_TARGETS; checked at startup)."""
+    from app.tool_wiring import configured_transfers
+
+    catalog = runtime.tools.catalog if runtime.tools is not None else None
+    return configured_transfers(runtime.settings, catalog)
+
+
 def staff_target(runtime: Runtime, target: str) -> tuple[str, str]:
     """(name, destination) of what staff asked for; TransferTargetError when it is neither a
     configured name nor a number or SIP URI."""
     target = target.strip()
-    configured = parse_targets(runtime.settings.transfer_targets)
+    configured = configured_targets(runtime)
     if target in configured:
         return target, configured[target].destination
     bare = target.removeprefix("tel:")
