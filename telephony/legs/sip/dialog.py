@@ -24,6 +24,7 @@ class IllegalCallTransition(SipError):
 
 
 class CallState(StrEnum):
+    CALLING = "calling"  # our INVITE sent (an outgoing call), no 2xx yet
     OFFERED = "offered"  # INVITE received, no final response yet
     ANSWERED = "answered"  # 2xx sent, ACK not yet received
     CONFIRMED = "confirmed"  # ACK received
@@ -32,6 +33,7 @@ class CallState(StrEnum):
 
 
 _CALL_TRANSITIONS: dict[CallState, frozenset[CallState]] = {
+    CallState.CALLING: frozenset({CallState.CONFIRMED, CallState.ENDED}),
     CallState.OFFERED: frozenset({CallState.ANSWERED, CallState.ENDED}),
     CallState.ANSWERED: frozenset({CallState.CONFIRMED, CallState.TERMINATING, CallState.ENDED}),
     CallState.CONFIRMED: frozenset({CallState.TERMINATING, CallState.ENDED}),
@@ -94,6 +96,8 @@ class Call(TimerOwner):
     refresh_pending: bool = False
     end_reason: str = ""
     refer: Refer | None = None  # our latest REFER (a transfer) and its subscription
+    # An outgoing call (we sent the INVITE): see telephony/legs/sip/uac.py.
+    outgoing: object | None = None
 
     def move(self, new: CallState) -> None:
         if new not in _CALL_TRANSITIONS[self.state]:
@@ -110,9 +114,14 @@ class Call(TimerOwner):
         via_host: str,
         via_port: int,
         contact: str,
+        *,
+        cseq: int | None = None,
     ) -> tuple[SipRequest, str, str, int]:
-        """An in-dialog request; returns (request, branch, destination host, port)."""
-        self.local_cseq += 1
+        """An in-dialog request; returns (request, branch, destination host, port). `cseq`:
+        the ACK of a 2xx takes its INVITE's number instead of the next one."""
+        if cseq is None:
+            self.local_cseq += 1
+            cseq = self.local_cseq
         target = self.remote_target
         routes = list(self.route_set)
         uri = target
@@ -137,7 +146,7 @@ class Call(TimerOwner):
         request.headers.set_single("From", self.local_from)
         request.headers.set_single("To", self.remote_to)
         request.headers.set_single("Call-ID", self.key.call_id)
-        request.headers.set_single("CSeq", f"{self.local_cseq} {method}")
+        request.headers.set_single("CSeq", f"{cseq} {method}")
         for route in routes:
             request.headers.append("Route", route)
         request.headers.set_single("Contact", contact)

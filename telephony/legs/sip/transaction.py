@@ -1,6 +1,6 @@
 """Transactions of RFC 3261 section 17 (as amended by RFC 6026): server INVITE, server
-non-INVITE and client non-INVITE, as explicit state machines. They hold no sockets and no
-clocks; the core feeds them and runs their timers.
+non-INVITE, client INVITE and client non-INVITE, as explicit state machines. They hold no
+sockets and no clocks; the core feeds them and runs their timers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ class IllegalTransition(SipError):
 
 
 class TxState(StrEnum):
+    CALLING = "calling"  # INVITE client: sent, nothing heard yet (timers A, B)
     TRYING = "trying"
     PROCEEDING = "proceeding"
     COMPLETED = "completed"
@@ -31,6 +32,17 @@ _INVITE_SERVER: dict[TxState, frozenset[TxState]] = {
     TxState.ACCEPTED: frozenset({TxState.TERMINATED}),
     TxState.COMPLETED: frozenset({TxState.CONFIRMED, TxState.TERMINATED}),
     TxState.CONFIRMED: frozenset({TxState.TERMINATED}),
+    TxState.TERMINATED: frozenset(),
+}
+# RFC 6026 17.1.1: a 2xx moves the client to ACCEPTED (timer M), where retransmitted 2xx
+# (and those of other forks) are still passed up for their ACK.
+_INVITE_CLIENT: dict[TxState, frozenset[TxState]] = {
+    TxState.CALLING: frozenset(
+        {TxState.PROCEEDING, TxState.ACCEPTED, TxState.COMPLETED, TxState.TERMINATED}
+    ),
+    TxState.PROCEEDING: frozenset({TxState.PROCEEDING, TxState.ACCEPTED, TxState.COMPLETED}),
+    TxState.ACCEPTED: frozenset({TxState.TERMINATED}),
+    TxState.COMPLETED: frozenset({TxState.TERMINATED}),
     TxState.TERMINATED: frozenset(),
 }
 _NON_INVITE: dict[TxState, frozenset[TxState]] = {
@@ -108,4 +120,26 @@ class ClientTransaction(TimerOwner):
     def move(self, new: TxState) -> None:
         if new not in _NON_INVITE[self.state]:
             raise IllegalTransition(f"client transaction {self.state} -> {new}")
+        self.state = new
+
+
+@dataclass(eq=False, slots=True)
+class InviteClientTransaction(TimerOwner):
+    """An INVITE we sent (RFC 3261 17.1.1, RFC 6026): retransmitted until a response (timer
+    A, doubling without a cap), given up after 64*T1 with none (timer B); a non-2xx final is
+    ACKed inside it (and again for each retransmission, until timer D); a 2xx is passed to
+    the call, whose ACK is its own transaction."""
+
+    branch: str = ""
+    data: bytes = b""
+    dest: Flow | None = None
+    state: TxState = TxState.CALLING
+    interval: float = 0.0  # timer A's current value
+    call: object | None = None
+    cseq: int = 0
+    ack: bytes = b""  # the ACK of a non-2xx final, resent for each retransmission of it
+
+    def move(self, new: TxState) -> None:
+        if new not in _INVITE_CLIENT[self.state]:
+            raise IllegalTransition(f"INVITE client transaction {self.state} -> {new}")
         self.state = new

@@ -6,7 +6,8 @@ RFC 3581, RFC 4028): datagrams and a clock in, datagrams, call events and deadli
     core.next_deadline()                # when to call poll() next
     core.take_transmits(), core.take_events()
 
-and for the application: `ring`, `answer`, `reject`, `hangup`. It never touches a socket or
+and for the application: `ring`, `answer`, `reject`, `hangup`; `invite` places an outgoing
+call on the same socket (telephony/legs/sip/uac.py). It never touches a socket or
 sleeps, so retransmissions, timeouts and races are tested with a fake clock.
 """
 
@@ -16,7 +17,7 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
-from aiosipua import SipMessage, SipResponse
+from aiosipua import SipDigestAuth, SipMessage, SipRequest, SipResponse
 from aiosipua.headers import parse_address, parse_auth, parse_via, stringify_uri
 from aiosipua.session_timer import parse_session_expires, peer_allows_update, watchdog_delay
 
@@ -32,6 +33,7 @@ from telephony.legs.sip.message import (
     build_response,
     contact_uri,
     header_list,
+    new_branch,
     new_tag,
     parse,
     reply_destination,
@@ -49,10 +51,24 @@ from telephony.legs.sip.sdp import PCMU, PTIME_MS, Codec, Direction, LocalMedia,
 from telephony.legs.sip.timers import TimerConfig, TimerHeap, TimerOwner
 from telephony.legs.sip.transaction import (
     ClientTransaction,
+    InviteClientTransaction,
     ServerTransaction,
     TxKey,
     TxState,
     server_key,
+)
+from telephony.legs.sip.uac import (
+    Outgoing,
+    OutgoingAnswered,
+    OutgoingFailed,
+    OutgoingProgress,
+    ack_for_final,
+    authorization,
+    cancel_for,
+    contact_of,
+    new_call_id,
+    next_hop,
+    route_set_of,
 )
 
 log = logging.getLogger(__name__)
@@ -160,6 +176,9 @@ SipEvent = (
     | CallEnded
     | ReferAnswered
     | ReferNotified
+    | OutgoingProgress
+    | OutgoingAnswered
+    | OutgoingFailed
 )
 
 
@@ -214,6 +233,7 @@ class UserAgentServer:
         self._timers = TimerHeap()
         self._server_txs: dict[TxKey, ServerTransaction] = {}
         self._client_txs: dict[str, ClientTransaction] = {}
+        self._invite_txs: dict[str, InviteClientTransaction] = {}
         self._calls: dict[CallKey, Call] = {}
         self._out: list[Transmit] = []
         self._events: list[SipEvent] = []
@@ -267,6 +287,8 @@ class UserAgentServer:
                     self._server_timer(owner, kind, now)
                 elif isinstance(owner, ClientTransaction):
                     self._client_timer(owner, kind, now)
+                elif isinstance(owner, InviteClientTransaction):
+                    self._invite_timer(owner, kind, now)
                 elif isinstance(owner, Call):
                     self._call_timer(owner, kind, now)
                 else:
@@ -354,6 +376,8 @@ class UserAgentServer:
             return
         if call.state is CallState.OFFERED:
             self.reject(key, 480, now)
+        elif call.state is CallState.CALLING:
+            self._cancel_invite(call, reason, now)
         elif call.state is CallState.ANSWERED and call.ok_data:
             # RFC 3261 15: no BYE before the ACK of our 2xx (or its timeout).
             call.hangup_requested = True
@@ -409,7 +433,7 @@ class UserAgentServer:
         return {
             "calls": len(self._calls),
             "server_transactions": len(self._server_txs),
-            "client_transactions": len(self._client_txs),
+            "client_transactions": len(self._client_txs) + len(self._invite_txs),
             "timers": len(self._timers),
             "rate_buckets": len(self._rate),
             "nonces": len(self.digest) if self.digest else 0,
@@ -797,6 +821,11 @@ class UserAgentServer:
     # ---- responses to our requests ------------------------------------------------------
 
     def _on_response(self, resp: Response, now: float) -> None:
+        if resp.cseq_method == "INVITE":
+            itx = self._invite_txs.get(resp.top_via.branch or "")
+            if itx is not None and resp.cseq == itx.cseq:
+                self._on_invite_response(itx, resp, now)
+            return
         ctx = self._client_txs.get(resp.top_via.branch or "")
         if ctx is None or resp.cseq_method != ctx.method or ctx.state is TxState.COMPLETED:
             return
@@ -892,6 +921,14 @@ class UserAgentServer:
                 call.move(CallState.CONFIRMED)
             self._bye(call, now, f"no ACK for our 200 within {self.t.b:g} s (64*T1)",
                       notify=not call.hangup_requested)  # fmt: skip
+        elif kind == "ring_timeout":
+            if call.state is CallState.CALLING:
+                self._cancel_invite(call, "ring timeout", now)
+        elif kind == "cancel_timeout":
+            # RFC 3261 9.1: no final answer 64*T1 after our CANCEL: the call is over anyway.
+            out = call.outgoing
+            if call.state is CallState.CALLING and isinstance(out, Outgoing):
+                self._outgoing_over(call, 487, out.cancel_reason or "cancelled", now)
         elif kind == "answer_timeout":
             if call.state is CallState.OFFERED:
                 self.reject(call.key, 480, now)
@@ -912,6 +949,249 @@ class UserAgentServer:
                         ("Min-SE", str(self.config.min_se)),
                     ],
                 )
+
+    # ---- outgoing calls (telephony/legs/sip/uac.py) ---------------------------------------
+
+    def invite(
+        self,
+        uri: str,
+        local: LocalMedia,
+        now: float,
+        *,
+        proxy: tuple[str, int] | None = None,
+        from_user: str = "voice-agent",
+        credentials: SipDigestAuth | None = None,
+        ring_timeout_s: float = 30.0,
+    ) -> CallKey:
+        """Place a call to `uri` (over UDP): an INVITE with our offer, to `proxy` (a loose
+        Route to it) when given, else to the URI's host. Its life comes back as
+        OutgoingProgress / OutgoingAnswered / OutgoingFailed, then CallEnded as any call."""
+        host, port = self.config.host, self.config.port
+        shown = f"[{host}]" if ":" in host else host
+        key = CallKey(new_call_id(shown), new_tag())
+        dest = proxy or next_hop(uri)
+        route = None
+        if proxy is not None:
+            proxy_shown = f"[{proxy[0]}]" if ":" in proxy[0] else proxy[0]
+            route = f"<sip:{proxy_shown}:{proxy[1]};lr>"
+        out = Outgoing(request_uri=uri, dest=dest, route=route, credentials=credentials)
+        call = Call(
+            key=key,
+            state=CallState.CALLING,
+            flow=Flow("udp", dest),
+            transport="udp",
+            remote_target=uri,
+            local_cseq=random.randint(1, 10_000),
+            local_from=f"<sip:{from_user}@{shown}:{port}>;tag={key.local_tag}",
+            remote_to=f"<{uri}>",
+            local=local,
+            our_sdp=sdp_mod.offer(PCMU, local, 1),
+            outgoing=out,
+        )
+        self._calls[key] = call
+        self._send_invite(call, out, now)
+        self._after(call, "ring_timeout", ring_timeout_s, now)
+        return key
+
+    def _send_invite(
+        self, call: Call, out: Outgoing, now: float, auth: tuple[str, str] | None = None
+    ) -> None:
+        host, port = self.config.host, self.config.port
+        shown = f"[{host}]" if ":" in host else host
+        branch = new_branch()
+        request = SipRequest(method="INVITE", uri=out.request_uri)
+        request.headers.append("Via", f"SIP/2.0/UDP {shown}:{port};branch={branch};rport")
+        request.headers.set_single("Max-Forwards", "70")
+        request.headers.set_single("From", call.local_from)
+        request.headers.set_single("To", call.remote_to)
+        request.headers.set_single("Call-ID", call.key.call_id)
+        request.headers.set_single("CSeq", f"{call.local_cseq} INVITE")
+        if out.route is not None:
+            request.headers.append("Route", out.route)
+        request.headers.set_single("Contact", self._contact(call))
+        request.headers.set_single("Allow", ALLOW)
+        request.headers.set_single("User-Agent", self.config.user_agent)
+        if auth is not None:
+            request.headers.set_single(*auth)
+        request.headers.set_single("Content-Type", "application/sdp")
+        request.body = call.our_sdp
+        out.invite = request
+        out.branch = branch
+        data = bytes(request)
+        dest = Flow("udp", out.dest)
+        itx = InviteClientTransaction(
+            branch=branch, data=data, dest=dest, interval=self.t.t1, call=call,
+            cseq=call.local_cseq,
+        )  # fmt: skip
+        self._invite_txs[branch] = itx
+        self._out.append(Transmit(dest, data))
+        self._after(itx, "A", self.t.t1, now)
+        self._after(itx, "B", self.t.b, now)
+
+    def _on_invite_response(self, itx: InviteClientTransaction, resp: Response, now: float) -> None:
+        call = itx.call if isinstance(itx.call, Call) else None
+        out = call.outgoing if call is not None else None
+        status = resp.status
+        if status < 200:
+            if itx.state in (TxState.CALLING, TxState.PROCEEDING):
+                itx.move(TxState.PROCEEDING)
+                self._timers.cancel(itx, "A")
+                self._timers.cancel(itx, "B")  # timer B runs only while nothing was heard
+            if call is None or not isinstance(out, Outgoing) or call.state is not CallState.CALLING:
+                return
+            if status > 100 and status != out.provisional:
+                self._events.append(OutgoingProgress(call.key, status))
+            out.provisional = max(out.provisional, status)
+            if out.cancel_reason and not out.cancel_sent:
+                self._send_cancel(call, out, now)
+            return
+        if status < 300:
+            if itx.state in (TxState.CALLING, TxState.PROCEEDING):
+                itx.move(TxState.ACCEPTED)
+                self._timers.cancel_all(itx)
+                self._after(itx, "M", self.t.b, now)  # RFC 6026: absorbs retransmitted 2xx
+            if call is not None and isinstance(out, Outgoing):
+                self._on_invite_2xx(call, out, itx, resp, now)
+            return
+        if itx.state is TxState.COMPLETED:
+            self._out.append(Transmit(itx.dest or Flow("udp", ("", 0)), itx.ack))
+            return
+        if itx.state not in (TxState.CALLING, TxState.PROCEEDING) or not isinstance(out, Outgoing):
+            return
+        itx.ack = bytes(ack_for_final(out.invite, resp.msg))
+        itx.move(TxState.COMPLETED)
+        self._timers.cancel_all(itx)
+        if itx.dest is not None:
+            self._out.append(Transmit(itx.dest, itx.ack))
+        self._after(itx, "D", 32.0, now)  # retransmitted finals get the ACK again
+        assert call is not None
+        if call.state is not CallState.CALLING:
+            return
+        if (
+            status in (401, 407)
+            and out.credentials is not None
+            and not out.authenticated
+            and not out.cancel_reason
+        ):
+            header = authorization(out.credentials, resp.msg, out.request_uri)
+            if header is not None:
+                # Once: a second challenge means the credentials are wrong.
+                out.authenticated = True
+                out.provisional = 0
+                call.local_cseq += 1
+                self._send_invite(call, out, now, header)
+                return
+        reason = f"{status} {resp.msg.reason_phrase}".strip()
+        if out.cancel_reason:
+            reason = f"{out.cancel_reason} ({reason})"
+        self._outgoing_over(call, status, reason, now)
+
+    def _on_invite_2xx(
+        self,
+        call: Call,
+        out: Outgoing,
+        itx: InviteClientTransaction,
+        resp: Response,
+        now: float,
+    ) -> None:
+        msg = resp.msg
+        to_tag = _tag_of(msg.headers.get_first("to"))
+        if call.state is not CallState.CALLING:
+            if out.ack_2xx and out.ack_dest is not None and to_tag == call.remote_tag:
+                # A retransmitted 2xx: our ACK was lost (RFC 3261 13.2.2.4).
+                self._out.append(Transmit(Flow("udp", out.ack_dest), out.ack_2xx))
+            return
+        # The dialog (RFC 3261 12.1.2): their tag, the route set, the remote target.
+        call.remote_tag = to_tag
+        call.remote_to = msg.headers.get_first("to") or call.remote_to
+        call.route_set = route_set_of(msg) or ([out.route] if out.route else [])
+        call.remote_target = contact_of(msg) or out.request_uri
+        request, _, host, port = call.next_request(
+            "ACK", self.config.host, self.config.port, self._contact(call), cseq=itx.cseq
+        )
+        out.ack_2xx = bytes(request)
+        out.ack_dest = (host, port)
+        self._out.append(Transmit(Flow("udp", (host, port)), out.ack_2xx))
+        out.outcome = resp.status
+        self._timers.cancel(call, "ring_timeout")
+        self._timers.cancel(call, "cancel_timeout")
+        call.move(CallState.CONFIRMED)
+        if out.cancel_reason:
+            # The 2xx crossed our CANCEL: the call is up, and ended at once.
+            self._bye(call, now, out.cancel_reason, notify=False)
+            reason = f"{out.cancel_reason} (answered as it was cancelled)"
+            self._events.append(OutgoingFailed(call.key, 487, reason))
+            return
+        try:
+            if not msg.body:
+                raise SdpError("no SDP answer in the 2xx")
+            remote = sdp_mod.read_answer(msg.body, PCMU)
+        except SdpError as exc:
+            self._bye(call, now, f"unusable answer: {exc}", notify=False)
+            self._events.append(OutgoingFailed(call.key, 488, f"unusable answer: {exc}"))
+            return
+        call.remote = remote
+        call.direction = sdp_mod.ANSWER_DIRECTION[remote.direction]
+        self._events.append(OutgoingAnswered(call.key, remote, call.direction))
+
+    def _cancel_invite(self, call: Call, reason: str, now: float) -> None:
+        """End an outgoing call not yet answered: CANCEL once a provisional came (RFC 3261
+        9.1 forbids it before); the 487 (or timer B) then ends the call."""
+        out = call.outgoing
+        if not isinstance(out, Outgoing) or out.cancel_reason:
+            return
+        out.cancel_reason = reason
+        self._timers.cancel(call, "ring_timeout")
+        if out.provisional:
+            self._send_cancel(call, out, now)
+
+    def _send_cancel(self, call: Call, out: Outgoing, now: float) -> None:
+        out.cancel_sent = True
+        data = bytes(cancel_for(out.invite))
+        dest = Flow("udp", out.dest)
+        ctx = ClientTransaction(
+            branch=out.branch, method="CANCEL", data=data, dest=dest, interval=self.t.t1
+        )
+        self._client_txs[out.branch] = ctx
+        self._out.append(Transmit(dest, data))
+        self._after(ctx, "E", self.t.t1, now)
+        self._after(ctx, "F", self.t.b, now)
+        self._after(call, "cancel_timeout", self.t.b, now)
+
+    def _invite_timer(self, itx: InviteClientTransaction, kind: str, now: float) -> None:
+        if kind == "A":
+            if itx.state is TxState.CALLING and itx.dest is not None:
+                self._out.append(Transmit(itx.dest, itx.data))
+                itx.interval *= 2  # no T2 cap for INVITE (RFC 3261 17.1.1.2)
+                self._after(itx, "A", itx.interval, now)
+            return
+        if kind == "B":
+            call = itx.call if isinstance(itx.call, Call) else None
+            if itx.state is TxState.CALLING:
+                itx.move(TxState.TERMINATED)
+            self._drop_invite_tx(itx)
+            if call is not None and call.state is CallState.CALLING:
+                out = call.outgoing
+                why = out.cancel_reason if isinstance(out, Outgoing) else ""
+                self._outgoing_over(call, 408, why or "no response to the INVITE", now)
+            return
+        # D, M: the transaction is over.
+        if itx.state is not TxState.TERMINATED:
+            itx.move(TxState.TERMINATED)
+        self._drop_invite_tx(itx)
+
+    def _drop_invite_tx(self, itx: InviteClientTransaction) -> None:
+        self._timers.cancel_all(itx)
+        if self._invite_txs.get(itx.branch) is itx:
+            del self._invite_txs[itx.branch]
+        itx.call = None
+
+    def _outgoing_over(self, call: Call, status: int, reason: str, now: float) -> None:
+        out = call.outgoing
+        if isinstance(out, Outgoing):
+            out.outcome = status
+        self._events.append(OutgoingFailed(call.key, status, reason))
+        self._end(call, reason)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -1187,6 +1467,13 @@ def _auth_user(authorization: str | None) -> str:
         return ""
 
 
+def _tag_of(raw: str | None) -> str:
+    try:
+        return parse_address(raw or "").tag or ""
+    except Exception:
+        return ""
+
+
 def _user(raw: str | None) -> str | None:
     if not raw:
         return None
@@ -1226,6 +1513,9 @@ __all__ = [
     "DtmfReceived",
     "IncomingCall",
     "MediaUpdated",
+    "OutgoingAnswered",
+    "OutgoingFailed",
+    "OutgoingProgress",
     "ReferAnswered",
     "ReferNotified",
     "SipEvent",
