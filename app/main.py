@@ -223,6 +223,12 @@ def create_app(
             await answered_by_here(runtime, call_sid, answered_by)
 
         control.amd = amd
+        from app.legs.twilio.warm import act_here
+
+        async def warm(call_sid: str, step: str, fc: str, status: str) -> None:
+            await act_here(runtime, call_sid, step, fc, status)
+
+        control.warm = warm
         if settings.sip_bind:
             from app.legs.sip import SipService
 

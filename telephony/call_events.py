@@ -50,6 +50,8 @@ class CallEventKind(StrEnum):
     TRANSFER_STARTED = "transfer_started"
     TRANSFER_FAILED = "transfer_failed"
     TRANSFER_ANSWERED = "transfer_answered"
+    # A warm transfer: the person is being called and briefed; the caller stays with the agent.
+    TRANSFER_BRIEFING = "transfer_briefing"
     CALL_HANGUP = "call_hangup"  # hangup sent through the call-control API
     # An outbound call (POST /api/calls): asked for, picked up, who picked up (Twilio's
     # answering-machine detection), the message left on a machine, or never answered.

@@ -16,6 +16,9 @@ class CallContext:
     tenant_id: str
     from_number: str | None
     to_number: str | None
+    # The leg can brief a person before joining the caller to them (a warm transfer: Twilio's
+    # conference); elsewhere `transfer_call` with mode warm is refused with nothing sent.
+    warm_transfer: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,9 @@ class TransferRequest:
     mode: str  # "cold" | "warm"
     reason: str
     function_call_id: str  # the model's function call (its ledger row gets the outcome)
+    # A warm transfer: what the person hears before they are joined (who calls, what they
+    # want, the operations still open and what was promised), composed by the engine.
+    briefing: str = ""
 
 
 @dataclass(frozen=True, slots=True)

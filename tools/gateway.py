@@ -80,6 +80,8 @@ from tools.transfers import (
     SendDtmfArgs,
     TransferArgs,
     TransferTarget,
+    briefing,
+    masked_number,
     record_transfer_outcome,
     transfer_definition,
 )
@@ -283,10 +285,11 @@ class ToolPipeline:
     async def _transfer(
         self,
         conn: AsyncConnection,
+        ctx: CallContext,
         request: FunctionCallRequest,
         tc: ToolCallRecord,
         args: TransferArgs,
-        identity: CallerIdentity,
+        verification: CallerVerification,
     ) -> ToolReply:
         """A transfer to a person: checked here (the target, its hours, who may be put
         through), carried out by the call's leg, which reports the outcome back
@@ -306,7 +309,7 @@ class ToolPipeline:
                 output=out,
             )  # fmt: skip
             return _reply(out)
-        closed = target.unavailable(self._clock(), identity.verified)
+        closed = target.unavailable(self._clock(), verification.verified)
         if closed is not None:
             out = denied_output(closed, rule="transfer_hours")
             await ledger.complete_tool_call(
@@ -314,7 +317,7 @@ class ToolPipeline:
                 arguments=norm, output=out,
             )  # fmt: skip
             return _reply(out)
-        if args.mode == "warm":
+        if args.mode == "warm" and not ctx.warm_transfer:
             out = denied_output(
                 "A warm transfer (briefing the person first) is not available on this line. "
                 "Nothing was sent. Offer the caller a direct transfer instead.",
@@ -325,14 +328,34 @@ class ToolPipeline:
                 arguments=norm, output=out,
             )  # fmt: skip
             return _reply(out)
-        out = {
-            "status": "transferring",
-            "target": target.name,
-            "message": bounded(
+        spoken = target.name.replace("_", " ")
+        brief = ""
+        if args.mode == "warm":
+            account = verification.account
+            who = (
+                f"{account.name}, who has confirmed who they are"
+                if verification.verified and account is not None and account.name
+                else masked_number(ctx.from_number)
+            )
+            brief = await briefing(
+                conn, ctx.call_id, who=who, reason=args.reason, describe=self._describe
+            )
+            message = (
+                f"Tell the caller in one short sentence that you are calling {spoken} to brief "
+                "them, and ask them to stay on the line with you. Never say they are connected: "
+                f"you will be told when {spoken} answers, or that nobody could."
+            )
+        else:
+            message = (
                 f"Tell the caller in one short sentence that you are putting them through to "
-                f"{target.name.replace('_', ' ')} now, and say nothing after it. If the "
-                "transfer does not go through you will be told, and the caller stays with you."
-            ),
+                f"{spoken} now, and say nothing after it. If the transfer does not go through "
+                "you will be told, and the caller stays with you."
+            )
+        out = {
+            "status": "transferring" if args.mode == "cold" else "calling_person",
+            "target": target.name,
+            "mode": args.mode,
+            "message": bounded(message),
         }
         await ledger.complete_tool_call(
             conn, tc.id, decision="transfer", reason=f"{args.mode} -> {target.name}",
@@ -348,6 +371,7 @@ class ToolPipeline:
                 mode=args.mode,
                 reason=args.reason,
                 function_call_id=request.function_call_id,
+                briefing=brief,
             ),
         )
 
@@ -588,7 +612,7 @@ class ToolPipeline:
                 if isinstance(args, HandoffArgs) and self.agents is not None:
                     return await self._handoff(conn, ctx, request, tc, args)
                 if isinstance(args, TransferArgs):
-                    return await self._transfer(conn, request, tc, args, identity)
+                    return await self._transfer(conn, ctx, request, tc, args, verification)
                 if isinstance(args, SendDtmfArgs):
                     out = {"status": "sending", "digits": args.digits}
                     await ledger.complete_tool_call(

@@ -13,13 +13,19 @@ A tools file can declare the targets instead (`transfers:`), each with its openi
 own time zone and who may be put through (anyone, or only a caller who proved who they are): a
 transfer outside the hours or for a caller not verified is refused with a speakable reason (when
 the target opens next) and nothing is sent.
+
+A warm transfer (`mode: "warm"`, on legs that can: Twilio) rings the person first and reads them
+a briefing the engine composes here (`briefing`): who is calling (their name once they proved
+who they are, else their number's last digits), what they want, the operations of the call
+still open and what the caller was told is done; the caller stays with the agent until the
+person has heard it, and only then are the two joined.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -27,11 +33,16 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import TransferOutcome
+from tools.delivery_models import deliveries_table as dl_t
+from tools.delivery_states import COMMUNICATED
+from tools.ledger_models import OperationRecord
+from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as calls_t
 from tools.registry import ToolKind, ToolSpec
+from tools.states import IN_FLIGHT, OperationStatus
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,9 @@ TRANSFER_CALL = "transfer_call"
 TARGET_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 E164 = re.compile(r"^\+[1-9][0-9]{6,14}$")
 SIP_URI = re.compile(r"^sips?:[^\s<>\"]{1,250}@[^\s<>\"]{1,250}$")
+# What a briefing may list of the call's operations (it is read to a person on the phone).
+BRIEFING_MAX_OPS = 5
+BRIEFING_MAX_CHARS = 900
 
 
 class TransferTargetError(ValueError):
@@ -348,3 +362,77 @@ async def record_transfer_outcome(
     except Exception:
         log.exception("call %s: could not record a transfer's outcome", call_id)
         return False
+
+
+def masked_number(number: str | None) -> str:
+    """How a briefing names a caller who has not proved who they are: the number's end."""
+    digits = "".join(ch for ch in (number or "") if ch.isdigit())
+    if len(digits) < 4:
+        return "a caller whose number is withheld"
+    return "a caller whose number ends " + " ".join(digits[-4:])
+
+
+async def briefing(
+    conn: AsyncConnection,
+    call_id: str,
+    *,
+    who: str,
+    reason: str,
+    describe: Callable[[OperationRecord], str],
+) -> str:
+    """What the person of a warm transfer hears before the caller joins (see the module
+    docstring). Only what the ledger says: an operation still open is never called done."""
+    open_statuses = [OperationStatus.AWAITING_CONFIRMATION, *IN_FLIGHT]
+    told = (
+        sa.select(sa.literal(1))
+        .select_from(dl_t)
+        .where(
+            dl_t.c.operation_id == ops_t.c.operation_id,
+            dl_t.c.state.in_([s.value for s in COMMUNICATED]),
+        )
+        .exists()
+    )
+    told_in_reply = (
+        sa.select(sa.literal(1))
+        .select_from(calls_t)
+        .where(
+            calls_t.c.operation_id == ops_t.c.operation_id,
+            calls_t.c.output["status"].astext == OperationStatus.COMMITTED.value,
+        )
+        .exists()
+    )
+    rows = (
+        await conn.execute(
+            sa.select(ops_t, sa.or_(told, told_in_reply).label("told"))
+            .where(
+                ops_t.c.call_id == call_id,
+                ops_t.c.status.in_(
+                    [s.value for s in open_statuses] + [OperationStatus.COMMITTED.value]
+                ),
+            )
+            .order_by(ops_t.c.created_at)
+        )
+    ).all()
+    still_open: list[str] = []
+    promised: list[str] = []
+    for row in rows:
+        op = OperationRecord.from_row(row)
+        if op.status is OperationStatus.COMMITTED:
+            if row.told:
+                promised.append(describe(op))
+        elif op.status is OperationStatus.AWAITING_CONFIRMATION:
+            still_open.append(f"{describe(op)}, waiting for the caller's yes")
+        else:
+            still_open.append(f"{describe(op)}, not confirmed yet")
+    parts = [f"Hello, this is the voice assistant with {who} for you.", f"They want: {reason}."]
+    if still_open:
+        parts.append("Still open: " + "; ".join(still_open[:BRIEFING_MAX_OPS]) + ".")
+    if promised:
+        parts.append(
+            "Done, and the caller was told: " + "; ".join(promised[:BRIEFING_MAX_OPS]) + "."
+        )
+    if not still_open and not promised:
+        parts.append("Nothing was booked or changed on this call.")
+    parts.append("Connecting you now.")
+    text = " ".join(" ".join(part.split()) for part in parts)
+    return text[:BRIEFING_MAX_CHARS]

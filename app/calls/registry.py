@@ -50,6 +50,9 @@ class LiveCallEntry:
     # Being put through to a person (transfer_call): the carrier took the caller; the stream's
     # end releases the row to wait for the transfer's outcome, not ends it.
     transferring: Any = None
+    # A warm transfer under way: the person is rung and briefed while the caller stays with
+    # the agent (app.legs.twilio.warm.WarmTransfer).
+    warm: Any = None
     # An outbound call: what acts on who answered it (app.legs.twilio.outbound.OutboundLine).
     outbound: Any = None
 

@@ -55,6 +55,7 @@ _CALL_LANE_KINDS = {
     "transfer_started": "transferring",
     "transfer_failed": "transfer failed",
     "transfer_answered": "transfer answered",
+    "transfer_briefing": "briefing the person",
     "call_hangup": "hung up",
     "outbound_requested": "call requested",
     "outbound_answered": "call answered",

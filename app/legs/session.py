@@ -289,6 +289,7 @@ class CallSession:
         on_fatal: Callable[[str], Awaitable[None]] | None = None,
         socket: Any = None,
         transfer: TransferHook | None = None,
+        warm_transfer: bool = False,
     ) -> Bridge:
         """The call's bridge, attached to the registry (in set-up). Recorded only where the
         leg carries audio (the recording taps the leg between it and the bridge; neither
@@ -314,6 +315,7 @@ class CallSession:
             tenant_id=row.tenant_id,
             from_number=caller_id if caller_id is not None else self.caller.from_number,
             to_number=self.caller.to_number,
+            warm_transfer=warm_transfer,
         )
         recordings = runtime.console.recordings if runtime.console is not None else None
         if carries_audio and recordings is not None:

@@ -145,6 +145,11 @@ async def end_call(client: Client, call_sid: str) -> bool:
     return await _update_call(client, call_sid, "ending", status="completed")
 
 
+async def cancel_call(client: Client, call_sid: str) -> bool:
+    """Stop a call not yet answered (queued or ringing); an answered one is left alone."""
+    return await _update_call(client, call_sid, "cancelling", status="canceled")
+
+
 async def redirect_call(client: Client, call_sid: str, twiml: str) -> bool:
     """Give a live call new instructions (its stream stops); False when it had ended."""
     return await _update_call(client, call_sid, "redirecting", twiml=twiml)

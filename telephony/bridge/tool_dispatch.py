@@ -289,6 +289,14 @@ class ToolDispatch:
             # The leg moves the caller (its stream may be gone already): it records the start
             # when the caller leaves, and the outcome when the person answers or does not.
             return
+        await self.transfer_failed(transfer, outcome)
+
+    async def transfer_failed(self, transfer: TransferRequest, outcome: TransferOutcome) -> None:
+        """A transfer that did not go through (refused, or a warm transfer's person never
+        joined): the outcome on its row and the timeline, and the model, with the caller still
+        on the line, told to say so and offer a callback or a text message."""
+        if self._port.ended():
+            return
         record = getattr(self._gateway, "transfer_outcome", None)
         if record is not None:
             await record(self._ctx, transfer.function_call_id, outcome)
@@ -301,9 +309,19 @@ class ToolDispatch:
         await self._say_after_note(
             f"The transfer to {transfer.target.replace('_', ' ')} did not go through "
             f"({outcome.status}: {outcome.detail}). The caller is still with you: tell them in "
-            "one sentence, and offer to take a message or have someone call them back.",
+            "one sentence, and offer to have someone call them back or to send them a text "
+            "message.",
             "transfer_failed",
         )
+
+    async def say_and_wait(self, note: str, reason: str, wait_s: float) -> bool:
+        """A note the agent says now (at the next safe moment), heard to its end (or `wait_s`
+        passed); False when the call ended meanwhile."""
+        if self._port.ended():
+            return False
+        await self._say_after_note(note, reason)
+        await self._until_said(wait_s)
+        return not self._port.ended()
 
     async def _press(self, reply: ToolReply, digits: str) -> ToolReply:
         """Send the keys on the leg; the model hears back once they have gone out."""

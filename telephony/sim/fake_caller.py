@@ -136,7 +136,9 @@ class ClearRecord:
         return audio.duration_ms(self.dropped_bytes, "pcmu")
 
 
-TwimlKind: TypeAlias = Literal["stream", "reject", "hangup", "say", "dial", "other", "http_error"]
+TwimlKind: TypeAlias = Literal[
+    "stream", "reject", "hangup", "say", "dial", "conference", "redirect", "other", "http_error"
+]
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,11 @@ class TwimlOutcome:
     # `<Connect action>`: where Twilio asks what next when the stream ends, the call still up.
     action_url: str | None = None
     dial: DialInstruction | None = None
+    # `<Dial><Conference>`: the room's name and the noun's attributes (as Twilio names them).
+    conference: str | None = None
+    conference_attrs: dict[str, str] = field(default_factory=dict)
+    # `<Redirect>`: where Twilio asks for the next instructions once the verbs before it ran.
+    redirect_url: str | None = None
 
 
 def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
@@ -197,6 +204,12 @@ def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
                 connect_el.get("action") or None,
             )
     for dial_el in root.iter("Dial"):
+        room = dial_el.find("Conference")
+        if room is not None:
+            return TwimlOutcome(
+                "conference", http_status, body, verbs, says,
+                conference=(room.text or "").strip(), conference_attrs=dict(room.attrib),
+            )  # fmt: skip
         noun = dial_el.find("Number")
         if noun is None:
             noun = dial_el.find("Sip")
@@ -208,6 +221,10 @@ def parse_twiml(body: str, http_status: int = 200) -> TwimlOutcome:
             noun.get("statusCallback") if noun is not None else None,
         )
         return TwimlOutcome("dial", http_status, body, verbs, says, dial=dial)
+    redirect = root.find("Redirect")
+    if redirect is not None and (redirect.text or "").strip():
+        url = (redirect.text or "").strip()
+        return TwimlOutcome("redirect", http_status, body, verbs, says, redirect_url=url)
     kind: TwimlKind = "other"
     if "Reject" in verbs:
         kind = "reject"
@@ -310,6 +327,7 @@ class CallerState(enum.Enum):
     IDLE = "idle"
     DIALING = "dialing"
     STREAMING = "streaming"
+    IN_CONFERENCE = "in_conference"  # `<Dial><Conference>`: talking to whoever is in the room
     ENDED = "ended"
 
 
@@ -317,7 +335,8 @@ _TRANSITIONS: dict[CallerState, set[CallerState]] = {
     CallerState.IDLE: {CallerState.DIALING, CallerState.ENDED},
     CallerState.DIALING: {CallerState.STREAMING, CallerState.ENDED},
     # A stream that ended with the call up: Twilio follows `<Connect action>` to the next.
-    CallerState.STREAMING: {CallerState.DIALING, CallerState.ENDED},
+    CallerState.STREAMING: {CallerState.DIALING, CallerState.IN_CONFERENCE, CallerState.ENDED},
+    CallerState.IN_CONFERENCE: {CallerState.ENDED},
     CallerState.ENDED: set(),
 }
 
@@ -395,6 +414,7 @@ class FakeTwilioCaller:
         self.twiml_updates: list[str] = []
         # Transfers Twilio was told to dial (`<Dial>` through the REST API): (to, result).
         self.dials: list[tuple[str, str]] = []
+        self.conference: str | None = None  # the room `<Dial><Conference>` put the call in
         self.media_frames_sent = 0
         self.media_received_bytes = 0
 
@@ -670,6 +690,29 @@ class FakeTwilioCaller:
         self.stream_sid = new_stream_sid()
         self._stop_sent = False
         await self.open_stream(outcome.stream_url, outcome.parameters)
+
+    async def join_conference_by_twilio(self, name: str) -> None:
+        """The call got `<Dial><Conference>` through the REST API: Twilio stops the stream
+        (`stop`, no `<Connect action>`: the call was redirected) and puts the caller in the
+        room `name` (`conference`), where they stay until the conference ends."""
+        if self.state is not CallerState.STREAMING:
+            return
+        await self._send_stop()
+        self._stop_sent = True
+        self._action_url = None
+        ws, self._ws = self._ws, None
+        self._playout.clear(self._now())
+        self.conference = name
+        self._set_state(CallerState.IN_CONFERENCE)
+        if ws is not None:
+            with contextlib.suppress(ConnectionClosed, TimeoutError):
+                await asyncio.wait_for(ws.close(1000, "call redirected"), self.timeout)
+        await self._stop_tasks()
+
+    def conference_ended(self, reason: str = "the conference ended") -> None:
+        """The room's conference ended (a participant with endConferenceOnExit left)."""
+        if self.state is CallerState.IN_CONFERENCE:
+            self._end(reason, "twilio-api")
 
     async def end_by_twilio(self, reason: str = "call completed through the REST API") -> None:
         """Twilio ends the call (REST `Status=completed` or new TwiML): `stop`, then close."""

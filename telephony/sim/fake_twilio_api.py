@@ -13,6 +13,18 @@ calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed cal
   `unknown`): a `FakeTwilioCaller` plays the callee (`outbound_callers`): it requests `Url`,
   follows the TwiML (opens the stream), a machine plays its greeting (`machine_greeting_ms`),
   and after `amd_delay_s` the signed AsyncAmd callback says who answered.
+- A created call with `Twiml` instead of `Url` (a warm transfer's person): it rings, then per
+  `call_outcomes[To]`: `busy` / `no-answer` / `failed` as above; `hangs-up` answers and hangs up
+  during the first `<Say>`; anything else answers and runs the TwiML: each `<Say>` is kept
+  (`FakeCall.said`) and takes `say_s`, a `<Redirect>` POSTs the signed call params to its URL
+  and runs the answer, `<Dial><Conference>` joins the room. `StatusCallbackEvent` (repeated or
+  space separated, as Twilio takes it) picks which of `ringing` / `answered` are reported;
+  the final status always is (`duplicate_callbacks` repeats it, `drop_callbacks` loses it).
+- Conferences (`<Dial><Conference>` from a created call's TwiML or a live call's update): the
+  room is made when the first participant enters; `conferences[name]` lists who is in it with
+  the noun's attributes (`startConferenceOnEnter`, `endConferenceOnExit`, `beep`, `waitUrl`).
+  `hang_up(call_sid)` ends a participant's call; one with `endConferenceOnExit="true"` ends
+  the conference and every other participant's call, as Twilio does.
 - `GET  .../Calls.json`: the list, newest first, filtered by `To`, `From`, `Status`,
   `StartTime`, `StartTime>` (and `>=`), `StartTime<`.
 - `POST /2010-04-01/Accounts/{AccountSid}/Messages.json`: 201 with a queued message (from
@@ -197,6 +209,8 @@ class FakeCall:
     twiml: list[str] = field(default_factory=list)
     params: dict[str, str] = field(default_factory=dict)  # a created call's create params
     answered_by: str | None = None
+    said: list[str] = field(default_factory=list)  # the `<Say>`s a created call's TwiML played
+    conference: str | None = None  # the room it is in
 
     def resource(self) -> dict[str, Any]:
         uri = f"/{API_VERSION}/Accounts/{self.account_sid}/Calls/{self.sid}.json"
@@ -238,6 +252,19 @@ class FakeCall:
                 "events": f"{base}/Events.json",
             },
         }
+
+
+@dataclass
+class FakeConference:
+    """A conference room: who entered, in order, with their `<Conference>` attributes."""
+
+    name: str
+    participants: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    ended: bool = False
+
+    @property
+    def call_sids(self) -> list[str]:
+        return [sid for sid, _ in self.participants]
 
 
 @dataclass
@@ -347,6 +374,9 @@ class FakeTwilioApi:
         self.machine_greeting_ms = 1200.0
         self.amd_delay_s = 0.3
         self.outbound_callers: dict[str, FakeTwilioCaller] = {}
+        # Created calls that run TwiML (warm transfers): how long each `<Say>` plays.
+        self.say_s = 0.2
+        self.conferences: dict[str, FakeConference] = {}
         self._lose_call_answers = 0
         self._lose_answers = 0
         self._reject_codes: list[int] = []
@@ -598,6 +628,19 @@ class FakeTwilioApi:
         twiml = form.get("Twiml")
         if status is None and twiml is None and form.get("Url") is None:
             return None
+        if status == "canceled":
+            # Twilio cancels a call not yet answered; an answered one it leaves alone.
+            if call.status in ("queued", "ringing"):
+                call.status = "canceled"
+                call.ended = _now()
+                self._changed.set()
+                url = call.params.get("StatusCallback")
+                if url:
+                    self._spawn(
+                        self._send_status(url, self._status_params(call)),
+                        f"fake-twilio-cancel-{call.sid}",
+                    )
+            return None
         if call.status != "in-progress":
             return _error(400, 21220, "Call is not in-progress. Cannot redirect.")
         caller = self._callers.get(call.sid)
@@ -608,6 +651,15 @@ class FakeTwilioApi:
             if caller is not None:
                 caller.twiml_updates.append(twiml)
             parsed = parse_twiml(twiml)
+            if parsed.conference is not None:
+                # The stream stops; the caller enters the room.
+                self._enter(call, parsed.conference, parsed.conference_attrs)
+                if caller is not None:
+                    self._spawn(
+                        caller.join_conference_by_twilio(parsed.conference),
+                        f"fake-twilio-conference-{call.sid}",
+                    )
+                return None
             if parsed.dial is not None:
                 # A transfer: the stream stops, the destination rings (see transfer_by_twilio).
                 result = self.dial_outcomes.get(parsed.dial.destination, "answered")
@@ -643,8 +695,43 @@ class FakeTwilioApi:
                 "ApiVersion": API_VERSION,
                 "CallDuration": str(int((call.ended - call.created).total_seconds())),
             }
-            self._spawn(self._callback(status_url, params), f"fake-twilio-call-status-{call.sid}")
+            self._spawn(
+                self._send_status(status_url, params), f"fake-twilio-call-status-{call.sid}"
+            )
         self._changed.set()
+
+    # Conferences.
+
+    def _enter(self, call: FakeCall, name: str, attrs: dict[str, str]) -> FakeConference:
+        room = self.conferences.get(name)
+        if room is None or room.ended:
+            room = self.conferences[name] = FakeConference(name)
+        room.participants.append((call.sid, dict(attrs)))
+        call.conference = name
+        self._changed.set()
+        return room
+
+    async def hang_up(self, call_sid: str) -> None:
+        """The party of `call_sid` hangs up (see the module docstring: conferences)."""
+        call = self.calls[call_sid]
+        if call.status in ("completed", "busy", "no-answer", "failed", "canceled"):
+            return
+        caller = self._callers.get(call_sid)
+        room = self.conferences.get(call.conference or "")
+        self._complete(call, caller, "hung up")
+        if room is None or room.ended:
+            return
+        attrs = dict(room.participants).get(call_sid, {})
+        if attrs.get("endConferenceOnExit") == "true":
+            room.ended = True
+            for sid in room.call_sids:
+                other = self.calls.get(sid)
+                if sid == call_sid or other is None or other.status != "in-progress":
+                    continue
+                other_caller = self._callers.get(sid)
+                if other_caller is not None:
+                    other_caller.conference_ended()
+                self._complete(other, None, "the conference ended")
 
     # Outbound calls.
 
@@ -664,6 +751,9 @@ class FakeTwilioApi:
             return self._record(request, form, _error(400, 21213, "No 'From' number is specified"))
         if not url and not form.get("Twiml"):
             return self._record(request, form, _error(400, 21205, "Url parameter is required."))
+        events = (await request.form()).getlist("StatusCallbackEvent")
+        if events:
+            form["StatusCallbackEvent"] = " ".join(str(e) for e in events)
         call = FakeCall(
             "CA" + secrets.token_hex(16),
             self.account_sid,
@@ -689,6 +779,9 @@ class FakeTwilioApi:
         from telephony.sim.fake_caller import FakeTwilioCaller
 
         outcome = self.call_outcomes.get(call.to_number, self.call_outcome)
+        if "Url" not in call.params:
+            await self._run_created(call, outcome)
+            return
         call.status = "ringing"
         await asyncio.sleep(self.ring_s)
         if outcome in ("busy", "no-answer", "failed"):
@@ -731,6 +824,86 @@ class FakeTwilioApi:
                 "MachineDetectionDuration": str(int(self.amd_delay_s * 1000)),
             }
             await self._callback(amd_url, params)
+
+    async def _run_created(self, call: FakeCall, outcome: str) -> None:
+        """A created call with inline `Twiml` (see the module docstring)."""
+        url = call.params.get("StatusCallback")
+        wanted = call.params.get("StatusCallbackEvent", "").replace(",", " ").split()
+
+        async def report(final: bool = False) -> None:
+            if not url:
+                return
+            if final:
+                await self._send_status(url, self._status_params(call))
+            elif call.status == "ringing" and "ringing" in wanted:
+                await self._callback(url, self._status_params(call))
+            elif call.status == "in-progress" and "answered" in wanted:
+                await self._callback(url, self._status_params(call))
+
+        call.status = "ringing"
+        await report()
+        await asyncio.sleep(self.ring_s)
+        if call.status != "ringing":
+            return  # cancelled while it rang
+        if outcome in ("busy", "no-answer", "failed"):
+            call.status = outcome
+            call.ended = _now()
+            self._changed.set()
+            await report(final=True)
+            return
+        call.status = "in-progress"
+        self._changed.set()
+        await report()
+        body = call.params["Twiml"]
+        for _ in range(10):  # a redirect loop ends here, as Twilio's would
+            parsed = parse_twiml(body)
+            for text in parsed.says:
+                call.said.append(text)
+                self._changed.set()
+                await asyncio.sleep(self.say_s)
+                if outcome == "hangs-up":
+                    break
+            if outcome == "hangs-up" or call.status != "in-progress":
+                break
+            if parsed.kind == "conference" and parsed.conference is not None:
+                self._enter(call, parsed.conference, parsed.conference_attrs)
+                return  # in the room until someone hangs up
+            if parsed.kind != "redirect" or parsed.redirect_url is None:
+                break
+            params = {**self._status_params(call), "CallStatus": "in-progress"}
+            response = await self._fetch(parsed.redirect_url, params)
+            if response is None:
+                break
+            body = response
+        if call.status == "in-progress":
+            call.status = "completed"
+            call.ended = _now()
+            self._changed.set()
+            await report(final=True)
+
+    async def _fetch(self, url: str, params: dict[str, str]) -> str | None:
+        """POST a signed TwiML request (a `<Redirect>`) and return the answer's body."""
+        assert self._http is not None, "start() the fake API first"
+        signature = self._validator.compute_signature(url, params)
+        try:
+            response = await self._http.post(
+                self.delivery_url(url),
+                data=params,
+                headers={
+                    "X-Twilio-Signature": signature,
+                    "User-Agent": "TwilioProxy/1.1",
+                    "Content-Type": "application/x-www-form-urlencoded; charset=UTF-8",
+                },
+            )
+        except httpx.HTTPError:
+            return None
+        self.callbacks.append(
+            CallbackRecord(
+                time.monotonic(), url, self.delivery_url(url), params, signature,
+                response.status_code, None,
+            )
+        )  # fmt: skip
+        return response.text if response.status_code == 200 else None
 
     def _status_params(self, call: FakeCall) -> dict[str, str]:
         return {

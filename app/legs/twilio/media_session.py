@@ -14,7 +14,7 @@ import logging
 
 from app.calls.store import CallRow
 from app.legs.session import CallSession
-from app.legs.twilio import outbound, resume, transfer
+from app.legs.twilio import outbound, resume, transfer, warm
 from app.runtime import Runtime
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.twilio.budget import BudgetLimits, StreamBudget
@@ -62,6 +62,8 @@ async def run_media_session(
             await _hang_up_via_rest(runtime, session, reason)
 
         async def put_through(request: TransferRequest) -> TransferOutcome:
+            if request.mode == "warm":
+                return await warm.WarmTransfer(runtime, session, request).dial()
             return await transfer.put_through(runtime, session, request)
 
         config = None
@@ -84,7 +86,12 @@ async def run_media_session(
                 runtime.bridge_config, greeting=False, listen_at_start=False
             )
         bridge = session.build_bridge(
-            leg, on_fatal=hang_up, socket=ws, config=config, transfer=put_through
+            leg,
+            on_fatal=hang_up,
+            socket=ws,
+            config=config,
+            transfer=put_through,
+            warm_transfer=True,
         )
         line: outbound.OutboundLine | None = None
         if session.entry is not None:
@@ -120,6 +127,9 @@ async def run_media_session(
     finally:
         entry = session.entry
         released = False
+        if entry is not None and isinstance(entry.warm, warm.WarmTransfer):
+            # Joined: the row ends "transferred (warm)"; else the person is let go.
+            await entry.warm.settle()
         if entry is not None and entry.transferring is not None:
             # Twilio took the caller to dial a person: the row waits for the outcome.
             released = await session.release(

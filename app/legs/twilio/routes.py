@@ -29,7 +29,7 @@ from app.errors import (
 from app.http.signatures import signed_form
 from app.http.slots import Slot
 from app.legs.session import Admission, Caller, CallSession, start_stream
-from app.legs.twilio import outbound, resume, transfer, twiml
+from app.legs.twilio import outbound, resume, transfer, twiml, warm
 from app.legs.twilio.media_session import run_media_session
 from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
 from app.logging import RateLimitedLog
@@ -180,6 +180,50 @@ async def transfer_ended(request: Request, runtime: RuntimeDep) -> Response:
         return _xml(await transfer.dial_ended(runtime, call_id, target, fc, status))
     except DBAPIError as exc:
         raise DatabaseUnavailable("transfer update failed") from exc
+
+
+async def _warm_params(request: Request, runtime: Runtime) -> tuple[dict[str, str], str, str]:
+    """A warm transfer webhook's signed form and its query (call, function call, key), checked:
+    only we make these URLs, and the form names the person's CallSid."""
+    params = await signed_form(request, runtime.settings)
+    q = request.query_params
+    call_id, fc = q.get("call_id", ""), q.get("fc", "")
+    if not warm.checked(runtime.settings, call_id, fc, q.get("k", "")):
+        raise BadRequest("not a transfer of ours")
+    if not params.get("CallSid"):
+        raise BadRequest("no CallSid")
+    return params, call_id, fc
+
+
+@router.post("/twilio/warm-briefed")
+async def warm_briefed(request: Request, runtime: RuntimeDep) -> Response:
+    """A warm transfer's person heard the briefing (the `<Redirect>` after its `<Say>`): into
+    the conference, and the caller's replica joins the caller (see warm.py)."""
+    params, call_id, fc = await _warm_params(request, runtime)
+    if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
+        return _xml(twiml.hangup())
+    try:
+        return _xml(await warm.briefed(runtime, call_id, fc, params["CallSid"]))
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("transfer update failed") from exc
+
+
+@router.post("/twilio/warm-status")
+async def warm_status(request: Request, runtime: RuntimeDep) -> Response:
+    """A warm transfer's person's call status: never joined (busy, no answer, hung up) tells the
+    caller's agent (see warm.py). Idempotent."""
+    params, call_id, fc = await _warm_params(request, runtime)
+    try:
+        await warm.person_status(
+            runtime, call_id, fc, params["CallSid"], params.get("CallStatus", "")
+        )
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("transfer update failed") from exc
+    return Response(status_code=204)
 
 
 @router.post("/twilio/outbound-answer")

@@ -39,6 +39,38 @@ def dial(destination: str, *, action_url: str, answered_url: str, timeout_s: int
     return str(response)
 
 
+def conference(name: str) -> str:
+    """`<Dial><Conference>`: join the named conference (a warm transfer's room). It starts when
+    either side enters and ends when either leaves, so nobody is left alone in it; no beep."""
+    response = VoiceResponse()
+    dial_el = Dial()
+    dial_el.conference(
+        name,
+        start_conference_on_enter=True,
+        end_conference_on_exit=True,
+        beep=False,
+        wait_url="",
+    )
+    response.append(dial_el)
+    return str(response)
+
+
+def briefing(text: str, then_url: str) -> str:
+    """A warm transfer's person: hear the briefing, then Twilio asks `then_url` what next
+    (`<Redirect>` runs only once the `<Say>` has been played to its end)."""
+    response = VoiceResponse()
+    response.say(text)
+    response.redirect(then_url, method="POST")
+    return str(response)
+
+
+def say_and_hang_up(text: str) -> str:
+    response = VoiceResponse()
+    response.say(text)
+    response.hangup()
+    return str(response)
+
+
 def hangup() -> str:
     """End the call (the stream ended because the call is over)."""
     response = VoiceResponse()
