@@ -11,6 +11,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from telephony.bridge.playout import LocalPlayout, ServerPlayout
 from telephony.bridge.port import Port
 from telephony.bridge.slot import CreateRequest, ResponseSlot, ResponseState
@@ -271,3 +273,26 @@ async def test_tool_dispatch_runs_a_completed_call_once_and_answers_the_session_
     (output,) = recorder.of(CallEventKind.FUNCTION_OUTPUT)
     assert (output["sent"], output["response"]) == (True, "requested")
     utterances.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "status", "reference", "says"),
+    [
+        ("Good news: the restaurant has confirmed your table.", "committed", None, True),
+        ("I've requested it; it isn't confirmed yet.", "committed", None, False),
+        ("It is not confirmed yet, I'll let you know.", "committed", None, False),
+        ("Your booking reference is BK123.", "committed", "BK123", True),
+        ("Anything else?", "committed", None, False),
+        ("Sorry, the restaurant could not take the booking.", "failed_final", None, True),
+        ("Your table is booked.", "failed_final", None, False),
+        ("The request was cancelled; nothing was done.", "cancelled", None, True),
+    ],
+)
+def test_a_gpt_live_utterance_says_a_result_only_with_its_outcome_not_negated(
+    text: str, status: str, reference: str | None, says: bool
+) -> None:
+    from telephony.bridge.utterance import says_outcome
+    from telephony.tool_gateway import LateResult
+
+    result = LateResult("op-1", "note", {"status": status, "reference": reference})
+    assert says_outcome(text, result) is says

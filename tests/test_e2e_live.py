@@ -19,11 +19,13 @@ from telephony.sim.scenario import Scenario
 from tests.domains import RESTAURANT
 from tests.e2e_support import call_stack
 from tests.test_e2e_booking import (
+    delivery_trail,
     hear,
     heard_text,
     operations_of,
     tool_calls_of,
     trail,
+    wait_for_delivery,
     wait_for_operation,
 )
 
@@ -35,8 +37,10 @@ REQUESTED = "I've requested it; it is not confirmed yet."
 REQUESTED_MS = 1200
 
 
-def live_booking() -> Scenario:
-    """Book -> readback -> yes -> confirm -> "requested", as the Realtime booking scenario."""
+def live_booking(announced: str | None = None) -> Scenario:
+    """Book -> readback -> yes -> confirm -> "requested", as the Realtime booking scenario;
+    `announced`: what the model says when the commit's note arrives (else its fallback)."""
+    after = [{"reply": {"text": announced, "audio_ms": 1500}}] if announced else []
     return Scenario.model_validate(
         {
             "name": "e2e-live-booking",
@@ -62,6 +66,7 @@ def live_booking() -> Scenario:
                     },
                 },
                 {"reply": {"text": REQUESTED, "audio_ms": REQUESTED_MS}},
+                *after,
             ],
             "fallback": {"text": "Anything else?", "audio_ms": 800},
         }
@@ -101,7 +106,11 @@ async def test_a_twilio_call_on_gpt_live_books_through_the_engine_with_sdk_valid
                 await hear(caller, before + REQUESTED_MS)
                 # The commit is a late result: offered to the model as commentary, not forced.
                 note = await live.wait_for_received("session.commentary.append", within=15)
+                # The model answers the note with "Anything else?": that does not say it.
+                await _says(live, "Anything else?")
+                await caller.wait_for(lambda c: c.buffered_ms == 0, 10)
                 await caller.hangup()
+                unsaid = await wait_for_delivery(engine, op["operation_id"], "texted", 30)
                 events = await stack.events(caller)
                 calls = await tool_calls_of(engine, call_id)
                 op_events = await trail(engine, op["operation_id"])
@@ -144,6 +153,9 @@ async def test_a_twilio_call_on_gpt_live_books_through_the_engine_with_sdk_valid
         "session.commentary.append",
     ], kinds
     assert note["delegation_id"] is None and "confirmed" in note["content"].lower()
+    # Offered as a note the model never said: not "told"; the caller gets it by SMS instead.
+    assert unsaid["state"] == "texted"
+    assert "result_heard" not in [e["kind"] for e in events]
     outputs = [json.loads(output) for _, output in live.function_outputs]
     assert outputs[0]["status"] == "awaiting_confirmation" and outputs[0]["readback"]
     assert outputs[1]["operation_id"] == str(op["operation_id"])
@@ -289,3 +301,63 @@ async def _call_id_of(engine: AsyncEngine, caller: Any) -> str:
     row = await call_row(engine, caller.call_sid)
     assert row is not None
     return str(row["id"])
+
+
+async def test_on_gpt_live_a_late_result_is_told_only_by_an_utterance_that_says_it_heard_in_full(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    """GPT-Live says a note when it sees fit: the result counts as told by the first utterance
+    begun after the note that says how it ended ("...isn't confirmed yet", said before, does
+    not), and only once that utterance was heard to its end; then no SMS."""
+    told = "Good news: the restaurant has confirmed your table."
+    async with RESTAURANT.start(clean_db) as backend:
+        catalog = backend.catalog()
+        try:
+            async with call_stack(
+                engine, live_booking(told), with_worker=True, catalog=catalog,
+                database_url=clean_db, sweep_interval_s=1.0, model_api="live",
+            ) as stack:  # fmt: skip
+                caller = stack.caller()
+                await caller.dial()
+                await hear(caller, GREETING_MS)
+                live = await stack.sim.wait_for_live_session()
+                before = caller.heard_ms
+                await caller.play_speech(700)
+                await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+                before = caller.heard_ms
+                await caller.play_speech(500)
+                call_id = await stack.call_id(caller)
+                op = await wait_for_operation(engine, call_id, "committed")
+                await live.wait_for_received("session.commentary.append", within=15)
+                await _says(live, told)
+                await hear(caller, before + REQUESTED_MS + 1500)
+                await caller.wait_for(lambda c: c.buffered_ms == 0, 10)
+                # Live marks no utterance's end: the next turn, or the call's end, closes it.
+                await caller.hangup()
+                heard = await wait_for_delivery(engine, op["operation_id"], "heard", 15)
+                events = await stack.events(caller)
+                steps = await delivery_trail(engine, op["operation_id"])
+                texts = list(stack.api.messages.values())
+        finally:
+            await catalog.aclose()
+    assert heard["state"] == "heard" and texts == []
+    [announced] = [e["data"] for e in events if e["kind"] == "result_announced"]
+    [said] = [e["data"] for e in events if e["kind"] == "agent_transcript" and
+              told in e["data"]["text"]]  # fmt: skip
+    # The utterance that said it (never one under way before the note went up).
+    assert announced["response_id"] == said["response_id"]
+    [result] = [e["data"] for e in events if e["kind"] == "result_heard"]
+    assert result["heard_ms"] == result["audio_ms"] > 0
+    assert "texting" not in [e.get("to_state") for e in steps]
+
+
+async def _says(live: Any, text: str, within: float = 15.0) -> None:
+    """Until the simulated model has begun saying `text`."""
+    from tests.e2e_support import wait_until
+
+    async def began() -> bool:
+        return any(
+            e.get("delta") == text for e in live.sent_events("session.output_transcript.delta")
+        )
+
+    await wait_until(began, within, f"the model says {text!r}")

@@ -201,7 +201,9 @@ class Bridge:
         )
         # GPT-Live's events go to the same parts through their own router (a strategy).
         self._live = (
-            LiveEvents(self.port, self.turns, self.playout, self.tools, history, evidence)
+            LiveEvents(
+                self.port, self.turns, self.playout, self.tools, history, evidence, self.utterances
+            )
             if live
             else None
         )

@@ -10,6 +10,10 @@ Turns are the server's, so the bridge observes them instead of driving them:
   caller heard, by the same local playout as on Realtime (no truncate: the model decides).
 - The agent's utterances are named by the session (`LiveSession.item_id`) and closed at each
   turn boundary, when their transcript goes to playout, which records what was heard.
+- A late result goes up as a note (`session.commentary.append`); GPT-Live says it when it sees
+  fit, so the result counts as announced by the first utterance that says how it ended, and as
+  heard once that utterance played out in full (cut if the caller cut it; not spoken if the
+  model never says it).
 - A delegated function call (`response.event` carrying a completed `function_call` item) goes
   to the tool dispatch, so it meets the same engine as a Realtime call: policy, confirmation,
   ledger, idempotency. Its output comes back through `LiveSession`.
@@ -27,6 +31,7 @@ from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
 from telephony.bridge.tool_dispatch import ToolDispatch
 from telephony.bridge.turns import Turns
+from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import EvidenceLog
 from telephony.redaction import mask_spoken_pins
@@ -47,8 +52,10 @@ class LiveEvents:
         tools: ToolDispatch,
         history: deque[str],
         evidence: EvidenceLog,
+        utterances: Utterances,
     ) -> None:
         self._port = port
+        self._utterances = utterances
         self._evidence = evidence
         self._turns = turns
         self._playout = playout
@@ -56,6 +63,7 @@ class LiveEvents:
         self._history = history
         self._session: LiveSession | None = None
         self._agent_text = ""  # the transcript of the agent's current utterance
+        self._agent_began = 0.0  # when it began (monotonic: its first words)
         self._caller_item: str | None = None  # the caller's turn in progress
         self._caller_text = ""
         self._caller_turns = 0
@@ -73,6 +81,8 @@ class LiveEvents:
                 # The utterance began now (its first words): a readback asked for before
                 # this is what it says, as a Realtime response created after the ask.
                 self._evidence.response_created(session.response_id)
+                if not self._agent_text:
+                    self._agent_began = time.monotonic()
                 self._agent_text += event.delta
             case "session.delegation.created":
                 self._caller_turn_ended()
@@ -147,6 +157,8 @@ class LiveEvents:
             return  # no audio yet: its text belongs to the audio still to come
         text, self._agent_text = self._agent_text, ""
         self._playout.transcript(session.item_id, text)
+        # The late results it says are announced by it (heard as far as it was heard).
+        self._utterances.live_utterance_ended(session.response_id, text, self._agent_began)
         session.next_utterance()
 
     # The backend: delegated function calls.

@@ -165,6 +165,8 @@ class LiveSession:
         self.voice: str | None = None
         self.session_id = f"{call_id}/{generation}"
         self.slot = ResponseSlot()
+        # Turns are the server's: no response.created follows a create (see Utterances).
+        self.server_turns = True
         self._call_id = call_id
         self._timeout_s = timeout_s
         self._utterance = 0

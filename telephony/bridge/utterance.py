@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
 
@@ -22,12 +23,49 @@ from telephony.bridge.slot import CreateRequest, ResponseState
 from telephony.bridge.turns import Turns
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import EvidenceLog
-from telephony.tool_gateway import AnnouncementSink, LateResult
+from telephony.tool_gateway import AnnouncementSink, AnnouncementStatus, LateResult
 
 log = logging.getLogger(__name__)
 
 RECHECK_S = 0.25  # how often queued response work looks for a safe moment
 AUTO_RESPONSE_WAIT_S = 2.0  # after speech stopped, how long the server's own response may take
+# GPT-Live: how many of the agent's utterances after a late result's note may pass without one
+# that says it before it counts as not spoken (the model says a note when it sees fit).
+LIVE_UTTERANCES_TO_SAY_IT = 3
+# Words by which an utterance says an outcome, by the operation's status (GPT-Live has no
+# response to follow: an utterance carries a result only if it says how it ended).
+_SAID = {
+    "committed": ("confirm", "booked", "went through", "gone through", "done", "complete",
+                  "success", "succeed", "all set", "placed", "made"),
+    "cancelled": ("cancel",),
+}  # fmt: skip
+_SAID_FAILED = ("could not", "couldn't", "can't", "cannot", "unable", "fail", "didn't",
+                "did not", "not able", "wasn't", "was not", "sorry", "problem")  # fmt: skip
+
+
+_NEGATIONS = frozenset({"not", "no", "never", "isn't", "isnt", "wasn't", "hasn't", "haven't",
+                        "aren't", "won't", "yet"})  # fmt: skip
+_WORD = re.compile(r"[a-z']+")
+
+
+def says_outcome(text: str, result: LateResult) -> bool:
+    """Whether an agent's utterance says how `result` ended: its reference, or words of its
+    status not negated ("it isn't confirmed yet" does not say it was confirmed)."""
+    said = text.lower().replace("\u2019", "'")
+    reference = result.data.get("reference")
+    if isinstance(reference, str) and reference and reference.lower() in said:
+        return True
+    status = str(result.data.get("status"))
+    words = _SAID.get(status, _SAID_FAILED)
+    for word in words:
+        start = said.find(word)
+        while start >= 0:
+            before = _WORD.findall(said[:start])[-3:]
+            after = _WORD.findall(said[start + len(word) :])[:2]
+            if status not in _SAID or not (_NEGATIONS & {*before, *after}):
+                return True
+            start = said.find(word, start + 1)
+    return False
 
 
 class Utterances:
@@ -53,6 +91,9 @@ class Utterances:
         self._response_turn: dict[str, int] = {}
         self._recheck: asyncio.TimerHandle | None = None
         self._event_seq = 0
+        # GPT-Live: late results whose note was appended (when), waiting for an utterance begun
+        # after it that says them (with how many such utterances have passed without).
+        self._live_waiting: dict[int, tuple[LateResult, float, int]] = {}
         # Follows each response that announces late results until it is heard or not.
         self.announcing = AnnouncementTracker(
             announcements,
@@ -171,6 +212,11 @@ class Utterances:
             if request.late:
                 # The socket is going; the next session gets them (with fresh notes).
                 self._late.extendleft(reversed(request.late))
+        elif request.late and getattr(session, "server_turns", False):
+            # GPT-Live answers nothing to a create: the notes wait for an utterance saying them.
+            noted_at = time.monotonic()
+            for result in request.late:
+                self._live_waiting[id(result)] = (result, noted_at, 0)
 
     async def _drain_then_report(self) -> None:
         await self.drain()
@@ -231,6 +277,36 @@ class Utterances:
     def announced_done(self, response_id: str, status: str | None) -> None:
         self.announcing.done(response_id, status)
 
+    def live_utterance_ended(self, response_id: str, text: str, started_at: float) -> None:
+        """GPT-Live: the agent's utterance `response_id`, begun at `started_at` (monotonic),
+        ended saying `text`. The late results noted before it began that it says are announced
+        by it (heard once its audio played out in full, cut if the caller cut it); one the model
+        has not said after a few utterances is not spoken."""
+        if not self._live_waiting:
+            return
+        said: list[LateResult] = []
+        for key, (result, noted_at, passed) in list(self._live_waiting.items()):
+            if started_at < noted_at:
+                continue  # under way when the note went up: it cannot be saying it
+            if says_outcome(text, result):
+                said.append(result)
+                del self._live_waiting[key]
+            elif passed + 1 >= LIVE_UTTERANCES_TO_SAY_IT:
+                del self._live_waiting[key]
+                self.announcing.report(
+                    result, AnnouncementStatus.NOT_SPOKEN, reason="the model did not say it"
+                )
+            else:
+                self._live_waiting[key] = (result, noted_at, passed + 1)
+        if said:
+            self._port.emit(
+                CallEventKind.RESULT_ANNOUNCED,
+                response_id=response_id,
+                operation_ids=[r.operation_id for r in said],
+            )
+            self.announcing.spoken(response_id, tuple(said))
+            self.announcing.done(response_id, "completed")
+
     def create_refused(self, session: ModelSession, event_id: str | None) -> None:
         """An error event: if it answers our response.create, that lost a race; retry later."""
         slot = session.slot
@@ -256,6 +332,9 @@ class Utterances:
             if request in self._creates:
                 self._creates.remove(request)
             self._late.extendleft(reversed(request.late))
+        # GPT-Live notes the dropped session never said: noted again in the next one.
+        self._late.extend(result for result, _, _ in self._live_waiting.values())
+        self._live_waiting.clear()
         self.announcing.dropped()
 
     def close(self) -> None:
@@ -271,6 +350,8 @@ class Utterances:
             unspoken.extend(request.late)
         if session is not None and session.slot.requested is not None:
             unspoken.extend(session.slot.requested.late)
+        unspoken.extend(result for result, _, _ in self._live_waiting.values())
+        self._live_waiting.clear()
         self.announcing.settle(reason, unspoken)
 
 
