@@ -132,3 +132,47 @@ async def test_an_operator_ends_a_live_call_from_its_page(engine: AsyncEngine) -
 async def _ended(engine: AsyncEngine, call_sid: str) -> bool:
     row = await call_row(engine, call_sid)
     return row is not None and row["ended_at"] is not None
+
+
+async def test_an_operator_places_a_call_from_the_calls_page_once_however_often_sent(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    from tests.test_outbound import CALLEE, PURPOSE, outbound_stack
+
+    await add_staff(engine, "otto", Role.OPERATOR)
+    await add_staff(engine, "vera", Role.VIEWER)
+    async with outbound_stack(engine, clean_db) as stack:
+        async with logged_in(stack.service.url, "vera") as (viewer, token):
+            seen = await viewer.get("/console/calls")
+            refused = await viewer.post(
+                "/console/calls/new", data={"to": CALLEE, "purpose": PURPOSE, "csrf_token": token}
+            )
+        async with logged_in(stack.service.url, "otto") as (operator, token):
+            page = await operator.get("/console/calls")
+            key = re.search(r'name="idempotency_key" value="([^"]+)"', page.text)
+            assert key is not None
+            form = {"to": CALLEE, "purpose": PURPOSE, "csrf_token": token,
+                    "idempotency_key": key.group(1)}  # fmt: skip
+            first = await operator.post("/console/calls/new", data=form)
+            call_page = await operator.get(first.headers["location"])
+            again = await operator.post("/console/calls/new", data=form)  # sent twice
+            bad = await operator.post(
+                "/console/calls/new", data={**form, "to": "12", "idempotency_key": "other"}
+            )
+            bad_flash = flash((await operator.get(bad.headers["location"])).text)
+            await wait_until(lambda: bool(stack.api.created_calls(CALLEE)), WAIT_S, "placed")
+            placed = stack.api.created_calls(CALLEE)
+            await wait_until(
+                lambda: placed[0].sid in stack.api.outbound_callers, WAIT_S, "the callee answers"
+            )
+            callee = stack.api.outbound_callers[placed[0].sid]
+            await callee.hangup()
+            await stack.events(callee)
+    assert 'id="place-call"' not in seen.text and refused.status_code == 403
+    assert 'id="place-call"' in page.text
+    assert first.status_code == again.status_code == 303
+    assert first.headers["location"] == again.headers["location"]
+    assert first.headers["location"].startswith("/console/calls/")
+    assert "Placing the call" in flash(call_page.text)
+    assert bad_flash.startswith("Refused:") and "to" in bad_flash
+    assert len(placed) == 1  # one call however often the form was sent

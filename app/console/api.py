@@ -22,7 +22,7 @@ from app.access.auth import AdminDep, OperatorDep, Principal, ViewerDep
 from app.access.staff import StaffError
 from app.calls.recording_store import get_recording
 from app.calls.store import call_events, calls
-from app.console.call_actions import end_live_call, transfer_live_call
+from app.console.call_actions import end_live_call, place_outbound_call, transfer_live_call
 from app.console.live import ALL_CALLS, LiveHub, call_key, op_key
 from app.console.schemas import (
     ActionBody,
@@ -57,11 +57,10 @@ from app.console.views import (
 )
 from app.console_models import call_recordings_table as recordings_t
 from app.deps import EngineDep, RuntimeDep
-from app.errors import Conflict, InvalidRequest, NotFound, TooManyStreams
+from app.errors import Conflict, NotFound, TooManyStreams
 from app.http.guard import leave_source_count
 from app.http.slots import Slot
 from app.ops.operation_actions import Action, ActionDone
-from telephony.call_events import CallEvent
 from tools.ledger_models import operation_events_table as op_events_t
 from tools.ledger_models import operations_table as ops_t
 from tools.ledger_models import tool_calls_table as tool_calls_t
@@ -145,29 +144,10 @@ async def place_call(
     hears the purpose first (and where `operation_id` stands); a machine gets a short message
     naming the purpose only. Placing it is an operation (`place_call`); the same
     `Idempotency-Key` again answers the same call."""
-    from app.ops.outbound import OutboundRefused, request_call, requested_events
-
-    if runtime.tools is None:
-        raise Conflict("this process has no operation ledger to place calls with")
-    try:
-        placed = await request_call(
-            runtime.engine,
-            runtime.settings,
-            runtime.tools.enqueue,
-            to=body.to,
-            purpose=body.purpose,
-            about_operation_id=body.operation_id,
-            by=principal.actor,
-            idempotency_key=idempotency_key,
-        )
-    except OutboundRefused as exc:
-        raise InvalidRequest(str(exc)) from exc
-    if placed.created:
-        to = body.to.strip().removeprefix("tel:")
-        purpose = " ".join(body.purpose.split())
-        for kind, data in requested_events(placed, to, purpose, principal.actor):
-            runtime.events.emit(CallEvent(placed.call_id, kind, data))
-    return {"call_id": placed.call_id, "operation_id": placed.operation_id}
+    call_id, operation_id = await place_outbound_call(
+        runtime, principal.actor, body.to, body.purpose, body.operation_id, idempotency_key
+    )
+    return {"call_id": call_id, "operation_id": operation_id}
 
 
 async def _calls_snapshot(engine: AsyncEngine) -> tuple[Any, ...]:

@@ -1,8 +1,8 @@
-"""Staff actions on a live call, shared by the JSON API and the console's forms: end it, or
-transfer it to a person. Both are checked here (the call is live, the target is one the call's
-leg can reach) and then asked of the process holding the call (`app.calls.control`), which
-carries them out and writes the outcome on the call's timeline.
-"""
+"""Staff actions on calls, shared by the JSON API and the console's forms: place an outbound
+call; end a live call, or transfer it to a person. A live call's actions are checked here (the
+call is live, the target is one the call's leg can reach) and then asked of the process holding
+the call (`app.calls.control`), which carries them out and writes the outcome on the call's
+timeline."""
 
 from __future__ import annotations
 
@@ -14,10 +14,47 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls.control import publish_end, publish_transfer
 from app.calls.store import calls
-from app.errors import BadRequest, Conflict, NotFound
+from app.errors import BadRequest, Conflict, InvalidRequest, NotFound
 from app.runtime import Runtime
+from telephony.call_events import CallEvent
 
 LIVE = ("ringing", "in_progress")
+
+
+async def place_outbound_call(
+    runtime: Runtime,
+    by: str,
+    to: str,
+    purpose: str,
+    about_operation_id: str | None,
+    idempotency_key: str | None,
+) -> tuple[str, str]:
+    """Ask for an outbound call (the `place_call` operation; a worker places it): its call id
+    and operation id. InvalidRequest names a field that cannot be used; the same idempotency
+    key again answers the same call."""
+    from app.ops.outbound import OutboundRefused, request_call, requested_events
+
+    if runtime.tools is None:
+        raise Conflict("this process has no operation ledger to place calls with")
+    try:
+        placed = await request_call(
+            runtime.engine,
+            runtime.settings,
+            runtime.tools.enqueue,
+            to=to,
+            purpose=purpose,
+            about_operation_id=about_operation_id,
+            by=by,
+            idempotency_key=idempotency_key,
+        )
+    except OutboundRefused as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if placed.created:
+        number = to.strip().removeprefix("tel:")
+        said = " ".join(purpose.split())
+        for kind, data in requested_events(placed, number, said, by):
+            runtime.events.emit(CallEvent(placed.call_id, kind, data))
+    return placed.call_id, placed.operation_id
 
 
 async def live_call(engine: AsyncEngine, call_id: uuid.UUID) -> Any:

@@ -17,7 +17,12 @@ from pydantic import BaseModel, ValidationError
 from app.access import api_tokens, login_limits, staff
 from app.access.auth import AdminPageDep, OperatorPageDep, Principal, ViewerPageDep
 from app.access.staff import Role, StaffError
-from app.console.call_actions import LIVE, end_live_call, transfer_live_call
+from app.console.call_actions import (
+    LIVE,
+    end_live_call,
+    place_outbound_call,
+    transfer_live_call,
+)
 from app.console.schemas import ActionBody, CallListQuery, OperationListQuery, RecordOutcomeBody
 from app.console.swimlanes import layout
 from app.console.templating import templates
@@ -163,6 +168,8 @@ async def calls_list(
         "next_url": next_url,
         "first_url": "/console/calls?" + urlencode(list(args.items())) if q.cursor else None,
         "fragment_url": str(request.url.include_query_params(fragment="1")),
+        # A fresh key per form shown: the same form sent twice places one call.
+        "place_key": f"console-{uuid.uuid4().hex}",
     }
     name = _page_or_fragment(request, context, "calls")
     response = _render(request, name, who, context, status=status)
@@ -266,6 +273,31 @@ def _back_with(url: str, message: str, secure: bool) -> Response:
         secure=secure,
     )  # fmt: skip
     return response
+
+
+@router.post("/calls/new")
+async def place_call_form(
+    request: Request,
+    runtime: RuntimeDep,
+    who: OperatorPageDep,
+    to: Annotated[str, Form(max_length=256)] = "",
+    purpose: Annotated[str, Form(max_length=500)] = "",
+    operation_id: Annotated[str, Form(max_length=64)] = "",
+    idempotency_key: Annotated[str, Form(max_length=128)] = "",
+) -> Response:
+    """Place an outbound call from the calls page's form (CSRF-checked by OperatorPageDep);
+    the same checks and operation as `POST /api/calls`."""
+    secure = request.url.scheme == "https" or runtime.settings.cookie_secure()
+    try:
+        call_id, _ = await place_outbound_call(
+            runtime, who.actor, to, purpose, operation_id.strip() or None,
+            idempotency_key.strip() or None,
+        )  # fmt: skip
+    except (Conflict, BadRequest) as exc:
+        return _back_with("/console/calls", f"Refused: {exc}", secure)
+    return _back_with(
+        f"/console/calls/{call_id}", "Placing the call: it shows here as it rings.", secure
+    )
 
 
 class CallAction(StrEnum):
