@@ -460,6 +460,12 @@ class SipService:
         """Our side ends the call (tools, errors, drain): BYE, or 503/480 if not yet answered."""
         self.transport.act(lambda now: self.core.hangup(key, now, reason))
 
+    # The port of outgoing calls (app/legs/sip_outbound.py's SipListener).
+    hang_up = _hang_up
+
+    async def bind_rtcp(self, leg: SipLeg, rtp_port: int) -> asyncio.DatagramTransport | None:
+        return await self._bind_rtcp(leg, rtp_port)
+
 
 async def _first(waits: dict[str, Coroutine[Any, Any, Any]], timeout_s: float) -> str:
     """Which of the named waits finishes first; "timeout" if none does in time."""

@@ -28,7 +28,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from aiosipua import SipDigestAuth
@@ -38,13 +38,17 @@ from app.calls.store import CallStatus, calls
 from app.legs.session import CallSession
 from app.legs.twilio.outbound import OutboundLine, unanswered
 from app.ops.outbound import bind_sid
+from app.runtime import Runtime
 from app.settings import host_port
 from telephony.call_events import CallEvent, CallEventKind
+from telephony.legs.sip.access import AllowList
 from telephony.legs.sip.dialog import CallKey
 from telephony.legs.sip.errors import RtpPortsExhausted
 from telephony.legs.sip.leg import SipLeg
-from telephony.legs.sip.rtp import MediaPolicy
+from telephony.legs.sip.ports import RtpPorts
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock
 from telephony.legs.sip.sdp import PCMU, PTIME_MS, LocalMedia
+from telephony.legs.sip.transport import SipTransport
 from telephony.legs.sip.uac import (
     OutgoingAnswered,
     OutgoingFailed,
@@ -53,11 +57,33 @@ from telephony.legs.sip.uac import (
     outcome_of,
     target_uri,
 )
-from telephony.legs.sip.uas import CallEnded, DtmfReceived, MediaUpdated, SipEvent
+from telephony.legs.sip.uas import (
+    CallEnded,
+    DtmfReceived,
+    MediaUpdated,
+    SipEvent,
+    UserAgentServer,
+)
 from tools.provider import ActionResult, Outcome
 
-if TYPE_CHECKING:
-    from app.legs.sip import SipService
+
+class SipListener(Protocol):
+    """What an outgoing call needs of the SIP listener (app/legs/sip.py's SipService)."""
+
+    runtime: Runtime
+    core: UserAgentServer
+    transport: SipTransport
+    clock: RtpClock
+    ports: RtpPorts
+    media_allow: AllowList | None
+    media_stats: MediaStats
+    advertised: str
+    bind_host: str
+
+    def hang_up(self, key: CallKey, reason: str) -> None: ...
+
+    async def bind_rtcp(self, leg: SipLeg, rtp_port: int) -> asyncio.DatagramTransport | None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +113,7 @@ class _Outgoing:
 class SipOutbound:
     """Places outbound calls on a SipService's listener (the `SipPlacer` of app/ops)."""
 
-    def __init__(self, service: SipService) -> None:
+    def __init__(self, service: SipListener) -> None:
         self.service = service
         self.runtime = service.runtime
         self._calls: dict[CallKey, _Outgoing] = {}
@@ -117,7 +143,7 @@ class SipOutbound:
 
         def hang_up(reason: str) -> None:
             if holder:
-                service._hang_up(holder[0], reason)
+                service.hang_up(holder[0], reason)
 
         leg = SipLeg(
             call_id, PCMU, 101, service.clock, hang_up,
@@ -132,7 +158,7 @@ class SipOutbound:
             await self._fail_row(call_id, "no RTP port free")
             return ActionResult(Outcome.failed_retryable, error="no RTP port free")
         leg.rtp.use_socket(rtp_sock)
-        rtcp = await service._bind_rtcp(leg, rtp_port)
+        rtcp = await service.bind_rtcp(leg, rtp_port)
         out.leg = leg
         local = LocalMedia(service.advertised, rtp_port, random.randint(1, 2**31))
         credentials = None
@@ -236,7 +262,7 @@ class SipOutbound:
         except Exception:
             log.exception("SIP outbound call %s failed", out.call_id)
             with contextlib.suppress(Exception):
-                service._hang_up(key, "internal error")
+                service.hang_up(key, "internal error")
         finally:
             self._calls.pop(key, None)
             leg.rtp.close()
@@ -269,10 +295,10 @@ class SipOutbound:
         call_id = out.call_id
         row = await call_store.get_call(runtime.engine, call_id)
         if row is None or row.status != CallStatus.RINGING:
-            self.service._hang_up(key, "the call ended before it was answered")
+            self.service.hang_up(key, "the call ended before it was answered")
             return
         if not runtime.registry.try_reserve(key.call_id):
-            self.service._hang_up(key, "no capacity when answered")
+            self.service.hang_up(key, "no capacity when answered")
             await call_store.transition(
                 runtime.engine, call_id, CallStatus.FAILED, end_reason="no capacity when answered"
             )
@@ -328,7 +354,7 @@ class SipOutbound:
     async def stop(self) -> None:
         """Hang up what is still ringing or up, and wait for the calls' tasks."""
         for key in list(self._calls):
-            self.service._hang_up(key, "server shutdown")
+            self.service.hang_up(key, "server shutdown")
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10.0)
         for task in list(self._tasks):
