@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.access.staff import Role
 from app.ops.outbound import SipCalls, request_call
 from tests.console_support import bearer
-from tests.e2e_support import event_kinds, make_settings, wait_until
+from tests.e2e_support import event_kinds, event_rows, make_settings, wait_until
 from tests.sipp_support import SCENARIOS, needs_sipp
 from tests.sipp_uas import sipp_uas
 from tests.test_e2e_booking import heard_text
@@ -130,8 +130,10 @@ async def test_a_busy_sip_callee_is_recorded_on_the_row_the_timeline_and_the_ope
         await wait_until(ended, WAIT_S, "the call recorded busy")
         row = await call_row(engine, call_id)
         kinds = await event_kinds(engine, call_id)
+        [started] = [e for e in await event_rows(engine, call_id) if e["kind"] == "call_started"]
         op, op_events = await operation(engine, op_id)
     assert run.returncode == 0, run.explain()  # the 486 was ACKed
+    assert started["data"]["leg"] == "sip" and row["leg"] == "sip"
     assert row["end_reason"].startswith("sip 486") and row["answered_at"] is None
     assert op["status"] == "committed"
     assert [k for k in kinds if k.startswith(("outbound", "call_"))] == [

@@ -145,7 +145,7 @@ async def place_call(
     hears the purpose first (and where `operation_id` stands); a machine gets a short message
     naming the purpose only. Placing it is an operation (`place_call`); the same
     `Idempotency-Key` again answers the same call."""
-    from app.ops.outbound import OutboundRefused, outbound_leg, request_call, requested_events
+    from app.ops.outbound import OutboundRefused, request_call, requested_events
 
     if runtime.tools is None:
         raise Conflict("this process has no operation ledger to place calls with")
@@ -165,9 +165,7 @@ async def place_call(
     if placed.created:
         to = body.to.strip().removeprefix("tel:")
         purpose = " ".join(body.purpose.split())
-        for kind, data in requested_events(
-            placed, to, purpose, principal.actor, outbound_leg(runtime.settings, to)
-        ):
+        for kind, data in requested_events(placed, to, purpose, principal.actor):
             runtime.events.emit(CallEvent(placed.call_id, kind, data))
     return {"call_id": placed.call_id, "operation_id": placed.operation_id}
 

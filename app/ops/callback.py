@@ -36,12 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.calls.liveness import append_call_event
 from app.calls.store import TERMINAL, CallStatus, calls
-from app.ops.outbound import (
-    OutboundRefused,
-    outbound_leg,
-    request_call_in,
-    requested_events,
-)
+from app.ops.outbound import OutboundRefused, request_call_in, requested_events
 from app.ops.sms import NOT_DELIVERABLE_CODES, NOT_DELIVERABLE_DELIVERY_CODES, SmsChannel
 from app.settings import Settings
 from tools import deliveries
@@ -225,8 +220,7 @@ class CallbackChannel:
         if placed.created:
             # The callback call's timeline starts as an API-requested call's does.
             who = f"{ACTOR}:{delivery.id}"
-            leg = outbound_leg(self.settings, delivery.caller)
-            for kind, data in requested_events(placed, delivery.caller, PURPOSE, who, leg):
+            for kind, data in requested_events(placed, delivery.caller, PURPOSE, who):
                 await append_call_event(conn, uuid.UUID(placed.call_id), kind, data)
         await deliveries.record_event(
             conn,

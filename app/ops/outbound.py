@@ -151,6 +151,7 @@ class OutboundRequest:
     call_id: str
     operation_id: str
     created: bool
+    leg: str = "twilio"  # which leg places it (`outbound_leg`)
 
 
 async def request_call(
@@ -241,7 +242,7 @@ async def request_call_in(
         .where(calls.c.id == uuid.UUID(call_id))
         .values(outbound={**outbound, "placing_operation_id": operation_id})
     )
-    return OutboundRequest(call_id, operation_id, True)
+    return OutboundRequest(call_id, operation_id, True, leg)
 
 
 def outbound_leg(settings: Settings, to: str) -> str:
@@ -251,11 +252,9 @@ def outbound_leg(settings: Settings, to: str) -> str:
     return "twilio"
 
 
-def requested_events(
-    request: OutboundRequest, to: str, purpose: str, by: str, leg: str = "twilio"
-) -> list[Any]:
+def requested_events(request: OutboundRequest, to: str, purpose: str, by: str) -> list[Any]:
     """The timeline's first events of a requested call: (kind, data) pairs."""
-    started = {"direction": "outbound", "to": to, "leg": leg, "by": by[:128]}
+    started = {"direction": "outbound", "to": to, "leg": request.leg, "by": by[:128]}
     requested = {"purpose": purpose, "operation_id": request.operation_id, "by": by[:128]}
     return [(CallEventKind.CALL_STARTED, started), (CallEventKind.OUTBOUND_REQUESTED, requested)]
 
