@@ -87,14 +87,22 @@ def holder_id() -> str:
 
 
 async def _start_worker(
-    settings: Settings, engine: AsyncEngine, url: str | None, catalog: Catalog
+    settings: Settings, engine: AsyncEngine, url: str | None, catalog: Catalog, runtime: Runtime
 ) -> Any:
-    """The in-process operation worker; calls still run (tools queue up) if it cannot start."""
+    """The in-process operation worker; calls still run (tools queue up) if it cannot start.
+    It places SIP outbound calls on this process's SIP listener (started after it)."""
     from app.ops.worker import start_inprocess_worker
+
+    def sip() -> Any:
+        return runtime.sip.outbound if runtime.sip is not None else None
 
     try:
         return await start_inprocess_worker(
-            settings, engine, database_url=plain_url(url) if url else None, catalog=catalog
+            settings,
+            engine,
+            database_url=plain_url(url) if url else None,
+            catalog=catalog,
+            sip=sip,
         )
     except Exception:
         log.exception("the in-process operation worker did not start")
@@ -207,7 +215,9 @@ def create_app(
             ),
         )
         app.state.runtime = runtime
-        worker = await _start_worker(settings, db, url, tool_catalog) if with_worker else None
+        worker = (
+            await _start_worker(settings, db, url, tool_catalog, runtime) if with_worker else None
+        )
         from app.legs.openai_sip.calls import OpenAISipService
 
         runtime.openai_sip = OpenAISipService(runtime)

@@ -183,6 +183,15 @@ class Settings(BaseSettings):
     # Calls.create may take before its outcome is unknown (then reconciled, never re-sent).
     outbound_ring_timeout_s: int = Field(default=30, ge=5, le=600)
     outbound_create_timeout_s: float = Field(default=10.0, gt=0, le=60)
+    # How outbound calls are placed: Twilio's Calls.create, or a SIP INVITE from our own SIP
+    # listener (SIP_BIND); a `sip:` URI in `to` always goes over SIP.
+    outbound_via: Literal["twilio", "sip"] = "twilio"
+    # Where our INVITEs go (host:port, a loose Route); a number is called as
+    # sip:+E164@<its host>. Unset: straight to a SIP URI's host (numbers cannot be called).
+    sip_outbound_proxy: str | None = None
+    # Digest credentials for a 401/407 from the proxy or the callee (answered once).
+    sip_outbound_user: str | None = None
+    sip_outbound_password: SecretStr | None = None
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.
@@ -368,6 +377,13 @@ class Settings(BaseSettings):
         if value is not None:
             host, _ = host_port(value, "0.0.0.0:5060")
             _ip_literal(host, "the address to listen on, e.g. 0.0.0.0:5060")
+        return value
+
+    @field_validator("sip_outbound_proxy")
+    @classmethod
+    def _sip_outbound_proxy(cls, value: str | None) -> str | None:
+        if value is not None:
+            host_port(value, "sip.example.net:5060")
         return value
 
     @field_validator("trace_url_template")

@@ -23,10 +23,11 @@ from sqlalchemy.exc import DataError, DBAPIError
 
 from app.calls.store import CallStatus
 from app.legs.session import Admission, Caller, CallSession, EndReason, sip_refusal
+from app.legs.sip_outbound import SipOutbound
 from app.legs.sip_transfer import ReferPort, SipTransfer, put_through
 from app.models import LegKind
 from app.runtime import Runtime
-from app.settings import Settings
+from app.settings import Settings, host_port
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
@@ -134,6 +135,8 @@ class SipService:
         self._calls: dict[CallKey, _Pending] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._switch_interval = sys.getswitchinterval()
+        # Outbound calls over this listener (the worker's `place_call` over SIP).
+        self.outbound = SipOutbound(self)
 
     def _config(self, settings: Settings, port: int) -> UasConfig:
         if settings.sip_allow_from is None:
@@ -152,7 +155,7 @@ class SipService:
             host=self.advertised,
             port=port,
             timers=TimerConfig(t1=settings.sip_t1_s),
-            allow=AllowList.from_spec(settings.sip_allow_from or DEFAULT_ALLOW_FROM),
+            allow=AllowList.from_spec(_allow_spec(settings)),
             rate_per_source=settings.sip_rate_per_source,
             trusted_proxies=AllowList(trusted),
             max_calls=self.max_calls,
@@ -182,6 +185,7 @@ class SipService:
             else:
                 pending.cancel_reason = EndReason.SHUTDOWN
                 pending.cancelled.set()
+        await self.outbound.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10.0)
         for task in self._tasks:
@@ -195,6 +199,9 @@ class SipService:
     # ---- events from the core -----------------------------------------------------------
 
     def _on_event(self, event: SipEvent) -> None:
+        if self.outbound.handles(event.key):
+            self.outbound.on_event(event)
+            return
         if isinstance(event, IncomingCall):
             self.transport.act(lambda now: self.core.ring(event.key, now))
             pending = _Pending(event)
@@ -453,6 +460,12 @@ class SipService:
         """Our side ends the call (tools, errors, drain): BYE, or 503/480 if not yet answered."""
         self.transport.act(lambda now: self.core.hangup(key, now, reason))
 
+    # The port of outgoing calls (app/legs/sip_outbound.py's SipListener).
+    hang_up = _hang_up
+
+    async def bind_rtcp(self, leg: SipLeg, rtp_port: int) -> asyncio.DatagramTransport | None:
+        return await self._bind_rtcp(leg, rtp_port)
+
 
 async def _first(waits: dict[str, Coroutine[Any, Any, Any]], timeout_s: float) -> str:
     """Which of the named waits finishes first; "timeout" if none does in time."""
@@ -466,6 +479,18 @@ async def _first(waits: dict[str, Coroutine[Any, Any, Any]], timeout_s: float) -
     if not done:
         return "timeout"
     return tasks[next(iter(done))]
+
+
+def _allow_spec(settings: Settings) -> str:
+    """SIP_ALLOW_FROM, and the outbound proxy's address: its answers to our INVITEs (and its
+    in-dialog requests) come from there."""
+    spec = settings.sip_allow_from or DEFAULT_ALLOW_FROM
+    if settings.sip_outbound_proxy:
+        host = host_port(settings.sip_outbound_proxy, "")[0]
+        with contextlib.suppress(ValueError):
+            ip = ipaddress.ip_address(host)
+            spec += f",{ip}/{ip.max_prefixlen}"
+    return spec
 
 
 def _digest(settings: Settings) -> DigestAuth | None:

@@ -9,6 +9,13 @@ status; app/legs/twilio/outbound.py). Placing a call is not idempotent at Twilio
 whose answer is lost (a timeout, a 5xx after sending) is `unknown`, and the reconciler asks
 Twilio (`lookup`: the calls to that number since the operation began), never creates again.
 
+Over our own SIP leg (`OUTBOUND_VIA=sip`, or a `sip:` URI in `to`) the worker's `SipCalls`
+hands the call to the process's SIP listener (app/legs/sip_outbound.py): the row is named by
+the INVITE's Call-ID, and the operation is committed once the far side answered the INVITE at
+all (a 1xx or a final). With no answer by the deadline it is `unknown`: a SIP call cannot be
+listed like Twilio's, so the reconciler reads what the listener recorded on the row: any
+response to the INVITE (`outbound.sip_status`) means it was placed; none means it was not.
+
 `place_call` is not a tool of the catalog: the model is never offered it; only the worker,
 the console and deliveries know its spec (`with_place_call`).
 """
@@ -19,10 +26,10 @@ import hashlib
 import hmac
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 import aiohttp
@@ -42,6 +49,8 @@ from tools.ledger import Enqueue, OperationRecord
 from tools.provider import ActionResult, Finding, Outcome, Provider
 from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
 from tools.transfers import E164
+
+MAX_SIP_URI = 256
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +126,10 @@ def check_request(to: str, purpose: str, about: str | None) -> tuple[str, str, s
     """The request's number, purpose and operation, cleaned; OutboundRefused saying what is
     wrong otherwise."""
     to = (to or "").strip().removeprefix("tel:")
-    if not E164.match(to):
+    if to.lower().startswith("sip:"):
+        if len(to) > MAX_SIP_URI or any(c in to for c in ' \t\r\n<>"') or "@" not in to:
+            raise OutboundRefused("'to' must be a SIP URI such as sip:alice@pbx.example")
+    elif not E164.match(to):
         raise OutboundRefused(f"'to' must be an E.164 number such as +15551234567, not {to!r:.40}")
     purpose = " ".join((purpose or "").split())
     if not purpose:
@@ -139,6 +151,7 @@ class OutboundRequest:
     call_id: str
     operation_id: str
     created: bool
+    leg: str = "twilio"  # which leg places it (`outbound_leg`)
 
 
 async def request_call(
@@ -192,14 +205,19 @@ async def request_call_in(
     existing = await ledger.find_by_idempotency_key(conn, settings.tenant_id, key)
     if existing is not None:
         return OutboundRequest(str(existing.args["call_id"]), str(existing.operation_id), False)
+    leg = outbound_leg(settings, to)
     await conn.execute(
         pg_insert(calls).values(
             id=uuid.UUID(call_id),
             call_sid=PENDING_SID + call_id,
             tenant_id=settings.tenant_id,
-            leg="twilio",
+            leg=leg,
             direction="outbound",
-            from_number=settings.twilio_from_number,
+            from_number=(
+                settings.twilio_from_number
+                if leg == "twilio"
+                else (settings.sip_outbound_user or "voice-agent")
+            ),
             to_number=to,
             status=str(CallStatus.RINGING),
             outbound=outbound,
@@ -224,12 +242,19 @@ async def request_call_in(
         .where(calls.c.id == uuid.UUID(call_id))
         .values(outbound={**outbound, "placing_operation_id": operation_id})
     )
-    return OutboundRequest(call_id, operation_id, True)
+    return OutboundRequest(call_id, operation_id, True, leg)
+
+
+def outbound_leg(settings: Settings, to: str) -> str:
+    """Which leg places a call to `to`: `sip` for a SIP URI or with OUTBOUND_VIA=sip."""
+    if to.lower().startswith("sip:") or settings.outbound_via == "sip":
+        return "sip"
+    return "twilio"
 
 
 def requested_events(request: OutboundRequest, to: str, purpose: str, by: str) -> list[Any]:
     """The timeline's first events of a requested call: (kind, data) pairs."""
-    started = {"direction": "outbound", "to": to, "leg": "twilio", "by": by[:128]}
+    started = {"direction": "outbound", "to": to, "leg": request.leg, "by": by[:128]}
     requested = {"purpose": purpose, "operation_id": request.operation_id, "by": by[:128]}
     return [(CallEventKind.CALL_STARTED, started), (CallEventKind.OUTBOUND_REQUESTED, requested)]
 
@@ -351,12 +376,86 @@ async def bind_sid(engine: AsyncEngine | AsyncConnection, call_id: str, call_sid
         return (await conn.execute(stmt)).first() is not None
 
 
-class OutboundRouter:
-    """The worker's provider: `place_call` to Twilio, every other tool to the catalog's."""
+class SipPlacer(Protocol):
+    """What places a call over our SIP leg (app/legs/sip_outbound.py, on the SIP listener)."""
 
-    def __init__(self, inner: Provider, calls_provider: TwilioCalls) -> None:
+    async def place(self, call_id: str, to: str, timeout_s: float) -> ActionResult: ...
+
+
+class SipCalls:
+    """The `place_call` provider over our own SIP leg: the listener of this process places it;
+    `lookup` reads what it recorded (see the module docstring)."""
+
+    def __init__(
+        self, engine: AsyncEngine, placer: Callable[[], SipPlacer | None] | None = None
+    ) -> None:
+        self.engine = engine
+        self.placer = placer or (lambda: None)
+
+    async def perform(
+        self, op: OperationRecord, spec: ToolSpec, *, timeout_s: float
+    ) -> ActionResult:
+        args = PlaceCallArgs.model_validate(op.args)
+        placer = self.placer()
+        if placer is None:
+            reason = "no SIP listener in this worker's process"
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    sa.update(calls)
+                    .where(calls.c.id == uuid.UUID(args.call_id),
+                           calls.c.status == CallStatus.RINGING)
+                    .values(status=str(CallStatus.FAILED), end_reason=reason,
+                            ended_at=sa.func.now())
+                )  # fmt: skip
+            return ActionResult(
+                Outcome.failed_final,
+                error="SIP outbound calls are placed by `serve` with SIP_BIND (its in-process "
+                "worker); this worker has no SIP listener",
+            )
+        return await placer.place(args.call_id, args.to, timeout_s)
+
+    async def lookup(self, op: OperationRecord, spec: ToolSpec) -> Finding:
+        """Placed if the far side ever answered the INVITE (any 1xx or final recorded on the
+        row); not placed otherwise: nothing was heard, so nothing can have rung."""
+        args = PlaceCallArgs.model_validate(op.args)
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(calls.c.call_sid, calls.c.outbound).where(
+                        calls.c.id == uuid.UUID(args.call_id)
+                    )
+                )
+            ).first()
+        if row is None:
+            return Finding("not_found")
+        sid, outbound = row
+        status = (outbound or {}).get("sip_status")
+        if status and sid and not str(sid).startswith(PENDING_SID):
+            return Finding("applied", {"call_sid": sid, "sip_status": status}, reference=sid)
+        return Finding("not_found")
+
+
+class OutboundRouter:
+    """The worker's provider: `place_call` to Twilio (or over SIP), every other tool to the
+    catalog's."""
+
+    def __init__(
+        self,
+        inner: Provider,
+        calls_provider: TwilioCalls,
+        sip_calls: SipCalls | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         self.inner = inner
         self.calls = calls_provider
+        self.sip_calls = sip_calls
+        self.settings = settings or calls_provider.settings
+
+    def _over_sip(self, op: OperationRecord) -> SipCalls | None:
+        to = str(op.args.get("to", ""))
+        if self.sip_calls is not None and outbound_leg(self.settings, to) == "sip":
+            return self.sip_calls
+        return None
 
     async def perform(
         self,
@@ -367,11 +466,15 @@ class OutboundRouter:
         callback_url: str | None = None,
     ) -> ActionResult:
         if spec.name == PLACE_CALL:
+            if (sip := self._over_sip(op)) is not None:
+                return await sip.perform(op, spec, timeout_s=timeout_s)
             return await self.calls.perform(op, spec, timeout_s=timeout_s)
         return await self.inner.perform(op, spec, timeout_s=timeout_s, callback_url=callback_url)
 
     async def lookup(self, op: OperationRecord, spec: ToolSpec) -> Finding:
         if spec.name == PLACE_CALL:
+            if (sip := self._over_sip(op)) is not None:
+                return await sip.lookup(op, spec)
             return await self.calls.lookup(op, spec)
         return await self.inner.lookup(op, spec)
 
@@ -389,12 +492,18 @@ class OutboundRouter:
 
 
 def outbound_worker(
-    settings: Settings, engine: AsyncEngine, registry: Registry, provider: Provider
+    settings: Settings,
+    engine: AsyncEngine,
+    registry: Registry,
+    provider: Provider,
+    sip: Callable[[], SipPlacer | None] | None = None,
 ) -> tuple[Registry, OutboundRouter]:
-    """A worker's registry and provider with outbound calls beside the catalog's tools."""
+    """A worker's registry and provider with outbound calls beside the catalog's tools;
+    `sip`: this process's SIP placer, when it has a SIP listener (read when a call is placed:
+    the listener starts after the worker)."""
     deadline = settings.outbound_create_timeout_s
     return with_place_call(registry, deadline), OutboundRouter(
-        provider, TwilioCalls(settings, engine)
+        provider, TwilioCalls(settings, engine), SipCalls(engine, sip), settings
     )
 
 

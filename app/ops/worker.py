@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import procrastinate
@@ -22,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import make_engine, resolve_database_url
 from app.ops.callback import CallbackChannel, CallbackConfig
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
-from app.ops.outbound import OutboundRouter, outbound_worker
+from app.ops.outbound import OutboundRouter, SipPlacer, outbound_worker
 from app.ops.sms import SmsChannel
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog
@@ -197,6 +198,7 @@ async def start_inprocess_worker(
     registry: Registry | None = None,
     provider: Provider | None = None,
     concurrency: int | None = None,
+    sip: Callable[[], SipPlacer | None] | None = None,
 ) -> OperationWorker:
     """Start a worker inside the server process (for its lifespan); `stop()` it on shutdown.
 
@@ -214,7 +216,7 @@ async def start_inprocess_worker(
         if catalog is None:
             catalog = owned = load_configured_catalog(settings)
         registry = catalog.registry
-    registry, provider = outbound_worker(settings, engine, registry, provider)
+    registry, provider = outbound_worker(settings, engine, registry, provider, sip)
     worker = OperationWorker(
         database_url=url,
         engine=engine,

@@ -1,0 +1,361 @@
+"""Outbound calls over our own SIP leg: the `place_call` operation's INVITE, and the answered
+call's agent (the same bridge as an inbound SIP call, with the outbound purpose).
+
+`SipOutbound.place` (the worker's `SipCalls`, in the process of the SIP listener):
+
+1. an RTP port and our offer; the INVITE (telephony/legs/sip/uac.py) to `to` (a `sip:` URI, or
+   `sip:+E164@<SIP_OUTBOUND_PROXY host>`), through SIP_OUTBOUND_PROXY when set, with
+   SIP_OUTBOUND_USER / SIP_OUTBOUND_PASSWORD for one digest challenge;
+2. the row is named by the INVITE's Call-ID; every response to the INVITE is recorded on it
+   (`outbound.sip_status`): what the reconciler reads if the placing's answer is lost;
+3. the operation is committed once the far side answered the INVITE at all (unknown when
+   nothing came by its deadline: the call goes on, and the reconciler decides);
+4. the call runs in its own task: answered -> the bridge, silent until the line opens with the
+   purpose and the operation's facts (app/legs/twilio/outbound.py's OutboundLine); busy (486,
+   600, 603), no answer (480, 408, the ring timeout's 487) or failed -> the row, the timeline
+   and the placing operation, as Twilio's status callback records them.
+
+There is no answering-machine detection on SIP: whoever answers is taken for a person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+from aiosipua import SipDigestAuth
+
+from app.calls import store as call_store
+from app.calls.store import CallStatus, calls
+from app.legs.session import CallSession
+from app.legs.twilio.outbound import OutboundLine, unanswered
+from app.ops.outbound import bind_sid
+from app.runtime import Runtime
+from app.settings import host_port
+from telephony.call_events import CallEvent, CallEventKind
+from telephony.legs.sip.access import AllowList
+from telephony.legs.sip.dialog import CallKey
+from telephony.legs.sip.errors import RtpPortsExhausted
+from telephony.legs.sip.leg import SipLeg
+from telephony.legs.sip.ports import RtpPorts
+from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock
+from telephony.legs.sip.sdp import PCMU, PTIME_MS, LocalMedia
+from telephony.legs.sip.transport import SipTransport
+from telephony.legs.sip.uac import (
+    OutgoingAnswered,
+    OutgoingFailed,
+    OutgoingProgress,
+    next_hop,
+    outcome_of,
+    target_uri,
+)
+from telephony.legs.sip.uas import (
+    CallEnded,
+    DtmfReceived,
+    MediaUpdated,
+    SipEvent,
+    UserAgentServer,
+)
+from tools.provider import ActionResult, Outcome
+
+
+class SipListener(Protocol):
+    """What an outgoing call needs of the SIP listener (app/legs/sip.py's SipService)."""
+
+    runtime: Runtime
+    core: UserAgentServer
+    transport: SipTransport
+    clock: RtpClock
+    ports: RtpPorts
+    media_allow: AllowList | None
+    media_stats: MediaStats
+    advertised: str
+    bind_host: str
+
+    def hang_up(self, key: CallKey, reason: str) -> None: ...
+
+    async def bind_rtcp(self, leg: SipLeg, rtp_port: int) -> asyncio.DatagramTransport | None: ...
+
+
+log = logging.getLogger(__name__)
+
+# A SIP final status as the row and the timeline name it (Twilio's words, for one vocabulary).
+ROW_STATUS = {
+    "busy": (CallStatus.BUSY, "busy"),
+    "declined": (CallStatus.BUSY, "busy"),
+    "no_answer": (CallStatus.NO_ANSWER, "no-answer"),
+    "failed": (CallStatus.FAILED, "failed"),
+}
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """One outgoing call from its INVITE until it is over in this process."""
+
+    call_id: str
+    heard: asyncio.Event = field(default_factory=asyncio.Event)  # any response to the INVITE
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # answered or failed
+    answered: OutgoingAnswered | None = None
+    failed: OutgoingFailed | None = None
+    first_status: int = 0
+    leg: SipLeg | None = None
+    recorded: set[int] = field(default_factory=set)
+
+
+class SipOutbound:
+    """Places outbound calls on a SipService's listener (the `SipPlacer` of app/ops)."""
+
+    def __init__(self, service: SipListener) -> None:
+        self.service = service
+        self.runtime = service.runtime
+        self._calls: dict[CallKey, _Outgoing] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def handles(self, key: CallKey) -> bool:
+        return key in self._calls
+
+    # ---- placing ------------------------------------------------------------------------
+
+    async def place(self, call_id: str, to: str, timeout_s: float) -> ActionResult:
+        """Send the INVITE and wait (at most `timeout_s`) for the far side to answer it."""
+        service = self.service
+        settings = self.runtime.settings
+        proxy = host_port(settings.sip_outbound_proxy, "") if settings.sip_outbound_proxy else None
+        try:
+            uri = target_uri(to, proxy[0] if proxy else None)
+        except ValueError as exc:
+            await self._fail_row(call_id, f"cannot call {to[:40]!r}: {exc}"[:128])
+            return ActionResult(Outcome.failed_final, error=str(exc)[:300])
+        row = await call_store.get_call(self.runtime.engine, call_id)
+        if row is None or row.status != CallStatus.RINGING:
+            return ActionResult(Outcome.failed_final, error="the call ended before it was placed")
+        out = _Outgoing(call_id)
+        holder: list[CallKey] = []
+        signalling = proxy or next_hop(uri)
+
+        def hang_up(reason: str) -> None:
+            if holder:
+                service.hang_up(holder[0], reason)
+
+        leg = SipLeg(
+            call_id, PCMU, 101, service.clock, hang_up,
+            policy=MediaPolicy(signalling_host=signalling[0], allow=service.media_allow,
+                               learn_s=settings.sip_rtp_learn_s,
+                               probation=settings.sip_rtp_probation),
+            stats=service.media_stats, ptime_ms=PTIME_MS,
+        )  # fmt: skip
+        try:
+            _, _, rtp_port, rtp_sock = await service.ports.bind(service.bind_host, lambda: leg.rtp)
+        except RtpPortsExhausted:
+            await self._fail_row(call_id, "no RTP port free")
+            return ActionResult(Outcome.failed_retryable, error="no RTP port free")
+        leg.rtp.use_socket(rtp_sock)
+        rtcp = await service.bind_rtcp(leg, rtp_port)
+        out.leg = leg
+        local = LocalMedia(service.advertised, rtp_port, random.randint(1, 2**31))
+        credentials = None
+        if settings.sip_outbound_user and settings.sip_outbound_password is not None:
+            credentials = SipDigestAuth(
+                settings.sip_outbound_user, settings.sip_outbound_password.get_secret_value()
+            )
+        key: CallKey = service.transport.act(
+            lambda now: service.core.invite(
+                uri,
+                local,
+                now,
+                proxy=proxy,
+                from_user=settings.sip_outbound_user or "voice-agent",
+                credentials=credentials,
+                ring_timeout_s=float(settings.outbound_ring_timeout_s),
+            )
+        )
+        holder.append(key)
+        self._calls[key] = out
+        task = asyncio.create_task(
+            self._run(key, out, leg, rtp_port, rtcp), name=f"sip-outbound-{call_id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        # The row is named by the Call-ID before anything can be recorded under it.
+        await bind_sid(self.runtime.engine, call_id, key.call_id)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await out.heard.wait()
+        except TimeoutError:
+            return ActionResult(Outcome.unknown, error="no response to the INVITE yet")
+        return ActionResult(
+            Outcome.committed,
+            {"call_sid": key.call_id, "sip_status": out.first_status},
+            reference=key.call_id,
+        )
+
+    # ---- events from the core -----------------------------------------------------------
+
+    def on_event(self, event: SipEvent) -> None:
+        out = self._calls.get(event.key)
+        if out is None:
+            return
+        match event:
+            case OutgoingProgress():
+                self._heard(out, event.status)
+            case OutgoingAnswered():
+                out.answered = event
+                self._heard(out, 200)
+                out.settled.set()
+            case OutgoingFailed():
+                out.failed = event
+                self._heard(out, event.status)
+                out.settled.set()
+            case CallEnded() if out.leg is not None:
+                out.leg.remote_ended(event.reason)
+            case MediaUpdated() if out.leg is not None:
+                out.leg.media_updated(event.remote, event.direction)
+            case DtmfReceived() if out.leg is not None:
+                out.leg.digit(event.digit)
+            case _:
+                pass
+
+    def _heard(self, out: _Outgoing, status: int) -> None:
+        if not out.first_status:
+            out.first_status = status
+        out.heard.set()
+        if status not in out.recorded:
+            out.recorded.add(status)
+            self._spawn(self._record_status(out.call_id, status))
+
+    async def _record_status(self, call_id: str, status: int) -> None:
+        """What the far side said, on the row: the reconciler's evidence that it was placed."""
+        try:
+            async with self.runtime.engine.begin() as conn:
+                await conn.execute(
+                    sa.update(calls)
+                    .where(calls.c.id == uuid.UUID(call_id))
+                    .values(
+                        outbound=calls.c.outbound.op("||")(
+                            sa.func.jsonb_build_object("sip_status", status)
+                        )
+                    )
+                )
+        except Exception:
+            log.exception("call %s: could not record SIP status %d", call_id, status)
+
+    # ---- one call -----------------------------------------------------------------------
+
+    async def _run(
+        self, key: CallKey, out: _Outgoing, leg: SipLeg, rtp_port: int, rtcp: Any
+    ) -> None:
+        service = self.service
+        try:
+            await out.settled.wait()
+            if out.answered is not None:
+                await self._answered(key, out, out.answered, leg, rtp_port)
+            elif out.failed is not None:
+                await self._unanswered(out.call_id, out.failed)
+        except Exception:
+            log.exception("SIP outbound call %s failed", out.call_id)
+            with contextlib.suppress(Exception):
+                service.hang_up(key, "internal error")
+        finally:
+            self._calls.pop(key, None)
+            leg.rtp.close()
+            if rtcp is not None:
+                rtcp.close()
+            service.ports.release(rtp_port)
+
+    async def _unanswered(self, call_id: str, failed: OutgoingFailed) -> None:
+        runtime = self.runtime
+        status, said = ROW_STATUS[
+            "no_answer" if outcome_of(failed.status) == "answered" else outcome_of(failed.status)
+        ]
+        reason = f"sip {failed.status}: {failed.reason}"[:128]
+        ended = await call_store.transition(runtime.engine, call_id, status, end_reason=reason)
+        if ended is None:
+            return
+        await unanswered(runtime, ended, said)
+        runtime.events.emit(
+            CallEvent(
+                call_id,
+                CallEventKind.CALL_ENDED,
+                call_store.call_ended_data(reason, call_store.EndSource.CALL),
+            )
+        )
+
+    async def _answered(
+        self, key: CallKey, out: _Outgoing, answered: OutgoingAnswered, leg: SipLeg, rtp_port: int
+    ) -> None:
+        runtime = self.runtime
+        call_id = out.call_id
+        row = await call_store.get_call(runtime.engine, call_id)
+        if row is None or row.status != CallStatus.RINGING:
+            self.service.hang_up(key, "the call ended before it was answered")
+            return
+        if not runtime.registry.try_reserve(key.call_id):
+            self.service.hang_up(key, "no capacity when answered")
+            await call_store.transition(
+                runtime.engine, call_id, CallStatus.FAILED, end_reason="no capacity when answered"
+            )
+            return
+        runtime.events.emit(
+            CallEvent(call_id, CallEventKind.OUTBOUND_ANSWERED, {"call_sid": key.call_id})
+        )
+        session = CallSession.of_row(runtime, row)
+        # Silent and deaf until the line opens with the purpose (as on Twilio).
+        config = dataclasses.replace(runtime.bridge_config, greeting=False, listen_at_start=False)
+        bridge = session.build_bridge(leg, config=config)
+        leg.answered(answered.remote, answered.direction)
+        started = time.monotonic()
+        run = asyncio.create_task(bridge.run(), name=f"sip-outbound-bridge-{call_id}")
+        status = CallStatus.FAILED
+        try:
+            stream = {
+                "codec": PCMU.name,
+                "encoding": PCMU.audio_format,
+                "sample_rate": 8000,
+                "rtp_port": rtp_port,
+                "remote": ":".join(map(str, answered.remote.address or ("", 0))),
+                "direction": "outbound",
+            }
+            if await session.go_live(stream):
+                status = CallStatus.COMPLETED
+                line = OutboundLine(runtime, session, bridge)
+                if session.entry is not None:
+                    session.entry.outbound = line
+                # No answering-machine detection on SIP: whoever answered is a person.
+                await line.answered_by("human", detected=False)
+            else:
+                await bridge.end("ended elsewhere")
+            await run
+            log.debug("SIP outbound call %s ran %.1f s", call_id, time.monotonic() - started)
+        finally:
+            if not run.done():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+            await session.end(status)
+
+    async def _fail_row(self, call_id: str, reason: str) -> None:
+        await call_store.transition(
+            self.runtime.engine, call_id, CallStatus.FAILED, end_reason=reason
+        )
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        """Hang up what is still ringing or up, and wait for the calls' tasks."""
+        for key in list(self._calls):
+            self.service.hang_up(key, "server shutdown")
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10.0)
+        for task in list(self._tasks):
+            task.cancel()
