@@ -160,3 +160,52 @@ async def test_no_final_notify_within_the_ring_timeout_keeps_the_caller_with_the
     assert [k for k in seen if k in order] == order, seen
     # The NOTIFY 200 that came after the timeout got 481 (sipp checked it) and changed nothing.
     assert ended is not None and "bye" in ended["end_reason"], ended["end_reason"]
+
+
+async def test_staff_transfer_a_call_on_our_sip_leg_from_the_console_api(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Staff put a SIP call through to a target: the same REFER as the tool's, after the agent's
+    sentence; our side ends only after the 200 sipfrag; who asked is on the timeline."""
+    import httpx
+
+    from app.access.staff import Role
+    from telephony.sim.scenario import Scenario
+    from tests.console_support import bearer
+    from tests.test_transfer import SENTENCE, SENTENCE_MS
+
+    staffed = Scenario.model_validate(
+        {
+            "name": "sip-staff-transfer",
+            "greeting": {"text": "Hello, how can I help?", "audio_ms": 800},
+            "steps": [],
+            "fallback": {"text": SENTENCE, "audio_ms": SENTENCE_MS},
+        }
+    )
+    async with sip_stack(engine, staffed, transfer_targets=TARGETS) as stack:
+        operator = await bearer(engine, Role.OPERATOR, "olga")
+        task = await sipp_in_background(stack, "refer_transferred.xml", tmp_path)
+        row = await live_row(engine, task)
+        call_id = str(row["id"])
+        session = await stack.sim.wait_for_session(0, within=WAIT_S)
+        await session.wait_for_sent("response.done", within=WAIT_S)  # the greeting is out
+        async with httpx.AsyncClient(base_url=stack.service.url) as http:
+            moved = await http.post(
+                f"/api/calls/{call_id}/actions/transfer",
+                json={"target": "front_desk", "why": "asked for the desk"},
+                headers=operator,
+            )
+        run = await task
+        assert run.returncode == 0, run.explain()
+        await settled(stack)
+        events = await event_rows(engine, call_id)
+        ended = await call_row(engine, str(row["call_sid"]))
+    assert moved.status_code == 202, moved.text
+    assert ended is not None and ended["end_reason"] == "transferred to front_desk"
+    [asked] = [e["data"] for e in events if e["kind"] == "transfer_requested"]
+    assert asked["target"] == "front_desk" and asked["reason"].startswith("staff: olga")
+    seen = [e["kind"] for e in events]
+    order = ["transfer_requested", "transfer_started", "transfer_answered", "call_ended"]
+    assert [k for k in seen if k in order] == order, seen
+    assert count_in_trace(tmp_path, "REFER sip:") >= 1
+    assert count_in_trace(tmp_path, "BYE sip:") == 1
