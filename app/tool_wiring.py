@@ -20,6 +20,7 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.errors import StartupError
+from app.ops.outbound import callback_scheduler
 from app.settings import Settings
 from tools.agents import AgentSet, AgentsFileError, load_agents_file
 from tools.catalog import Catalog, CatalogContext
@@ -177,7 +178,8 @@ def build_tools(
     """The ToolGateway every call of this process uses, over `catalog`."""
     # Deferral runs on the admitting connection, so this app is never opened here.
     agents = load_configured_agents(settings, catalog)
-    enqueue = make_enqueue(make_app(database_url, max_pool_size=1))
+    jobs = make_app(database_url, max_pool_size=1)
+    enqueue = make_enqueue(jobs)
     pipeline = ToolPipeline(
         engine,
         catalog.registry,
@@ -191,6 +193,7 @@ def build_tools(
         ),
         agents=agents,
         transfers=configured_transfers(settings, catalog),
+        callbacks=callback_scheduler(settings, jobs),
         dtmf_out=settings.dtmf_out,
         policy=PolicyConfig(
             max_mutations_per_caller=settings.max_mutations_per_caller,

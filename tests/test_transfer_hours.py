@@ -6,7 +6,7 @@ nothing reaches the leg; bad declarations are refused at their line."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -199,3 +199,70 @@ async def test_a_transfer_outside_the_hours_or_for_an_unverified_caller_is_refus
         row = await ledger.get_tool_call(conn, "call-h1", "fc_1")
     assert row is not None and row.decision == "deny"
     assert row.decision_reason is not None and row.decision_reason.startswith("front_desk:")
+
+
+async def test_a_call_back_is_arranged_for_when_the_target_opens_or_when_asked_and_said_only_then(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    """`schedule_callback` admits a real outbound call (its row and its `place_call` operation,
+    the job scheduled for then) in the tool call's transaction; the model is told the time only
+    once it is arranged; a retried tool call arranges one; a withheld number arranges none."""
+    import sqlalchemy as sa
+
+    from app.ops.outbound import callback_scheduler
+    from app.settings import Settings
+    from tools.executor import make_app
+
+    catalog = load_tools_text(SHOP, source="shop.yaml", environ={})
+    assert catalog.transfers is not None
+    jobs = make_app(clean_db, max_pool_size=1)
+    p = Pipeline(engine, catalog.transfers)
+    p.pipe.callbacks = callback_scheduler(Settings(), jobs)
+    p.clock.now = ROME_SATURDAY_EVENING
+    assert "schedule_callback" in [d["name"] for d in p.pipe.definitions()]
+    args = {"reason": "a complaint about a bill", "target": "front_desk"}
+    when_open = await p.call("call-c1", "+15550001", "schedule_callback", args)
+    request = FunctionCallRequest(  # the same tool call delivered again
+        call_id="fc_1", name="schedule_callback", arguments=json.dumps(args), item_id="i1",
+        response_id="r1", turn_id=1, evidence=CallerAnswers(),
+    )  # fmt: skip
+    again = await p.pipe.handle(ctx("call-c1", "+15550001"), request)
+    in_ten = await p.call("call-c2", "+15550002", "schedule_callback",
+                          {"reason": "the caller is driving", "minutes_from_now": 10})  # fmt: skip
+    no_time = await p.call("call-c3", "+15550003", "schedule_callback",
+                           {"reason": "later", "target": "accounts"})  # fmt: skip
+    withheld = await p.call("call-c4", "", "schedule_callback",
+                            {"reason": "later", "minutes_from_now": 5})  # fmt: skip
+    async with engine.connect() as conn:
+        placed = (
+            (
+                await conn.execute(
+                    sa.text(
+                        "SELECT c.to_number, c.direction, c.outbound, o.tool, o.status, "
+                        "j.scheduled_at FROM calls c JOIN operations o ON o.operation_id::text = "
+                        "c.outbound->>'placing_operation_id' JOIN procrastinate_jobs j ON "
+                        "j.args->>'operation_id' = o.operation_id::text ORDER BY c.created_at"
+                    )
+                )
+            )
+            .mappings()
+            .all()
+        )
+    out = when_open["output"]
+    assert out["status"] == "callback_scheduled"
+    assert "arranged for Monday at 09:00 (Europe/Rome)" in out["message"]
+    assert again.output["operation_id"] == out["operation_id"]  # one call back, not two
+    assert in_ten["output"]["at"] == (ROME_SATURDAY_EVENING + timedelta(minutes=10)).isoformat()
+    assert (
+        no_time["output"]["status"] == "denied"
+        and "when suits them" in (no_time["output"]["message"])
+    )
+    assert withheld["output"]["status"] == "denied" and "withheld" in withheld["output"]["message"]
+    assert [(r["to_number"], r["direction"], r["tool"], r["status"]) for r in placed] == [
+        ("+15550001", "outbound", "place_call", "admitted"),
+        ("+15550002", "outbound", "place_call", "admitted"),
+    ]
+    monday_nine_rome = datetime(2026, 12, 7, 8, 0, tzinfo=UTC)
+    assert placed[0]["scheduled_at"] == monday_nine_rome
+    assert "They wanted front desk" in placed[0]["outbound"]["purpose"]
+    assert placed[0]["outbound"]["asked_in_call"] == "call-c1"

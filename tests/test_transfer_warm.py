@@ -35,7 +35,7 @@ STAY = "I'm calling the front desk for you now, please stay on the line."
 STAY_MS = 1500
 JOIN = "They're here, connecting you now."
 JOIN_MS = 900
-NOBODY = "Sorry, nobody answered. Shall someone call you back, or shall I text you?"
+NOBODY = "Sorry, nobody answered. Shall we call you back later?"
 REASON = "billing dispute about a double charge"
 WAIT_S = 30.0
 
@@ -165,7 +165,7 @@ async def test_nobody_answering_leaves_the_caller_with_the_agent_who_offers_a_ca
     assert not stack.api.conferences
     assert not stack.api.requests_to(f"/Calls/{caller.call_sid}.json")
     [note] = [n for n in notes if "did not go through" in n]
-    assert "nobody answered" in note and "call them back" in note and "text message" in note
+    assert "nobody answered" in note and "arrange a call back (schedule_callback)" in note
     assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == "no-answer"
     assert tc["output"]["warm"] == {
         "state": "failed", "status": "no-answer", "person_call_sid": person.sid

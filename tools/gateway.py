@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from opentelemetry import trace
 from pydantic import BaseModel
@@ -73,10 +74,15 @@ from tools.results import (
 )
 from tools.states import IN_FLIGHT, OperationStatus, is_terminal
 from tools.transfers import (
+    DAY_NAMES,
+    SCHEDULE_CALLBACK,
+    SCHEDULE_CALLBACK_SPEC,
     SEND_DTMF,
     SEND_DTMF_SPEC,
     TRANSFER_CALL,
     TRANSFER_SPEC,
+    CallbackScheduler,
+    ScheduleCallbackArgs,
     SendDtmfArgs,
     TransferArgs,
     TransferTarget,
@@ -145,8 +151,11 @@ class ToolPipeline:
         agents: AgentSet | None = None,
         transfers: Mapping[str, TransferTarget] | None = None,
         dtmf_out: bool = False,
+        callbacks: CallbackScheduler | None = None,
     ) -> None:
         self._engine = engine
+        # Arranges a call back to the caller (the app's outbound calls); offered with transfers.
+        self.callbacks = callbacks
         # Where a caller may be transferred (TRANSFER_TARGETS); none: the tool is not offered.
         self.transfers: dict[str, TransferTarget] = dict(transfers or {})
         # Whether the agent may press keys on the line (DTMF_OUT): send_dtmf is offered.
@@ -173,6 +182,8 @@ class ToolPipeline:
         defined = self._registry.definitions()
         if self.transfers:
             defined.append(transfer_definition(self.transfers))
+        if self._offers_callbacks():
+            defined.append(SCHEDULE_CALLBACK_SPEC.definition())
         if self.dtmf_out:
             defined.append(SEND_DTMF_SPEC.definition())
         return defined
@@ -199,6 +210,8 @@ class ToolPipeline:
         tools = [s.definition() for s in self._registry if self._offers(agent, s.name)]
         if self.transfers:
             tools.append(transfer_definition(self.transfers))
+        if self._offers_callbacks():
+            tools.append(SCHEDULE_CALLBACK_SPEC.definition())
         if self.dtmf_out:
             tools.append(SEND_DTMF_SPEC.definition())
         if agent.handoffs:
@@ -281,6 +294,66 @@ class ToolPipeline:
         return ToolReply(output=out, wants_response=True, session_change=change)
 
     # --- transfers -------------------------------------------------------------------------
+
+    async def _schedule_callback(
+        self,
+        conn: AsyncConnection,
+        ctx: CallContext,
+        tc: ToolCallRecord,
+        args: ScheduleCallbackArgs,
+    ) -> ToolReply:
+        """A call back to the caller's number, admitted as an outbound call (its `place_call`
+        operation scheduled for then) in this transaction: said as arranged only once it is."""
+        norm = args.model_dump(mode="json")
+        now = self._clock()
+        target = self.transfers.get(args.target) if args.target else None
+        at: datetime | None = None
+        if args.minutes_from_now is not None:
+            at = now + timedelta(minutes=args.minutes_from_now)
+        elif target is not None and target.hours is not None and not target.hours.is_open(now):
+            at = target.hours.next_opening(now)
+        problem = None
+        if not ctx.from_number:
+            problem = "The caller's number is withheld, so there is no number to call back."
+        elif at is None:
+            problem = "Ask the caller when suits them (in how many minutes), then try again."
+        if problem is not None or at is None or self.callbacks is None:
+            out = denied_output(f"{problem} Nothing was arranged.", rule="callback")
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason=str(problem), arguments=norm, output=out
+            )
+            return _reply(out)
+        wanted = f" They wanted {target.name.replace('_', ' ')}." if target else ""
+        purpose = f"Calling back as arranged: {args.reason}.{wanted}"[:300]
+        try:
+            scheduled = await self.callbacks(conn, ctx, purpose, at, f"{ctx.call_id}:{tc.id}")
+        except ValueError as exc:  # a number that cannot be called (not E.164)
+            out = denied_output(
+                "The caller's number cannot be called back from here. Nothing was arranged.",
+                rule="callback",
+            )
+            await ledger.complete_tool_call(
+                conn, tc.id, decision="deny", reason=_storable(str(exc)), arguments=norm,
+                output=out,
+            )  # fmt: skip
+            return _reply(out)
+        zone = target.hours.zone if target is not None and target.hours is not None else "UTC"
+        when = scheduled.at.astimezone(ZoneInfo(zone))
+        said = f"{DAY_NAMES[when.weekday()]} at {when:%H:%M} ({zone})"
+        out = {
+            "status": "callback_scheduled",
+            "operation_id": scheduled.operation_id,
+            "at": scheduled.at.isoformat(),
+            "message": bounded(
+                f"A call back to the number they are calling from is arranged for {said}. Tell "
+                "the caller that, in one sentence; promise nothing more."
+            ),
+        }
+        await ledger.complete_tool_call(
+            conn, tc.id, decision="callback", reason=f"at {scheduled.at.isoformat()}",
+            arguments=norm, output=out,
+        )  # fmt: skip
+        return ToolReply(output=out, wants_response=True, operation_id=scheduled.operation_id)
 
     async def _transfer(
         self,
@@ -453,7 +526,13 @@ class ToolPipeline:
             return TRANSFER_SPEC
         if name == SEND_DTMF and self.dtmf_out:
             return SEND_DTMF_SPEC
+        if name == SCHEDULE_CALLBACK and self._offers_callbacks():
+            return SCHEDULE_CALLBACK_SPEC
         return self._registry.get(name) if name in self._registry else None
+
+    def _offers_callbacks(self) -> bool:
+        """A call back is offered where a transfer can fail and the app can place calls."""
+        return bool(self.transfers) and self.callbacks is not None
 
     async def _record_call(
         self, conn: AsyncConnection, ctx: CallContext, request: FunctionCallRequest
@@ -613,6 +692,8 @@ class ToolPipeline:
                     return await self._handoff(conn, ctx, request, tc, args)
                 if isinstance(args, TransferArgs):
                     return await self._transfer(conn, ctx, request, tc, args, verification)
+                if isinstance(args, ScheduleCallbackArgs):
+                    return await self._schedule_callback(conn, ctx, tc, args)
                 if isinstance(args, SendDtmfArgs):
                     out = {"status": "sending", "digits": args.digits}
                     await ledger.complete_tool_call(

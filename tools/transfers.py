@@ -28,14 +28,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from telephony.tool_gateway import TransferOutcome
+from telephony.tool_gateway import CallContext, TransferOutcome
 from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_states import COMMUNICATED
 from tools.ledger_models import OperationRecord
@@ -153,8 +153,8 @@ class TransferTarget:
                 else ""
             )
             return (
-                f"{said.capitalize()} is closed now.{when} Nothing was sent. Offer to take a "
-                "message, a text, or a call back instead."
+                f"{said.capitalize()} is closed now.{when} Nothing was sent. Offer to arrange a "
+                "call back for when it opens (schedule_callback with this target) instead."
             )
         return None
 
@@ -251,6 +251,58 @@ TRANSFER_SPEC = ToolSpec(
         "answer tells you what to say while the call is put through, or that it could not be."
     ),
     args_model=TransferArgs,
+    kind=ToolKind.CONTROL,
+)
+
+
+SCHEDULE_CALLBACK = "schedule_callback"
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledCallback:
+    """A call back admitted: the outbound call's row and its `place_call` operation, due `at`."""
+
+    call_id: str
+    operation_id: str
+    at: datetime
+
+
+class CallbackScheduler(Protocol):
+    """The app's way to arrange a call back inside the admitting transaction (`key` makes a
+    retried tool call arrange the same one)."""
+
+    async def __call__(
+        self, conn: AsyncConnection, ctx: CallContext, purpose: str, at: datetime, key: str
+    ) -> ScheduledCallback: ...
+
+
+class ScheduleCallbackArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, frozen=True)
+
+    reason: str = Field(
+        min_length=1, max_length=300, description="What the call back is about, in a few words."
+    )
+    target: str | None = Field(
+        default=None,
+        max_length=40,
+        description="The transfer target the caller wanted, if any: when it is closed, the call "
+        "back comes when it opens.",
+    )
+    minutes_from_now: int | None = Field(
+        default=None, ge=1, le=10080, description="When to call back, in minutes from now."
+    )
+
+
+SCHEDULE_CALLBACK_SPEC = ToolSpec(
+    name=SCHEDULE_CALLBACK,
+    description=(
+        "Arrange for this service to call the caller back on the number they are calling from, "
+        "for example when a transfer did not go through or the person they want is closed. "
+        "Ask them when suits them (minutes_from_now), or give the target that is closed (the "
+        "call back comes when it opens). Say the call back is arranged only after this answers "
+        "that it is."
+    ),
+    args_model=ScheduleCallbackArgs,
     kind=ToolKind.CONTROL,
 )
 

@@ -48,7 +48,7 @@ from tools.errors import ToolError
 from tools.ledger import Enqueue, OperationRecord
 from tools.provider import ActionResult, Finding, Outcome, Provider
 from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
-from tools.transfers import E164
+from tools.transfers import E164, CallbackScheduler, ScheduledCallback
 
 MAX_SIP_URI = 256
 
@@ -517,3 +517,40 @@ async def note_on_placing(
     await ledger.record_event(
         conn, uuid.UUID(str(op_id)), kind="note", actor="twilio", reason=reason, data=data
     )
+
+
+def callback_scheduler(settings: Settings, jobs: Any) -> CallbackScheduler:
+    """`schedule_callback`'s way to arrange a call back: an outbound call to the caller's number
+    (`request_call_in`, in the tool call's transaction) whose `place_call` job waits until
+    `at` (moved out of QUIET_HOURS), keyed by the tool call so a retry arranges one call."""
+    from tools.executor import enqueue_operation
+    from tools.quiet_hours import QuietHours
+
+    quiet = (
+        QuietHours.parse(settings.quiet_hours, settings.quiet_hours_tz)
+        if settings.quiet_hours
+        else None
+    )
+
+    async def schedule(
+        conn: AsyncConnection, ctx: Any, purpose: str, at: datetime, key: str
+    ) -> ScheduledCallback:
+        due = (quiet.end_if_quiet(at) if quiet is not None else None) or at
+
+        async def enqueue_then(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
+            await enqueue_operation(jobs, conn, operation_id, schedule_at=due)
+
+        placed = await request_call_in(
+            conn,
+            settings,
+            enqueue_then,
+            to=str(ctx.from_number),
+            purpose=purpose,
+            about_operation_id=None,
+            by="agent (call back asked for in the call)",
+            idempotency_key=f"callback-asked:{key}",
+            extra={"asked_in_call": ctx.call_id, "due_at": due.isoformat()},
+        )
+        return ScheduledCallback(placed.call_id, placed.operation_id, due)
+
+    return schedule

@@ -294,7 +294,7 @@ class ToolDispatch:
     async def transfer_failed(self, transfer: TransferRequest, outcome: TransferOutcome) -> None:
         """A transfer that did not go through (refused, or a warm transfer's person never
         joined): the outcome on its row and the timeline, and the model, with the caller still
-        on the line, told to say so and offer a callback or a text message."""
+        on the line, told to say so and offer to arrange a call back."""
         if self._port.ended():
             return
         record = getattr(self._gateway, "transfer_outcome", None)
@@ -309,8 +309,8 @@ class ToolDispatch:
         await self._say_after_note(
             f"The transfer to {transfer.target.replace('_', ' ')} did not go through "
             f"({outcome.status}: {outcome.detail}). The caller is still with you: tell them in "
-            "one sentence, and offer to have someone call them back or to send them a text "
-            "message.",
+            "one sentence, and offer to arrange a call back (schedule_callback) at a time that "
+            "suits them; promise nothing else.",
             "transfer_failed",
         )
 

@@ -178,7 +178,7 @@ async def resume_context(runtime: Runtime, call_id: str) -> ResumeContext:
             f"You tried to put this caller through to {target}, but {why}; they are back with you",
         )
         first = (
-            f"I'm sorry, I couldn't put you through to {target}: {why}. I can take a message "
-            "or have someone call you back."
+            f"I'm sorry, I couldn't put you through to {target}: {why}. I can arrange for us "
+            "to call you back, if you like."
         )
     return ResumeContext(note, first, agent)

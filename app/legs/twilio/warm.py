@@ -18,8 +18,9 @@ The caller never leaves the agent until the person has heard who is calling and 
    of the call ends "transferred to <target> (warm)". The conference ends when either leaves.
 4. `person_status` (`POST /twilio/warm-status`, the person's call status): busy, no answer,
    failed, or a hang-up before being joined: the row goes to failed (once), and the holder hears
-   `warm` `failed`: the agent, still with the caller, is told why and prompted to offer a
-   callback or a text message. Nothing ever tells the caller "connected" before the join.
+   `warm` `failed`: the agent, still with the caller, is told why and prompted to offer to
+   arrange a call back (`schedule_callback`). Nothing ever tells the caller "connected" before
+   the join.
 
 A caller who hangs up while the person is rung or briefed: the person's call is ended, and a
 briefing that finishes after that is answered "the caller is no longer on the line".
