@@ -49,12 +49,6 @@ def production_signs(settings: Settings) -> list[str]:
 
 def plan_realtime(settings: Settings) -> RealtimePlan:
     """The plan for these settings; StartupError when calls would reach the wrong model."""
-    if settings.model_api == "live" and settings.openai_webhook_secret is not None:
-        # OpenAI's SIP interconnect is a Realtime call: its calls cannot be GPT-Live.
-        raise StartupError(
-            "MODEL_API=live does not cover OpenAI's SIP interconnect (OPENAI_WEBHOOK_SECRET is "
-            "set) yet: unset OPENAI_WEBHOOK_SECRET, or set MODEL_API=realtime"
-        )
     if settings.realtime_simulator:
         return RealtimePlan(
             in_process_simulator=settings.openai_base_url is None,

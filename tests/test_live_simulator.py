@@ -17,7 +17,6 @@ from openai.resources.live.live import AsyncLiveConnection
 from openai.types.live import ServerEvent
 from pydantic import SecretStr
 
-from app.errors import StartupError
 from app.main import bridge_config_from
 from app.realtime_check import plan_realtime
 from app.settings import Settings
@@ -297,7 +296,7 @@ async def test_under_client_delegation_the_answer_is_commentary_naming_the_deleg
     _assert_sdk_shapes(session)
 
 
-def test_model_api_defaults_to_realtime_and_live_is_refused_only_with_the_sip_interconnect(
+def test_model_api_defaults_to_realtime_and_live_also_runs_the_sip_interconnect(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = Settings(openai_api_key=None, openai_base_url=None)
@@ -310,8 +309,9 @@ def test_model_api_defaults_to_realtime_and_live_is_refused_only_with_the_sip_in
     config = bridge_config_from(live)
     assert (config.model_api, config.live_model) == ("live", "gpt-live-1.1")
     plan_realtime(live)
-    with pytest.raises(StartupError, match=r"MODEL_API=live .*OPENAI_WEBHOOK_SECRET"):
-        plan_realtime(live.model_copy(update={"openai_webhook_secret": SecretStr("whsec_x")}))
+    # OpenAI's SIP interconnect takes GPT-Live calls too (live.transport.incoming).
+    sip = {"openai_webhook_secret": SecretStr("whsec_x"), "openai_api_key": SecretStr("sk-x")}
+    assert plan_realtime(live.model_copy(update=sip)).check_key
     monkeypatch.setenv("MODEL_API", "gpt-live")
     with pytest.raises(ValueError, match="model_api"):
         Settings()

@@ -69,6 +69,15 @@ async def _script(sim: SipInterconnect, call: SimCall, scenario: Scenario, say: 
 
 async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
     began = time.monotonic()
+    if settings.model_api == "live":
+        # The script below follows Realtime's sideband events; tests/test_openai_sip_live.py
+        # plays GPT-Live on the interconnect.
+        print(
+            "voice-agent demo --leg openai-sip plays the Realtime interconnect: run it with "
+            "MODEL_API=realtime (MODEL_API=live voice-agent demo runs GPT-Live on Twilio)",
+            file=sys.stderr,
+        )
+        return 2
     print("voice-agent demo --leg openai-sip: one booking call through the SIP interconnect")
     where = (
         "DATABASE_URL" if settings.database_url else f"embedded PostgreSQL in {settings.data_dir}"

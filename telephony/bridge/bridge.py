@@ -51,7 +51,7 @@ from telephony.bridge.utterance import Utterances
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.caller_evidence import EvidenceLog
 from telephony.legs.leg import AudioIn, CallLeg, DtmfIn, LegClosed
-from telephony.legs.sideband import SidebandLeg
+from telephony.legs.sideband import LiveSidebandLeg, SidebandLeg
 from telephony.realtime_wire import AudioDelta
 from telephony.redaction import mask_spoken_pins
 from telephony.session_config import BridgeConfig, instructions_text
@@ -132,10 +132,12 @@ class Bridge:
         evidence = EvidenceLog()  # what the caller's yes to a readback rests on
         self.turns = Turns(evidence)
         sideband = leg if isinstance(leg, SidebandLeg) else None
-        # Where the model plays the audio itself (the interconnect), it also says what was heard.
+        live = config.model_api == "live"
+        # Where Realtime plays the audio itself (the interconnect), it also says what was
+        # heard. GPT-Live's sideband does not: its leg plays the transcript's span by the clock.
         self.playout: Playout = (
             ServerPlayout(self.port, sideband, self.turns, history, self._audio_changed)
-            if sideband is not None
+            if sideband is not None and not live
             else LocalPlayout(self.port, leg, self.turns, history, self._audio_changed)
         )
         # The agent talking (agents declared: the first one, until a handoff).
@@ -143,9 +145,8 @@ class Bridge:
         self.active_agent = ActiveAgent(
             starting(config.start_agent) if starting is not None else None, gateway.definitions
         )
-        live = config.model_api == "live"
-        if live and sideband is not None:
-            raise ValueError("GPT-Live runs over its own socket: not on OpenAI's SIP interconnect")
+        if live and sideband is not None and not isinstance(sideband, LiveSidebandLeg):
+            raise ValueError("GPT-Live on OpenAI's SIP interconnect needs a LiveSidebandLeg")
         self.link: ModelLink = (
             LiveLink(
                 self.port,
@@ -156,6 +157,7 @@ class Bridge:
                 history,
                 persona=self.active_agent.persona,
                 voice=self.active_agent.voice,
+                sideband_session_id=sideband.call_sid if sideband is not None else None,
             )
             if live
             else RealtimeLink(
@@ -207,7 +209,16 @@ class Bridge:
             if live
             else None
         )
-        self._handle_event = self._live.on_event if self._live is not None else self._on_event
+        self._handle_event = self._on_live_event if self._live is not None else self._on_event
+
+    async def _on_live_event(self, session: Any, event: Any) -> str | None:
+        """A GPT-Live server event: the caller's keypad (a SIP leg's sideband) here, the rest
+        to the Live router."""
+        if event.type == "transport.dtmf.received":
+            self.audio.digit(str(event.event))
+            return None
+        assert self._live is not None
+        return await self._live.on_event(session, event)
 
     async def transfer(self, request: TransferRequest, by: str) -> None:
         """Staff transfer the caller (see ToolDispatch.staff_transfer)."""

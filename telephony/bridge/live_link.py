@@ -17,6 +17,16 @@ cannot change after startup.
 Live audio deltas carry no item: the link names each agent utterance itself
 (`LiveSession.item_id`, moved on by `next_utterance` at every turn boundary) so that playout
 accounts for what the caller heard per utterance, as it does per Realtime item.
+
+Sideband mode (`sideband_session_id`: OpenAI's SIP interconnect on GPT-Live): OpenAI carries
+the audio and the session was configured by the accept, so the link attaches to it
+(`client.live.sideband.connect(session_id=…)`, no `session.start`) for control only, and a
+re-attach finds the conversation still there. No audio reaches us; what the caller heard is
+inferred from the agent's transcript fragments, whose `start_ms`/`end_ms` place their audio on
+the session's timeline: each fragment stands for that much audio, played out in real time from
+when the fragment arrives (the leg's clock, `LiveSidebandLeg`), and stopped when the caller
+begins to speak (the model stops talking over the caller by itself). A fragment without a span
+counts as its text's length spoken (about 15 characters a second).
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 from openai.resources.live.live import AsyncLiveConnection
-from websockets.exceptions import ConnectionClosed
+from openai.resources.live.sideband import AsyncSidebandConnection
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from telephony.bridge.link_common import (
     SessionRefused,
@@ -78,6 +89,28 @@ class LiveSessionRejected(SessionRefused):
     """The server refused our `session.start`."""
 
 
+class LiveSidebandRefused(SessionRefused):
+    """OpenAI refused to (re-)attach the sideband of a Live session: the call is over there."""
+
+    call_over = True
+
+
+# Speech runs at ~15 characters a second: a transcript fragment with no span on the timeline.
+MS_PER_CHAR = 65
+
+
+def spoken_ms(event: Any) -> int:
+    """The audio a `session.output_transcript.delta` stands for: its span on the session's
+    timeline, else its text's length spoken."""
+    span = int(getattr(event, "end_ms", 0) or 0) - int(getattr(event, "start_ms", 0) or 0)
+    return span if span > 0 else len(getattr(event, "delta", "") or "") * MS_PER_CHAR
+
+
+def silence(ms: int) -> str:
+    """`ms` of G.711 mu-law silence, base64: what a sideband utterance's audio counts as."""
+    return "////" * max(1, ms * 8 // 3)
+
+
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The catalog's tools as function tools of the Responses delegation."""
     return [
@@ -119,7 +152,7 @@ def history_input(lines: list[str]) -> list[dict[str, Any]]:
 
 def session_start(
     config: BridgeConfig,
-    audio_format: AudioFormat,
+    audio_format: AudioFormat | None,
     tools: list[dict[str, Any]],
     persona: str | None,
     voice: str | None,
@@ -127,12 +160,16 @@ def session_start(
 ) -> dict[str, Any]:
     """The `session.start` payload: model, instructions, audio format and voice, the catalog's
     tools as function tools of the Responses delegation (their calls come to us) with the same
-    rules as its backend prompt, and after a reconnect the conversation so far as input."""
+    rules as its backend prompt, and after a reconnect the conversation so far as input.
+    No `audio_format` (a SIP accept): SIP negotiates the media, the session names none."""
     instructions = instructions_text(config, persona=persona)
+    audio: dict[str, Any] = {"output": {"voice": voice}}
+    if audio_format is not None:
+        audio = {"format": LIVE_FORMATS[audio_format], **audio}
     start: dict[str, Any] = {
         "model": config.live_model,
         "instructions": instructions + (f"\n\n{LIVE_RESUMED_NOTE}" if history else ""),
-        "audio": {"format": LIVE_FORMATS[audio_format], "output": {"voice": voice}},
+        "audio": audio,
         "delegation": {
             "type": "responses",
             "responses": {
@@ -152,7 +189,7 @@ class LiveSession:
 
     def __init__(
         self,
-        conn: AsyncLiveConnection,
+        conn: AsyncLiveConnection | AsyncSidebandConnection,
         generation: int,
         call_id: str,
         timeout_s: float,
@@ -274,7 +311,8 @@ class LiveSession:
 
 
 class LiveLink:
-    """`ModelLink` for GPT-Live over its primary WebSocket (Twilio and our SIP legs)."""
+    """`ModelLink` for GPT-Live: its primary WebSocket (Twilio and our SIP legs), or the
+    sideband of a session OpenAI's SIP interconnect carries (`sideband_session_id`)."""
 
     def __init__(
         self,
@@ -286,26 +324,31 @@ class LiveLink:
         history: deque[str] | None = None,
         persona: Callable[[], str | None] = lambda: None,
         voice: Callable[[], str | None] = lambda: None,
+        sideband_session_id: str | None = None,
     ) -> None:
         self._port = port
         self._history: deque[str] = history if history is not None else deque()
+        # Sideband mode: OpenAI carries the audio; we attach to its session for control only.
+        self._sideband_session_id = sideband_session_id
         self._config = config
         self._client = client
         self._audio_format = audio_format
         self._tools = tools
         self._persona = persona
         self._voice = voice
-        self.keeps_conversation = False
+        self.keeps_conversation = sideband_session_id is not None
         self.ended_remotely = False
         self.deltas_by_lane = 0
         self._generation = 0
 
     async def connect(self, *, resumed: bool) -> tuple[LiveSession | None, int, str | None]:
         """Open a session and start it, retrying with backoff within the budget."""
-        opened, attempts, error, _ = await open_within_budget(
+        opened, attempts, error, refused = await open_within_budget(
             self._config, self._port.call_id, "GPT-Live", self._dial,
             lambda conn: self._start(conn, resumed),
         )  # fmt: skip
+        if refused is not None and refused.call_over:
+            self.ended_remotely = True
         if opened is None:
             return None, attempts, error
         conn, server_id = opened
@@ -317,14 +360,33 @@ class LiveLink:
         session.session_id = server_id[:64] or session.session_id
         return session, attempts, None
 
-    async def _dial(self) -> AsyncLiveConnection:
+    async def _dial(self) -> AsyncLiveConnection | AsyncSidebandConnection:
+        if self._sideband_session_id is not None:
+            return await self._attach_sideband(self._sideband_session_id)
         return await self._client.live.connect(
             websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
         ).enter()
 
-    async def _start(self, conn: AsyncLiveConnection, resumed: bool) -> str:
+    async def _attach_sideband(self, session_id: str) -> AsyncSidebandConnection:
+        """Join the Live session OpenAI's SIP leg carries: it was configured by the accept."""
+        try:
+            return await self._client.live.sideband.connect(
+                session_id=session_id, websocket_connection_options=LIVE_SOCKET_OPTIONS,
+                max_retries=0,
+            ).enter()  # fmt: skip
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if 400 <= status < 500 and status not in (401, 408, 429):
+                # 404/410: the session is over. A network drop never gets an HTTP answer.
+                raise LiveSidebandRefused(f"sideband refused ({status})") from exc
+            raise
+
+    async def _start(self, conn: Any, resumed: bool) -> str:
         """`session.start` (after a reconnect, with the conversation so far), then wait for
-        `session.started`; the server's session id."""
+        `session.started`; the server's session id. A sideband starts nothing: the accept
+        did, and the session keeps its conversation across re-attaches."""
+        if self._sideband_session_id is not None:
+            return self._sideband_session_id
         start = session_start(
             self._config,
             self._audio_format,
@@ -334,7 +396,7 @@ class LiveLink:
             list(self._history) if resumed else None,
         )
         await conn.send(
-            {  # type: ignore[arg-type]
+            {
                 "type": "session.start",
                 "event_id": SESSION_START_EVENT_ID,
                 "session": start,
@@ -342,7 +404,7 @@ class LiveLink:
         )
         return await self._await_started(conn)
 
-    async def _await_started(self, conn: AsyncLiveConnection) -> str:
+    async def _await_started(self, conn: Any) -> str:
         """Until `session.started` (audio before it would be refused); the server's id."""
         while True:
             event = await conn.recv()
@@ -359,8 +421,9 @@ class LiveLink:
 
     async def read(self, session: Any, on_delta: DeltaHandler, on_event: EventHandler) -> str:
         """Handle server events until the socket drops; returns why it dropped."""
-        conn: AsyncLiveConnection = session.conn
+        conn = session.conn
         call_id = self._port.call_id
+        sideband = self._sideband_session_id is not None
         while True:
             try:
                 raw = await conn.recv_bytes()
@@ -376,10 +439,20 @@ class LiveLink:
                 continue
             try:
                 if event.type == "session.output_audio.delta":
+                    if sideband:
+                        continue  # the transcript's span accounts for it (see the docstring)
                     delta = AudioDelta(session.response_id, session.item_id, event.delta)
                     await on_delta(session, delta)
                     continue
                 fatal = await on_event(session, event)
+                if sideband and event.type == "session.output_transcript.delta":
+                    # The audio this fragment stands for, played out by the leg's clock.
+                    ms = spoken_ms(event)
+                    delta = AudioDelta(session.response_id, session.item_id, silence(ms))
+                    await on_delta(session, delta)
+                if sideband and event.type == "session.closed":
+                    # The caller hung up, the session expired: a re-attach will be refused.
+                    self.ended_remotely = event.reason != "connection_lost"
             except Exception as exc:  # one odd event must not end the call
                 log.exception("call %s: could not handle %s", call_id, event.type)
                 self._port.emit(

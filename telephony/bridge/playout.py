@@ -6,7 +6,9 @@ cut to what was heard, and the apology played when the model is gone for good. T
 
 - `LocalPlayout` (Twilio, our SIP UAS): we play the audio. A barge-in clears the leg first,
   then truncates each item at the audio the caller heard and cancels the active response.
-- `ServerPlayout` (OpenAI's SIP interconnect): the server plays it and says so
+  GPT-Live on OpenAI's SIP interconnect takes it too: its sideband leg plays the span of the
+  agent's transcript by the clock (Live says nothing else about playout).
+- `ServerPlayout` (OpenAI's SIP interconnect on Realtime): the server plays it and says so
   (`output_audio_buffer.started/stopped/cleared`). A barge-in cancels the response and clears
   the server's buffer; the server truncates. Lengths are estimated from the transcript.
 """
@@ -338,6 +340,8 @@ class LocalPlayout(Playout):
 
     async def apologise(self, config: BridgeConfig) -> None:
         leg = self.leg
+        if not getattr(leg, "carries_audio", True):
+            return  # GPT-Live on OpenAI's SIP leg: no audio of ours reaches the caller
         clip = apology_clip(leg.audio_format)
         clip_ms = len(clip) // BYTES_PER_MS
         with contextlib.suppress(Exception):

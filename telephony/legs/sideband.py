@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
+from telephony.audio import base64_size
 from telephony.legs.leg import AudioFormat, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
@@ -84,3 +85,50 @@ class SidebandLeg:
         self._closed = True
         if self._on_close is not None:
             await self._on_close(reason)
+
+
+class LiveSidebandLeg(SidebandLeg):
+    """The sideband leg of a GPT-Live session on OpenAI's SIP interconnect.
+
+    Live's sideband says nothing about playout (no `output_audio_buffer` events): the link
+    hands over each transcript fragment as the audio it stands for, and this leg plays it out
+    by the clock (from when it arrived, one utterance after the other, as the RTP leg's clock
+    does), so the playout tracker knows what was heard. A clear (the caller began to speak:
+    the model stopped talking over them) freezes each utterance at what was heard by then.
+    """
+
+    def __init__(
+        self,
+        call_sid: str,
+        audio_format: AudioFormat = "audio/pcmu",
+        on_close: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(call_sid, audio_format, on_close)
+        self._busy_until = 0.0  # monotonic: when what was handed over has played out
+        self._timers: list[asyncio.TimerHandle] = []
+
+    async def play(self, item_id: str, payload: str) -> None:
+        if self._ended.is_set():
+            return
+        ms = base64_size(payload) / 8  # G.711: 8 bytes a millisecond
+        epoch, end_ms = self.playback.queued(item_id, ms)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._busy_until = max(self._busy_until, now) + ms / 1000
+        self._timers = [t for t in self._timers if not t.cancelled() and t.when() > now]
+        self._timers.append(
+            loop.call_at(self._busy_until, self.playback.played, epoch, item_id, end_ms)
+        )
+
+    async def clear(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        self._busy_until = 0.0
+        await super().clear()
+
+    async def close(self, reason: str) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        await super().close(reason)

@@ -15,6 +15,15 @@ as the real one is) running the scripted conversation of `SimulatedSession` with
 socket: `output_audio_buffer.started` / `stopped` / `cleared` say what the caller heard, at real
 time scaled by `realtime_factor`. With `auto_caller`, the simulated caller speaks each scripted
 caller turn once the agent has finished talking, and hangs up when the script is done.
+
+The GPT-Live flavour (`place_call(live=True)`): the same pending call is announced with a signed
+`live.transport.incoming` (its `live_...` session id, `sip_media_security: srtp`), and
+`realtime.call.incoming` can be delivered for it too; the first accept that succeeds, on either
+API, takes the call (the other answers 409). `POST /v1/live/sessions/{id}/accept|reject|refer|
+hangup` (the accept's `session` checked against the SDK's accept params: type `live`, a model,
+no unknown field and no `audio.format`, since SIP negotiates the media), and the Live sideband
+`GET /v1/live/sessions/{id}/attach` running `LiveSidebandSession` (every client event checked
+against the SDK's sideband union).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from typing import Any
 
 import httpx
 from aiohttp import WSMsgType, web
+from openai.types.live import session_accept_params
+from openai.types.live.session_config import SessionConfig as LiveSessionConfig
 from openai.types.realtime import InputAudioBufferDtmfEventReceivedEvent
 from openai.types.realtime.realtime_server_event import (
     OutputAudioBufferCleared,
@@ -44,6 +55,7 @@ from openai.types.realtime.realtime_server_event import (
 from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed
 
+from telephony.sim.live_sideband import LiveSidebandSession
 from telephony.sim.scenario import Scenario, load_scenario
 from telephony.sim.simulator import (
     DEFAULT_MODEL,
@@ -93,8 +105,13 @@ class SimCall:
     webhook_statuses: list[int] = field(default_factory=list)
     accepted_at: float | None = None
     config: SessionConfig | None = None
-    sessions: list[SidebandSession] = field(default_factory=list)
+    sessions: list[Any] = field(default_factory=list)  # SidebandSession | LiveSidebandSession
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # GPT-Live: the same pending call as a Live session (`live.transport.incoming`).
+    session_id: str = ""
+    live_webhook_id: str = ""
+    runtime: str | None = None  # "realtime" | "live": which API's accept took the call
+    live_config: LiveSessionConfig | None = None
 
     def notify(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -330,6 +347,7 @@ class SipInterconnect:
         self._runner: web.AppRunner | None = None
         self._http: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._live_ids: dict[str, str] = {}  # Live session id -> call id
 
     @property
     def port(self) -> int:
@@ -346,6 +364,8 @@ class SipInterconnect:
         app = web.Application(client_max_size=4 * 1024 * 1024)
         app.router.add_post("/v1/realtime/calls/{call_id}/{verb}", self._rest)
         app.router.add_get("/v1/realtime", self._sideband)
+        app.router.add_post("/v1/live/sessions/{session_id}/{verb}", self._live_rest)
+        app.router.add_get("/v1/live/sessions/{session_id}/attach", self._live_sideband)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._requested_port)
@@ -401,8 +421,17 @@ class SipInterconnect:
             {"name": "Call-ID", "value": f"{secrets.token_hex(8)}@trunk.example.com"},
             *(extra_headers or []),
         ]
-        call = SimCall(call_id, from_number, to_number, headers, webhook_id=new_id("wh"))
+        call = SimCall(
+            call_id,
+            from_number,
+            to_number,
+            headers,
+            webhook_id=new_id("wh"),
+            session_id=new_id("live"),
+            live_webhook_id=new_id("wh"),
+        )
         self.calls[call_id] = call
+        self._live_ids[call.session_id] = call_id
         return call
 
     def webhook_body(self, call: SimCall) -> bytes:
@@ -417,6 +446,25 @@ class SipInterconnect:
             separators=(",", ":"),
         ).encode()
 
+    def live_webhook_body(self, call: SimCall, media_security: str | None = "srtp") -> bytes:
+        data: dict[str, Any] = {
+            "session_id": call.session_id,
+            "sip_headers": call.sip_headers,
+            "type": "sip",
+        }
+        if media_security is not None:
+            data["sip_media_security"] = media_security
+        return json.dumps(
+            {
+                "object": "event",
+                "id": call.live_webhook_id.replace("wh_", "evt_"),
+                "type": "live.transport.incoming",
+                "created_at": int(time.time()),
+                "data": data,
+            },
+            separators=(",", ":"),
+        ).encode()
+
     async def deliver(
         self,
         call: SimCall,
@@ -425,18 +473,22 @@ class SipInterconnect:
         timestamp: int | None = None,
         secret: str | None = None,
         signature: str | None = None,
+        live: bool = False,
     ) -> int:
-        """POST the call's webhook (again, for a retry); returns the HTTP status."""
+        """POST the call's webhook (again, for a retry; `live`: its `live.transport.incoming`);
+        returns the HTTP status."""
         assert self._http is not None and self.webhook_url is not None
-        payload = body if body is not None else self.webhook_body(call)
+        default = self.live_webhook_body(call) if live else self.webhook_body(call)
+        payload = body if body is not None else default
+        webhook_id = call.live_webhook_id if live else call.webhook_id
         stamp = int(time.time()) if timestamp is None else timestamp
         key = secret or self.webhook_secret
         if signature is None:
             assert key is not None, "webhook_secret is needed to sign"
-            signature = sign_webhook(key, call.webhook_id, stamp, payload)
+            signature = sign_webhook(key, webhook_id, stamp, payload)
         headers = {
             "content-type": "application/json",
-            "webhook-id": call.webhook_id,
+            "webhook-id": webhook_id,
             "webhook-timestamp": str(stamp),
             "webhook-signature": signature,
         }
@@ -447,11 +499,17 @@ class SipInterconnect:
         return response.status_code
 
     async def place_call(
-        self, from_number: str = "+15551230000", to_number: str = "+15557654321", **kw: Any
+        self,
+        from_number: str = "+15551230000",
+        to_number: str = "+15557654321",
+        *,
+        live: bool = False,
+        **kw: Any,
     ) -> SimCall:
-        """A new call, announced with a signed `realtime.call.incoming`."""
+        """A new call, announced with a signed `realtime.call.incoming` (`live`: with
+        `live.transport.incoming`)."""
         call = self.new_call(from_number, to_number, **kw)
-        await self.deliver(call)
+        await self.deliver(call, live=live)
         return call
 
     async def remote_hangup(self, call_id: str) -> None:
@@ -493,7 +551,13 @@ class SipInterconnect:
 
     def requests_for(self, call_id: str, verb: str | None = None) -> list[Any]:
         """JSON bodies of the REST requests for a call (optionally one verb), in order."""
-        prefix = f"/v1/realtime/calls/{call_id}/"
+        return self._requests(f"/v1/realtime/calls/{call_id}/", verb)
+
+    def live_requests_for(self, call_id: str, verb: str | None = None) -> list[Any]:
+        """The same, of the call's Live session (`/v1/live/sessions/{session_id}/...`)."""
+        return self._requests(f"/v1/live/sessions/{self.calls[call_id].session_id}/", verb)
+
+    def _requests(self, prefix: str, verb: str | None) -> list[Any]:
         return [
             body
             for _, _, path, body in self.requests
@@ -507,7 +571,10 @@ class SipInterconnect:
         call.ended_by = by
         call.notify()
         for session in call.sessions:
-            await session.socket.close(1000)
+            if isinstance(session, LiveSidebandSession):
+                await session.end("remote_hangup" if by == "caller" else "close_requested")
+            else:
+                await session.socket.close(1000)
 
     # ---- HTTP ------------------------------------------------------------------------------
 
@@ -544,6 +611,7 @@ class SipInterconnect:
             call.accept_body = body
             call.accepted_at = time.monotonic()
             call.state = "accepted"
+            call.runtime = "realtime"
             call.config = config
         elif verb == "reject":
             if call.state != "ringing":
@@ -582,7 +650,12 @@ class SipInterconnect:
         if self._fail_sidebands > 0:
             self._fail_sidebands -= 1
             return self._error(503, "Service Unavailable")
-        if call is None or call.state != "accepted" or call.config is None:
+        if (
+            call is None
+            or call.state != "accepted"
+            or call.config is None
+            or call.runtime != "realtime"
+        ):
             self.sideband_refusals += 1
             return self._error(404, "Call not found or no longer active.")
         ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024, compress=False)
@@ -607,3 +680,133 @@ class SipInterconnect:
         except Exception:
             log.exception("sideband of %s failed", call.call_id)
         return ws
+
+    # ---- GPT-Live ------------------------------------------------------------------------
+
+    def _live_call(self, session_id: str) -> SimCall | None:
+        call_id = self._live_ids.get(session_id)
+        return self.calls.get(call_id) if call_id is not None else None
+
+    async def _live_rest(self, request: web.Request) -> web.StreamResponse:
+        session_id = request.match_info["session_id"]
+        verb = request.match_info["verb"]
+        raw = await request.read()
+        try:
+            body: Any = json.loads(raw) if raw else {}
+        except ValueError:
+            return self._error(400, "We could not parse the JSON body of your request.")
+        self.requests.append((time.monotonic(), "POST", request.path, body))
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer ") or not auth.removeprefix("Bearer ").strip():
+            return self._error(401, "Missing bearer authentication")
+        call = self._live_call(session_id)
+        if call is None or not isinstance(body, dict):
+            return self._error(404, f"Session '{session_id}' not found.")
+        if verb == "accept":
+            if call.state != "ringing":
+                return self._error(409, f"Session '{session_id}' is {call.state}.")
+            problem = _live_accept_problem(body.get("session"))
+            if problem is not None:
+                return self._error(400, *problem)
+            call.accept_body = body
+            call.accepted_at = time.monotonic()
+            call.state = "accepted"
+            call.runtime = "live"
+            call.live_config = LiveSessionConfig.model_validate(body["session"])
+        elif verb == "reject":
+            status = body.get("status_code")
+            if not isinstance(status, int) or not 300 <= status <= 699:
+                return self._error(400, "status_code must be 300-699", "status_code")
+            if call.state != "ringing":
+                return self._error(409, f"Session '{session_id}' is {call.state}.")
+            call.reject_status = status
+            call.state = "rejected"
+        elif verb == "refer":
+            target = str(body.get("target_uri") or "")
+            if call.state != "accepted" or call.runtime != "live":
+                return self._error(409, f"Session '{session_id}' is {call.state}.")
+            if not target.strip():
+                return self._error(400, "target_uri must not be blank", "target_uri")
+            call.refers.append(target)
+            self._spawn(self._end(call, "api"))
+        elif verb == "hangup":
+            if call.state == "ended":
+                return self._error(404, f"Session '{session_id}' has ended.")
+            call.hangups += 1
+            await self._end(call, "api")
+        else:
+            return self._error(404, f"Unknown session action '{verb}'.")
+        call.notify()
+        return web.Response(status=200)
+
+    async def _live_sideband(self, request: web.Request) -> web.StreamResponse:
+        call = self._live_call(request.match_info["session_id"])
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            return self._error(401, "Missing bearer authentication")
+        if self._fail_sidebands > 0:
+            self._fail_sidebands -= 1
+            return self._error(503, "Service Unavailable")
+        if (
+            call is None
+            or call.state != "accepted"
+            or call.runtime != "live"
+            or call.live_config is None
+            or call.accepted_at is None
+        ):
+            self.sideband_refusals += 1
+            return self._error(404, "Session not found or no longer active.")
+        ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024, compress=False)
+        await ws.prepare(request)
+        previous = [s for s in call.sessions if isinstance(s, LiveSidebandSession)]
+        session = LiveSidebandSession(
+            _AiohttpSocket(ws, request),
+            self.scenario,
+            session_id=call.session_id,
+            config=call.live_config,
+            started_at=call.accepted_at,
+            previous=previous[-1] if previous else None,
+            authorization=auth,
+            realtime_factor=self.realtime_factor,
+            record=self.record,
+            auto_caller=self.auto_caller,
+            on_script_done=lambda: self._end(call, "caller"),
+        )
+        call.sessions.append(session)
+        call.notify()
+        try:
+            await session.run()
+        except Exception:
+            log.exception("Live sideband of %s failed", call.session_id)
+        return ws
+
+
+_LIVE_ACCEPT_FIELDS = frozenset(
+    session_accept_params.Session.__required_keys__
+    | session_accept_params.Session.__optional_keys__
+)
+
+
+def _live_accept_problem(session: Any) -> tuple[str, str] | None:
+    """Why a Live accept's `session` is refused (message, param), or None: it must fit the
+    SDK's accept params (a strict object), be `type: live` with a model, and name no audio
+    format (SIP negotiates it)."""
+    if not isinstance(session, dict):
+        return "Missing required parameter: 'session'.", "session"
+    unknown = sorted(set(session) - _LIVE_ACCEPT_FIELDS)
+    if unknown:
+        return f"Unknown parameter: 'session.{unknown[0]}'.", f"session.{unknown[0]}"
+    if session.get("type") != "live":
+        return "session.type must be 'live'.", "session.type"
+    audio = session.get("audio")
+    if isinstance(audio, dict) and "format" in audio:
+        return "SIP negotiates the media format; omit audio.format.", "session.audio.format"
+    if isinstance(audio, dict) and set(audio) - {"output"}:
+        return "Unknown parameter in 'session.audio'.", "session.audio"
+    try:
+        LiveSessionConfig.model_validate(session)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = "session." + ".".join(str(p) for p in first.get("loc", ()))
+        return f"Invalid session: {first.get('msg')}", param
+    return None

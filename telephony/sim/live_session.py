@@ -45,6 +45,7 @@ from openai.types.live import (
     ClientEvent,
     CommentaryAppendedEvent,
     CommentaryAppendEvent,
+    ConnectClientEvent,
     DelegationCreatedEvent,
     ErrorEvent,
     InputAudioAppendEvent,
@@ -90,11 +91,22 @@ GENERATION_SPEEDUP = 4.0
 
 Synthesize = Callable[[int, int, AudioEncoding], bytes]
 _CLIENT_EVENTS: TypeAdapter[Any] = TypeAdapter(ClientEvent)
-# The top-level fields each client event may carry (the SDK's models accept extras silently).
-_CLIENT_FIELDS: dict[str, frozenset[str]] = {
-    model.model_fields["type"].annotation.__args__[0]: frozenset(model.model_fields)
-    for model in get_args(get_args(ClientEvent)[0])
-}
+# What a sideband may send (no session.start, no audio: the session and its audio are the
+# primary transport's), OpenAI's SIP leg on GPT-Live.
+_SIDEBAND_EVENTS: TypeAdapter[Any] = TypeAdapter(ConnectClientEvent)
+
+
+def _fields_of(union: Any) -> dict[str, frozenset[str]]:
+    """The top-level fields each client event may carry (the SDK's models accept extras
+    silently), by type."""
+    return {
+        model.model_fields["type"].annotation.__args__[0]: frozenset(model.model_fields)
+        for model in get_args(get_args(union)[0])
+    }
+
+
+_CLIENT_FIELDS = _fields_of(ClientEvent)
+_SIDEBAND_FIELDS = _fields_of(ConnectClientEvent)
 _ENCODINGS: dict[tuple[str, int], AudioEncoding] = {
     ("audio/pcmu", 8000): "pcmu",
     ("audio/pcma", 8000): "pcma",
@@ -124,11 +136,12 @@ class LiveEventError(Exception):
         self.param = param
 
 
-def parse_live_client_event(data: object) -> Any:
-    """One decoded client message as the SDK's `ClientEvent`; LiveEventError when it is not."""
+def parse_live_client_event(data: object, *, sideband: bool = False) -> Any:
+    """One decoded client message as the SDK's `ClientEvent` (a sideband's: its
+    `ConnectClientEvent`); LiveEventError when it is not."""
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise LiveEventError("Expected an object with a string 'type'.", code="invalid_request")
-    allowed = _CLIENT_FIELDS.get(data["type"])
+    allowed = (_SIDEBAND_FIELDS if sideband else _CLIENT_FIELDS).get(data["type"])
     if allowed is None:
         raise LiveEventError(
             f"Invalid value: '{data['type']}'. Unknown client event type.",
@@ -141,7 +154,7 @@ def parse_live_client_event(data: object) -> Any:
             f"Unknown parameter: '{unknown[0]}'.", code="unknown_parameter", param=unknown[0]
         )
     try:
-        return _CLIENT_EVENTS.validate_python(data)
+        return (_SIDEBAND_EVENTS if sideband else _CLIENT_EVENTS).validate_python(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"][1:]) or None
@@ -277,7 +290,7 @@ class LiveSimulatedSession:
             self._record(self.received, data)
         event_id = data.get("event_id") if isinstance(data, dict) else None
         try:
-            event = parse_live_client_event(data)
+            event = self._parse(data)
             return await self._dispatch(event)
         except LiveEventError as exc:
             await self._refuse(
@@ -286,6 +299,9 @@ class LiveSimulatedSession:
                 event_id if isinstance(event_id, str) else None,
             )
             return True
+
+    def _parse(self, data: object) -> Any:
+        return parse_live_client_event(data)
 
     async def _dispatch(self, event: Any) -> bool:
         if self.encoding is None and not isinstance(event, SessionStartEvent):

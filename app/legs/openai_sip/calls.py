@@ -11,6 +11,14 @@ results as on any leg, with a `SidebandLeg` where the others have audio.
 Call control: `transfer` (refer) and `hangup`, both on the timeline. A call that ends on
 OpenAI's side shows as the sideband closing and a re-attach being refused; a network drop gets
 OPENAI_SIP_REATTACH_BUDGET_S to come back; either way the call ends, never left unattended.
+
+With MODEL_API=live the same call is GPT-Live's: OpenAI announces the pending call with
+`live.transport.incoming` as well (its `live_...` session id), and the first accept that
+succeeds, on either API, picks the runtime. So on Live we accept that one
+(`client.live.sessions.accept` with the Live session every leg gets, no audio format: SIP
+negotiates the media) and leave `realtime.call.incoming` unanswered (and on Realtime the other
+way round); reject, refer and hangup go to `client.live.sessions` by the session id, and the
+bridge attaches to the session's Live sideband.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from openai import APIStatusError, InvalidWebhookSignatureError
+from openai.types.webhooks.live_transport_incoming_webhook_event import (
+    LiveTransportIncomingWebhookEvent,
+)
 from openai.types.webhooks.realtime_call_incoming_webhook_event import (
     RealtimeCallIncomingWebhookEvent,
 )
@@ -37,14 +48,18 @@ from app.legs.session import Admission, Caller, CallSession, EndReason, sip_refu
 from app.models import LegKind
 from app.runtime import Runtime
 from telephony.bridge import Bridge
+from telephony.bridge.live_link import session_start
 from telephony.call_events import CallEvent, CallEventKind
-from telephony.legs.sideband import SidebandLeg
+from telephony.legs.sideband import LiveSidebandLeg, SidebandLeg
 from telephony.session_config import BridgeConfig, session_update
 from telephony.tool_gateway import TransferOutcome, TransferRequest
 
 log = logging.getLogger(__name__)
 
 LEG = "openai_sip"
+REALTIME_INCOMING = "realtime.call.incoming"
+LIVE_INCOMING = "live.transport.incoming"
+IncomingEvent = RealtimeCallIncomingWebhookEvent | LiveTransportIncomingWebhookEvent
 _SIP_USER = re.compile(r"<?\s*(?:sips?|tel):([^@;>\s]+)", re.IGNORECASE)
 _TARGET = re.compile(r"^(tel:\+[1-9][0-9]{6,14}|sips?:[^\s@]+@[^\s]+)$")
 
@@ -98,6 +113,7 @@ class _Call:
     session: CallSession
     caller_id: str | None
     received_at: float  # monotonic, the webhook's arrival
+    live: bool = False  # GPT-Live (the `live_...` session id) rather than Realtime
     bridge: Bridge | None = None
     leg: SidebandLeg | None = None
     transferred_to: str | None = None
@@ -124,6 +140,16 @@ class OpenAISipService:
     def _settings(self) -> Any:
         return self.runtime.settings
 
+    @property
+    def _live(self) -> bool:
+        return bool(self._settings.model_api == "live")
+
+    def _control(self, live: bool) -> Any:
+        """The call-control API of the runtime that took the call: Realtime's calls or
+        GPT-Live's sessions (the same reject, refer and hangup, by that runtime's id)."""
+        openai = self.runtime.openai
+        return openai.live.sessions if live else openai.realtime.calls
+
     def _secret(self) -> str | None:
         secret = self._settings.openai_webhook_secret
         return secret.get_secret_value() if secret is not None else None
@@ -148,13 +174,19 @@ class OpenAISipService:
             raise WebhookRejected(str(exc)[:200]) from None
         webhook_id = str(headers.get("webhook-id") or "")
         event_type = str(data.get("type") or "") if isinstance(data, dict) else ""
-        if event_type != "realtime.call.incoming":
+        # OpenAI may announce one pending call on both APIs; we answer the one we run on
+        # (the first accept picks the runtime, so answering both could take it twice).
+        if event_type != (LIVE_INCOMING if self._live else REALTIME_INCOMING):
             return "ignored"
+        event: IncomingEvent
         try:
-            event = RealtimeCallIncomingWebhookEvent.model_validate(data)
+            if self._live:
+                event = LiveTransportIncomingWebhookEvent.model_validate(data)
+            else:
+                event = RealtimeCallIncomingWebhookEvent.model_validate(data)
         except ValidationError:
             return "malformed"
-        call_id = event.data.call_id
+        call_id = _carrier_id(event)
         engine = self.runtime.engine
         if not await openai_webhooks.record_delivery(engine, webhook_id, event_type, call_id):
             self.duplicates += 1
@@ -167,9 +199,11 @@ class OpenAISipService:
                 await openai_webhooks.forget_delivery(engine, webhook_id)
             raise
 
-    async def _incoming(self, event: RealtimeCallIncomingWebhookEvent, received_at: float) -> str:
+    async def _incoming(self, event: IncomingEvent, received_at: float) -> str:
         settings = self._settings
-        call_sid = event.data.call_id  # OpenAI's call id: the carrier's id on this leg
+        live = isinstance(event, LiveTransportIncomingWebhookEvent)
+        # OpenAI's id of the call (`rtc_...`, or the Live session's `live_...`): the carrier's.
+        call_sid = _carrier_id(event)
         headers = event.data.sip_headers
         from_number = sip_user(header(headers, "From"))
         to_number = sip_user(header(headers, "To"))
@@ -183,7 +217,7 @@ class OpenAISipService:
         )
         ours = settings.openai_sip_number_set()
         if ours is not None and to_number not in ours:
-            self._refused(call_sid, 403, "not our number")
+            self._refused(call_sid, 403, "not our number", live)
             await session.refuse(
                 CallStatus.REJECTED, {"reason": "not our number", "status_code": 403}
             )
@@ -199,24 +233,31 @@ class OpenAISipService:
         if admission in (Admission.BUSY, Admission.DRAINING):
             # Stopping: 503, the trunk may retry elsewhere; full: 486.
             code = sip_refusal(admission)
-            self._refused(call_sid, code, str(admission))
+            self._refused(call_sid, code, str(admission), live)
             return f"rejected {code}"
         if admission is not Admission.ADMITTED:
             return "duplicate call"  # another delivery (new webhook-id) of a call we have
-        call = _Call(session, caller_id, received_at)
+        if live and event.data.sip_media_security not in (None, "srtp"):
+            # GPT-Live requires SRTP on the trunk: a trunk sending plain RTP is misconfigured.
+            log.warning(
+                "OpenAI SIP call %s on GPT-Live reports media security %r (SRTP expected)",
+                call_sid,
+                str(event.data.sip_media_security)[:16],
+            )
+        call = _Call(session, caller_id, received_at, live=live)
         self._calls[call_sid] = call
         self._spawn(self._run_call(call), f"openai-sip-{session.call_id}")
         return "accepting"
 
-    def _refused(self, call_sid: str, status: int, reason: str) -> None:
+    def _refused(self, call_sid: str, status: int, reason: str, live: bool) -> None:
         """Tell OpenAI the call is refused (off the request) and count it."""
         self.rejected[status] = self.rejected.get(status, 0) + 1
         log.warning("OpenAI SIP call %s refused with %d (%s)", call_sid, status, reason)
-        self._spawn(self._send_reject(call_sid, status), "openai-sip-reject")
+        self._spawn(self._send_reject(call_sid, status, live), "openai-sip-reject")
 
-    async def _send_reject(self, call_sid: str, status: int) -> None:
+    async def _send_reject(self, call_sid: str, status: int, live: bool) -> None:
         try:
-            await self.runtime.openai.realtime.calls.reject(
+            await self._control(live).reject(
                 call_sid, status_code=status, timeout=self._settings.openai_sip_api_timeout_s
             )
         except Exception as exc:
@@ -243,6 +284,19 @@ class OpenAISipService:
         body["model"] = config.model
         return body
 
+    def live_session(self) -> dict[str, Any]:
+        """The Live accept's `session`: what `session.start` gives the other legs on GPT-Live
+        (model, instructions, voice, the Responses delegation with the catalog's tools), with
+        no audio format: SIP negotiates the media."""
+        config: BridgeConfig = self.runtime.bridge_config
+        gateway = self.runtime.gateway
+        starting = getattr(gateway, "starting_session", None)
+        agent = starting() if starting is not None else None
+        tools = agent.tools if agent is not None else gateway.definitions()
+        persona = agent.instructions if agent is not None else None
+        voice = (agent.voice if agent is not None else None) or config.voice
+        return {"type": "live", **session_start(config, None, tools, persona, voice)}
+
     async def _run_call(self, call: _Call) -> None:
         session = call.session
         try:
@@ -258,12 +312,18 @@ class OpenAISipService:
         session = call.session
         runtime = self.runtime
         settings = self._settings
-        body = self.session()
         self.accept_latencies.append(time.monotonic() - call.received_at)  # accept sent now
         try:
-            await runtime.openai.realtime.calls.accept(
-                session.call_sid, **body, timeout=settings.openai_sip_api_timeout_s
-            )
+            if call.live:
+                await runtime.openai.live.sessions.accept(
+                    session.call_sid,
+                    session=self.live_session(),  # type: ignore[arg-type]
+                    timeout=settings.openai_sip_api_timeout_s,
+                )
+            else:
+                await runtime.openai.realtime.calls.accept(
+                    session.call_sid, **self.session(), timeout=settings.openai_sip_api_timeout_s
+                )
         except Exception as exc:
             log.warning("accept of OpenAI SIP call %s failed: %r", session.call_sid, exc)
             error = {"where": "accept", "error": repr(exc)[:200]}
@@ -273,7 +333,7 @@ class OpenAISipService:
         accept_s = time.monotonic() - call.received_at
         self.accepted += 1
         call.accepted.set()
-        leg = SidebandLeg(
+        leg = (LiveSidebandLeg if call.live else SidebandLeg)(
             session.call_sid,
             "audio/pcmu",
             on_close=lambda reason: self._on_leg_close(call, reason),
@@ -326,7 +386,7 @@ class OpenAISipService:
         ok = True
         error: str | None = None
         try:
-            await self.runtime.openai.realtime.calls.hangup(
+            await self._control(call.live).hangup(
                 call.session.call_sid, timeout=self._settings.openai_sip_api_timeout_s
             )
         except APIStatusError as exc:
@@ -359,7 +419,7 @@ class OpenAISipService:
         uri = transfer_target(target)
         error: str | None = None
         try:
-            await self.runtime.openai.realtime.calls.refer(
+            await self._control(live.live).refer(
                 live.session.call_sid,
                 target_uri=uri,
                 timeout=self._settings.openai_sip_api_timeout_s,
@@ -386,7 +446,7 @@ class OpenAISipService:
         call is over here, "transferred to <target>"."""
         try:
             uri = transfer_target(request.destination)
-            await self.runtime.openai.realtime.calls.refer(
+            await self._control(live.live).refer(
                 live.session.call_sid,
                 target_uri=uri,
                 timeout=self._settings.openai_sip_api_timeout_s,
@@ -428,6 +488,13 @@ class OpenAISipService:
             await asyncio.wait(self._tasks, timeout=10.0)
         for task in list(self._tasks):
             task.cancel()
+
+
+def _carrier_id(event: IncomingEvent) -> str:
+    """OpenAI's id of an incoming call: Realtime's `call_id`, or the Live `session_id`."""
+    if isinstance(event, LiveTransportIncomingWebhookEvent):
+        return event.data.session_id
+    return event.data.call_id
 
 
 def _sideband_config(config: BridgeConfig, budget_s: float) -> BridgeConfig:

@@ -1,4 +1,5 @@
-"""`POST /openai/webhook`: OpenAI's webhooks (the SIP interconnect's `realtime.call.incoming`)."""
+"""`POST /openai/webhook`: OpenAI's webhooks (the SIP interconnect's `realtime.call.incoming`, and
+`live.transport.incoming` on GPT-Live)."""
 
 from __future__ import annotations
 
