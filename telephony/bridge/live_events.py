@@ -9,7 +9,8 @@ Turns are the server's, so the bridge observes them instead of driving them:
   cleared at once (Twilio `clear`, SIP flush) and the agent's utterance is cut at what the
   caller heard, by the same local playout as on Realtime (no truncate: the model decides).
 - The agent's utterances are named by the session (`LiveSession.item_id`) and closed at each
-  turn boundary, when their transcript goes to playout, which records what was heard.
+  turn boundary, or once all their audio played and no more came for `QUIET_S`, when their
+  transcript goes to playout, which records what was heard.
 - A late result goes up as a note (`session.commentary.append`); GPT-Live says it when it sees
   fit, so the result counts as announced by the first utterance that says how it ended, and as
   heard once that utterance played out in full (cut if the caller cut it; not spoken if the
@@ -21,6 +22,7 @@ Turns are the server's, so the bridge observes them instead of driving them:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -39,6 +41,10 @@ from telephony.redaction import mask_spoken_pins
 log = logging.getLogger(__name__)
 
 FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
+# Live marks no end of an utterance: one whose audio all played and none came for this long is
+# over (so what it said counts as heard now, not at the caller's next words).
+QUIET_S = 0.8
+WATCH_S = 0.2
 
 
 class LiveEvents:
@@ -64,6 +70,7 @@ class LiveEvents:
         self._session: LiveSession | None = None
         self._agent_text = ""  # the transcript of the agent's current utterance
         self._agent_began = 0.0  # when it began (monotonic: its first words)
+        self._watching: str | None = None  # the utterance the quiet watch follows
         self._caller_item: str | None = None  # the caller's turn in progress
         self._caller_text = ""
         self._caller_turns = 0
@@ -84,6 +91,7 @@ class LiveEvents:
                 if not self._agent_text:
                     self._agent_began = time.monotonic()
                 self._agent_text += event.delta
+                self._watch_quiet(session)
             case "session.delegation.created":
                 self._caller_turn_ended()
                 self._utterance_ended(session)
@@ -160,6 +168,32 @@ class LiveEvents:
         # The late results it says are announced by it (heard as far as it was heard).
         self._utterances.live_utterance_ended(session.response_id, text, self._agent_began)
         session.next_utterance()
+
+    def _watch_quiet(self, session: LiveSession) -> None:
+        """Close the current utterance once it went quiet (see QUIET_S)."""
+        if self._watching == session.item_id or self._port.ended():
+            return
+        self._watching = session.item_id
+        self._port.spawn(self._until_quiet(session, session.item_id), "live-utterance-quiet")
+
+    async def _until_quiet(self, session: LiveSession, item_id: str) -> None:
+        quiet_since: float | None = None
+        received = -1.0
+        try:
+            while session.item_id == item_id and not self._port.ended():
+                await asyncio.sleep(WATCH_S)
+                item = self._playout.items.get(item_id)
+                now_received = item.received_ms if item is not None else 0.0
+                if item is None or self._playout.playing() or now_received != received:
+                    received, quiet_since = now_received, None
+                    continue
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= QUIET_S and session.item_id == item_id:
+                    self._utterance_ended(session)
+                    return
+        finally:
+            if self._watching == item_id:
+                self._watching = None
 
     # The backend: delegated function calls.
 
