@@ -95,7 +95,8 @@ def test_the_handoff_scenario_hands_the_host_to_an_agent_the_file_allows() -> No
 
 # --- agents in the tools file --------------------------------------------------------------
 
-SHOP = """\
+# A one-tool shop, for files that add their own sections after it.
+SHOP_TOOLS = """\
 version: 1
 name: shop
 providers:
@@ -106,6 +107,10 @@ tools:
     description: Say where an order stands, when the caller asks about one.
     arguments: {type: object, properties: {order_id: {type: string}}, required: [order_id]}
     request: {path: "/orders/{args.order_id}"}
+"""
+SHOP = (
+    SHOP_TOOLS
+    + """\
 agents:
   - name: clerk
     instructions: You are the shop's clerk.
@@ -116,6 +121,7 @@ agents:
     instructions: You are the supervisor.
 start_agent: supervisor
 """
+)
 
 
 def test_a_tools_file_can_declare_its_agents_beside_its_tools() -> None:

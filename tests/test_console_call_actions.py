@@ -12,10 +12,10 @@ import re
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
-from telephony.sim.fake_caller import CallerState
+from telephony.sim.fake_caller import CallerState, FakeTwilioCaller
 from telephony.sim.scenario import Scenario
 from tests.console_support import add_staff, logged_in
-from tests.e2e_support import call_row, call_stack, wait_until
+from tests.e2e_support import Stack, call_row, call_stack, wait_until
 from tests.test_e2e_call import GREETING_MS, hear_greeting
 
 DESK = "+15550100009"
@@ -31,6 +31,15 @@ STAFFED = Scenario.model_validate(
 )
 
 
+async def _greeted(stack: Stack) -> tuple[FakeTwilioCaller, str]:
+    """A live call that heard its greeting, and its console page."""
+    caller = stack.caller()
+    stack.api.attach(caller)
+    await caller.dial()
+    await hear_greeting(caller)
+    return caller, f"/console/calls/{await stack.call_id(caller)}"
+
+
 def flash(response_text: str) -> str:
     found = re.search(r'class="flash[^"]*"[^>]*>([^<]+)<', response_text)
     return html.unescape(found.group(1).strip()) if found else ""
@@ -42,12 +51,7 @@ async def test_an_operator_transfers_a_live_call_from_its_page_and_a_viewer_cann
     await add_staff(engine, "otto", Role.OPERATOR)
     await add_staff(engine, "vera", Role.VIEWER)
     async with call_stack(engine, STAFFED, transfer_targets=TARGETS) as stack:
-        caller = stack.caller()
-        stack.api.attach(caller)
-        await caller.dial()
-        await hear_greeting(caller)
-        call_id = await stack.call_id(caller)
-        page_url = f"/console/calls/{call_id}"
+        caller, page_url = await _greeted(stack)
         async with logged_in(stack.service.url, "vera") as (viewer, token):
             seen_by_viewer = await viewer.get(page_url)
             refused = await viewer.post(
@@ -104,12 +108,7 @@ async def test_an_operator_transfers_a_live_call_from_its_page_and_a_viewer_cann
 async def test_an_operator_ends_a_live_call_from_its_page(engine: AsyncEngine) -> None:
     await add_staff(engine, "otto", Role.OPERATOR)
     async with call_stack(engine, STAFFED) as stack:
-        caller = stack.caller()
-        stack.api.attach(caller)
-        await caller.dial()
-        await hear_greeting(caller)
-        call_id = await stack.call_id(caller)
-        page_url = f"/console/calls/{call_id}"
+        caller, page_url = await _greeted(stack)
         async with logged_in(stack.service.url, "otto") as (operator, token):
             page = await operator.get(page_url)
             blank = await operator.post(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiortc.rtp import RtpPacket
@@ -83,14 +84,8 @@ async def test_barge_in_stops_agent_rtp_within_a_packet_and_truncates_at_what_wa
             # The caller listens (sending silence, as phones do) until 600 ms of the greeting
             # played, then talks over it for a second.
             speech = synthesize_speech(1000, 3, "pcmu")
-            seq = itertools.count(1)
             session = await stack.sim.wait_for_session(0)
-
-            async def send(payload: bytes) -> None:
-                n = next(seq)
-                packet = RtpPacket(0, 0, n & 0xFFFF, n * 160, 0x1234, payload)
-                rtp_t.sendto(packet.serialize(), ("127.0.0.1", _their_rtp_port(ok)))
-                await asyncio.sleep(0.02)
+            send = _rtp_sender(rtp_t, ok)
 
             while agent_frames() < 30:
                 await send(SILENCE)
@@ -131,6 +126,21 @@ async def test_barge_in_stops_agent_rtp_within_a_packet_and_truncates_at_what_wa
     for a, b in itertools.pairwise(packets):
         assert (b.sequence_number - a.sequence_number) & 0xFFFF == 1
         assert (b.timestamp - a.timestamp) & 0xFFFFFFFF == 160
+
+
+def _rtp_sender(
+    transport: asyncio.DatagramTransport, ok: SipResponse
+) -> Callable[[bytes], Awaitable[None]]:
+    """Sends one 20 ms caller frame to the service's RTP port (as a phone would: paced)."""
+    seq = itertools.count(1)
+
+    async def send(payload: bytes) -> None:
+        n = next(seq)
+        packet = RtpPacket(0, 0, n & 0xFFFF, n * 160, 0x1234, payload)
+        transport.sendto(packet.serialize(), ("127.0.0.1", _their_rtp_port(ok)))
+        await asyncio.sleep(0.02)
+
+    return send
 
 
 def _their_rtp_port(ok: SipResponse) -> int:
@@ -182,13 +192,7 @@ async def test_on_gpt_live_a_sip_caller_cutting_in_flushes_our_rtp_and_counts_wh
             uac.learn(ok)
             sip_t.sendto(uac.ack(), server)
             live = await stack.sim.wait_for_live_session()
-            seq = itertools.count(1)
-
-            async def send(payload: bytes) -> None:
-                n = next(seq)
-                packet = RtpPacket(0, 0, n & 0xFFFF, n * 160, 0x1234, payload)
-                rtp_t.sendto(packet.serialize(), ("127.0.0.1", _their_rtp_port(ok)))
-                await asyncio.sleep(0.02)
+            send = _rtp_sender(rtp_t, ok)
 
             while agent_frames() < 30:
                 await send(SILENCE)

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from telephony.tool_gateway import FunctionCallRequest
 from tests.cli_support import clean_env, error_lines, run_cli
+from tests.test_agents_file import SHOP_TOOLS
 from tests.test_gateway import (
     KNOWN_PHONE,
     PIN,
@@ -33,17 +34,9 @@ from tools.tools_file import load_tools_text
 from tools.transfers import OpenHours, TransferTarget, TransferTargetError, transfer_definition
 
 NO_DATABASE = "postgresql://nobody@127.0.0.1:9/none"
-SHOP = """\
-version: 1
-name: shop
-providers:
-  shop: {base_url: "http://127.0.0.1:9"}
-tools:
-  - name: order_status
-    kind: read
-    description: Say where an order stands, when the caller asks about one.
-    arguments: {type: object, properties: {order_id: {type: string}}, required: [order_id]}
-    request: {path: "/orders/{args.order_id}"}
+SHOP = (
+    SHOP_TOOLS
+    + """\
 transfers:
   front_desk:
     to: "+15550100009"
@@ -53,6 +46,7 @@ transfers:
     to: sip:accounts@pbx.example
     who: verified
 """
+)
 ROME_WEDNESDAY_NOON = datetime(2026, 12, 2, 11, 0, tzinfo=UTC)  # 12:00 in Rome
 ROME_SATURDAY_EVENING = datetime(2026, 12, 5, 19, 30, tzinfo=UTC)  # 20:30 in Rome
 
