@@ -54,6 +54,13 @@ def transfer_scenario(target: str = "front_desk") -> Scenario:
     )
 
 
+def transfers_ended(outcome: str) -> float:
+    """`voice_agent_transfers_total{outcome}` in this process (the service runs in it)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("voice_agent_transfers_total", {"outcome": outcome}) or 0.0
+
+
 async def ask_for_a_person(stack: Stack) -> tuple[FakeTwilioCaller, str]:
     caller = stack.caller()
     stack.api.attach(caller)
@@ -87,6 +94,7 @@ async def kinds_of(stack: Stack, caller: FakeTwilioCaller) -> list[str]:
 async def test_a_transfer_is_dialled_after_the_agents_sentence_and_ends_our_part_when_answered(
     engine: AsyncEngine,
 ) -> None:
+    put_through = transfers_ended("transferred")
     async with call_stack(engine, transfer_scenario(), transfer_targets=TARGETS) as stack:
         caller, call_id = await ask_for_a_person(stack)
         await wait_until(lambda: bool(stack.api.dials), WAIT_S, "Twilio is told to dial")
@@ -120,6 +128,7 @@ async def test_a_transfer_is_dialled_after_the_agents_sentence_and_ends_our_part
     assert [k for k in kinds if k in order] == order, kinds
     assert tc["decision"] == "transferred" and tc["output"]["outcome"]["status"] == "answered"
     assert caller.closed_by == "twilio-api"
+    assert transfers_ended("transferred") == put_through + 1  # once, however often told
 
 
 async def _ended(engine: AsyncEngine, caller: FakeTwilioCaller) -> bool:
@@ -130,6 +139,7 @@ async def _ended(engine: AsyncEngine, caller: FakeTwilioCaller) -> bool:
 async def test_a_busy_line_brings_the_caller_back_to_an_agent_who_says_so(
     engine: AsyncEngine,
 ) -> None:
+    failed = transfers_ended("failed")
     async with call_stack(engine, transfer_scenario(), transfer_targets=TARGETS) as stack:
         stack.api.dial_outcomes[DESK] = "busy"
         caller, call_id = await ask_for_a_person(stack)
@@ -158,6 +168,7 @@ async def test_a_busy_line_brings_the_caller_back_to_an_agent_who_says_so(
     assert [k for k in kinds if k in order] == order, kinds
     assert kinds.count("call_ended") == 1
     assert ended is not None and ended["status"] == "completed"
+    assert transfers_ended("failed") == failed + 1
 
 
 async def test_an_unknown_target_is_refused_and_nothing_reaches_twilio(

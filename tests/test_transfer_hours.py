@@ -202,6 +202,7 @@ async def test_a_call_back_is_arranged_for_when_the_target_opens_or_when_asked_a
     the job scheduled for then) in the tool call's transaction; the model is told the time only
     once it is arranged; a retried tool call arranges one; a withheld number arranges none."""
     import sqlalchemy as sa
+    from prometheus_client import REGISTRY
 
     from app.ops.outbound import callback_scheduler
     from app.settings import Settings
@@ -212,6 +213,7 @@ async def test_a_call_back_is_arranged_for_when_the_target_opens_or_when_asked_a
     jobs = make_app(clean_db, max_pool_size=1)
     p = Pipeline(engine, catalog.transfers)
     p.pipe.callbacks = callback_scheduler(Settings(), jobs)
+    arranged_before = REGISTRY.get_sample_value("voice_agent_callbacks_arranged_total") or 0
     p.clock.now = ROME_SATURDAY_EVENING
     assert "schedule_callback" in [d["name"] for d in p.pipe.definitions()]
     args = {"reason": "a complaint about a bill", "target": "front_desk"}
@@ -260,3 +262,4 @@ async def test_a_call_back_is_arranged_for_when_the_target_opens_or_when_asked_a
     assert placed[0]["scheduled_at"] == monday_nine_rome
     assert "They wanted front desk" in placed[0]["outbound"]["purpose"]
     assert placed[0]["outbound"]["asked_in_call"] == "call-c1"
+    assert REGISTRY.get_sample_value("voice_agent_callbacks_arranged_total") == arranged_before + 2

@@ -353,6 +353,7 @@ class ToolPipeline:
             conn, tc.id, decision="callback", reason=f"at {scheduled.at.isoformat()}",
             arguments=norm, output=out,
         )  # fmt: skip
+        measures.CALLBACKS_ARRANGED.inc()
         return ToolReply(output=out, wants_response=True, operation_id=scheduled.operation_id)
 
     async def _transfer(

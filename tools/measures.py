@@ -12,8 +12,9 @@ registry); Prometheus sums the processes. Names and meanings are the observabili
 - `voice_agent_commit_to_heard_seconds`: committed to its outcome heard in full in the call;
 - `voice_agent_operations_unknown`: operations whose outcome is unknown, as of the last sweep;
 - counters of duplicates suppressed, timeouts, retries, late results after a turn change,
-  cancellations requested and confirmed, compensations, handoffs with operations open, and
-  reconciliations that failed.
+  cancellations requested and confirmed, compensations, handoffs with operations open,
+  reconciliations that failed, transfers that ended (`voice_agent_transfers_total{outcome}`)
+  and call backs arranged.
 
 Operations are mutations by construction (reads answer inline and are recorded as tool
 calls), so the operation measures carry `tool_class="mutation"`. A measure taken inside a
@@ -100,6 +101,15 @@ RECONCILIATION_FAILURES = Counter(
     "voice_agent_reconciliation_failures",
     "Reconciliations that could not ask the provider (it errored or has no lookup).",
 )
+TRANSFERS = Counter(
+    "voice_agent_transfers",
+    "Transfers to a person that ended: put through (`transferred`) or not (`failed`).",
+    ["outcome"],
+)
+CALLBACKS_ARRANGED = Counter(
+    "voice_agent_callbacks_arranged",
+    "Call backs the agent arranged in a call (schedule_callback admitted an outbound call).",
+)
 
 
 def committed(admitted_at: datetime | None, committed_at: datetime | None) -> None:
@@ -122,3 +132,5 @@ for _metric in (
 ):
     for _kind in ("read", "mutation", "control"):
         _metric.labels(_kind)
+for _outcome in ("transferred", "failed"):
+    TRANSFERS.labels(_outcome)

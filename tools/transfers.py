@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from telephony.tool_gateway import CallContext, TransferOutcome
+from tools import measures
 from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_states import COMMUNICATED
 from tools.ledger_models import OperationRecord
@@ -369,6 +370,10 @@ UNDER_WAY = frozenset({"dialing", "referred", "ringing"})
 PUT_THROUGH = frozenset({"answered", "completed", "transferred"})
 
 
+# A transfer's tool call row once it has ended.
+ENDED = frozenset({"transferred", "transfer_failed"})
+
+
 def outcome_decision(outcome: TransferOutcome) -> str:
     """The tool call row's decision for a transfer's outcome."""
     if outcome.accepted and outcome.status in PUT_THROUGH:
@@ -387,7 +392,7 @@ async def record_transfer_outcome(
         async with engine.begin() as conn:
             row = (
                 await conn.execute(
-                    sa.select(calls_t.c.id, calls_t.c.output)
+                    sa.select(calls_t.c.id, calls_t.c.output, calls_t.c.decision)
                     .where(
                         calls_t.c.call_id == call_id,
                         calls_t.c.provider_call_id == function_call_id[:128],
@@ -410,6 +415,12 @@ async def record_transfer_outcome(
                     completed_at=sa.func.now(),
                 )
             )
+        decision = outcome_decision(outcome)
+        if decision != "transferring" and row.decision not in ENDED:
+            # Counted once, when the transfer ends (a repeated webhook writes it again).
+            measures.TRANSFERS.labels(
+                "transferred" if decision == "transferred" else "failed"
+            ).inc()
         return True
     except Exception:
         log.exception("call %s: could not record a transfer's outcome", call_id)
