@@ -10,6 +10,13 @@ Prints tables (no assertions), each with a baseline measured in the same run:
   the (fake) Twilio Messages API, for 1 and 50 at once, through the in-process worker's
   delivery job (decide, persist the SMS, send). Baseline: the twilio library's
   `messages.create` called directly, as many at once.
+- work per delivery in those windows (from the first commit until the last delivery arrived):
+  this process's CPU, and the SQL statements, pool checkouts (each one pinged: pool_pre_ping)
+  and transactions on the service's engine, divided by the deliveries. Everything in the
+  window counts: the commits themselves, the offers, the announcement reports, the delivery
+  jobs, the SMS status callbacks, and the calls' media. Procrastinate's own statements (job
+  fetch, finish, defer) do not go through the engine and are not counted. These figures move
+  little from run to run where the latencies above, on a shared machine, move a lot.
 
 Everything runs in this process over real sockets: the service (uvicorn), the Realtime
 simulator (first audio at once: realtime_factor 0), fake Twilio callers and the fake Twilio
@@ -160,7 +167,46 @@ async def _commit(engine: AsyncEngine, op_id: uuid.UUID) -> float:
     return time.monotonic()
 
 
-async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
+class Work:
+    """CPU and database work of this process over a window (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.counts = {"statements": 0, "checkouts": 0, "transactions": 0}
+        self.rows: list[tuple[str, ...]] = []
+        self._window: tuple[float, dict[str, int]] | None = None
+        sync = engine.sync_engine
+        sa.event.listen(sync, "before_cursor_execute", self._on("statements"))
+        sa.event.listen(sync.pool, "checkout", self._on("checkouts"))
+        sa.event.listen(sync, "begin", self._on("transactions"))
+
+    def _on(self, key: str) -> Any:
+        def count(*_args: Any, **_kw: Any) -> None:
+            self.counts[key] += 1
+
+        return count
+
+    def start(self) -> None:
+        self._window = (time.process_time(), dict(self.counts))
+
+    def stop(self, name: str, n: int) -> None:
+        assert self._window is not None
+        cpu0, before = self._window
+        self._window = None
+        cpu_ms = (time.process_time() - cpu0) * 1000 / n
+        per = {k: (v - before[k]) / n for k, v in self.counts.items()}
+        self.rows.append(
+            (
+                name,
+                str(n),
+                f"{cpu_ms:.1f}",
+                f"{per['statements']:.1f}",
+                f"{per['checkouts']:.1f}",
+                f"{per['transactions']:.1f}",
+            )
+        )
+
+
+async def announcement_rows(engine: AsyncEngine, quick: bool, work: Work) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     async with (
         RealtimeSimulator(SCENARIO, realtime_factor=0.0, record=False) as sim,
@@ -203,9 +249,11 @@ async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str,
                     for sid, c in zip(sids, callers, strict=True)
                 ]
                 ops = await _running_ops(engine, calls)
+                work.start()
                 committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
                 start = min(committed)
                 await _wait(lambda t=start, cs=callers: all(_first_media_after(c, t) for c in cs))
+                work.stop(f"announcement, {n} call{'s' if n > 1 else ''}", n)
                 ours += [
                     _first_media_after(c, t) - t  # type: ignore[operator]
                     for c, t in zip(callers, committed, strict=True)
@@ -217,7 +265,7 @@ async def announcement_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str,
     return rows
 
 
-async def sms_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
+async def sms_rows(engine: AsyncEngine, quick: bool, work: Work) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     async with (
         FakeTwilioApi(sms_step_delay_s=0.01) as api,
@@ -244,8 +292,10 @@ async def sms_rows(engine: AsyncEngine, quick: bool) -> list[tuple[str, ...]]:
                         bare.append(arrived - t0)
                     calls = [(await _ended_call(engine, num), num) for num in numbers]
                     ops = await _running_ops(engine, calls)
+                    work.start()
                     committed = await asyncio.gather(*(_commit(engine, op) for op in ops))
                     await _wait(lambda nums=numbers: all(_request_at(api, x) for x in nums))
+                    work.stop(f"SMS, {n} at once", n)
                     ours += [
                         _request_at(api, num) - t for num, t in zip(numbers, committed, strict=True)
                     ]
@@ -273,6 +323,16 @@ async def _ended_call(engine: AsyncEngine, number: str) -> str:
             {"id": call_id, "sid": "CA" + call_id.hex, "n": number},
         )
     return str(call_id)
+
+
+def _mean_work(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """One row per window kind: the mean over its rounds."""
+    out: list[tuple[str, ...]] = []
+    for name in dict.fromkeys(r[0] for r in rows):
+        mine = [r for r in rows if r[0] == name]
+        cols = [sum(float(r[i]) for r in mine) / len(mine) for i in range(2, 6)]
+        out.append((name, mine[0][1], *(f"{c:.1f}" for c in cols)))
+    return out
 
 
 def _row(name: str, ours: list[float], bare: list[float]) -> tuple[str, ...]:
@@ -312,9 +372,10 @@ async def main(quick: bool) -> None:
         await asyncio.to_thread(upgrade, url)
         engine = make_engine(url, pool_size=40, max_overflow=20)
         try:
+            work = Work(engine)
             t0 = time.perf_counter()
-            announce = await announcement_rows(engine, quick)
-            sms = await sms_rows(engine, quick)
+            announce = await announcement_rows(engine, quick, work)
+            sms = await sms_rows(engine, quick, work)
             took = time.perf_counter() - t0
         finally:
             await engine.dispose()
@@ -334,6 +395,11 @@ async def main(quick: bool) -> None:
             "baseline: twilio messages.create direct",
             header,
             sms,
+        )
+        table(
+            "Work per delivery in each window (this process; mean over the window's deliveries)",
+            ("window", "n", "CPU ms", "SQL statements", "pool checkouts", "transactions"),
+            _mean_work(work.rows),
         )
     finally:
         drop_database(server, name)

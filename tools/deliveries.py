@@ -744,14 +744,17 @@ async def record_sms(
     error: str | None = None,
     next_check_at: datetime | None = None,
     not_deliverable: bool = False,
+    locked: SmsRecord | None = None,
 ) -> SmsUpdate | None:
     """Apply a status to a message if it moves it forward; out-of-order and duplicate
     reports change nothing (but a MessageSid learnt from any of them is kept).
 
     A final status settles the delivery the message carries: delivered -> `texted`;
     undelivered/failed -> `failed`, or `not_deliverable` when the number cannot take SMS.
+    `locked` is the message as this transaction already read it FOR UPDATE (saves reading
+    it again).
     """
-    current = await get_sms(conn, message_id, for_update=True)
+    current = locked if locked is not None else await get_sms(conn, message_id, for_update=True)
     if current is None:
         return None
     values: dict[str, Any] = {}
@@ -808,19 +811,29 @@ async def _settle_by_sms(
     actor: str,
     not_deliverable: bool,
 ) -> DeliveryRecord | None:
+    if status is not M.DELIVERED and status not in SMS_FAILURES:
+        return None  # queued, sent...: the delivery stays texting, nothing to settle
     delivery = await get(conn, message.delivery_id, for_update=True)
     if delivery is None or delivery.message_id != message.id:
         return delivery  # an older message of a resent delivery: history only
     if status is M.DELIVERED:
         return await move(
-            conn, delivery.id, D.TEXTING, D.TEXTED, actor=actor, reason="the SMS was delivered"
+            conn,
+            delivery.id,
+            D.TEXTING,
+            D.TEXTED,
+            locked=delivery,
+            actor=actor,
+            reason="the SMS was delivered",
         )
     if status in SMS_FAILURES:
         target = D.NOT_DELIVERABLE if not_deliverable else D.FAILED
         why = f"the SMS was {status.value}"
         if message.error_code is not None:
             why += f" (Twilio error {message.error_code})"
-        moved = await move(conn, delivery.id, D.TEXTING, target, actor=actor, reason=why)
+        moved = await move(
+            conn, delivery.id, D.TEXTING, target, locked=delivery, actor=actor, reason=why
+        )
         if moved is not None and target is D.NOT_DELIVERABLE:
             # Another channel may take it (a callback, LATE_RESULT_CHANNEL=auto): its job looks.
             await enqueue(conn, delivery.id)

@@ -419,6 +419,7 @@ class ResultDelivery:
                 if self._sms is None:
                     await deliveries.enqueue(conn, delivery.id)  # a worker sends it
                 else:
+                    # Locked above; an agent note (update) changes no state.
                     message = await self._sms.start(
                         conn,
                         delivery,
@@ -427,6 +428,7 @@ class ResultDelivery:
                         newer=found.newer,
                         undone=found.undone,
                         actor=self.actor,
+                        locked=True,
                     )
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
                 await settle_without_telling(conn, delivery, gate, self.actor)
@@ -435,7 +437,7 @@ class ResultDelivery:
                 await deliveries.defer_until(conn, delivery.id, _hold_until())
         if message is not None and self._sms is not None:
             # Persisted with its job first; sending right away only saves the job's pickup.
-            await self._sms.drive(message.id)
+            await self._sms.send_started(message)
         if result is not None:
             assert entry is not None and delivery.call_id is not None
             self._call_of[str(delivery_id)] = delivery.call_id

@@ -39,6 +39,7 @@ from app.ops.delivery import (
 )
 from app.ops.sms import SmsChannel
 from tools import deliveries, jobs, ledger, measures, webhooks
+from tools.deliveries import SmsRecord
 from tools.delivery_states import DeliveryState
 from tools.outage import DATABASE
 from tools.registry import Registry
@@ -122,6 +123,7 @@ class DeliveryDriver:
 
     async def deliver(self, delivery_id: uuid.UUID) -> str | None:
         """Decide one pending delivery out of the call (see the module docstring)."""
+        message: SmsRecord | None = None
         message_id: uuid.UUID | None = None
         async with self.engine.begin() as conn:
             # Locked: the replica holding the call is deciding it right now. If that fails,
@@ -172,6 +174,7 @@ class DeliveryDriver:
                 step = await self.callback.start(conn, delivery, op, reason=gate.reason)
                 message_id = step.message.id if step.message is not None else None
             elif gate.action is Action.TEXT:
+                # Locked at the top of this transaction; record_decision moved nothing.
                 message = await self.sms.start(
                     conn,
                     delivery,
@@ -180,8 +183,8 @@ class DeliveryDriver:
                     newer=found.newer,
                     undone=found.undone,
                     actor=ACTOR,
+                    locked=True,
                 )
-                message_id = message.id if message is not None else None
             elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
                 await settle_without_telling(conn, delivery, gate, ACTOR)
             elif gate.action is Action.HOLD:
@@ -189,8 +192,10 @@ class DeliveryDriver:
                 await deliveries.defer_until(
                     conn, delivery.id, datetime.now(UTC) + timedelta(seconds=HOLD_RECHECK_S)
                 )
-        if message_id is not None:
+        if message is not None:
             # Persisted (and its own job queued) before this send: a crash here loses nothing.
+            await self.sms.send_started(message)
+        elif message_id is not None:
             await self.sms.drive(message_id)
         return gate.action.value
 

@@ -151,15 +151,18 @@ class SmsChannel:
         undone: list[str] | None = None,
         actor: str | None = None,
         data: dict[str, Any] | None = None,
+        locked: bool = False,
     ) -> SmsRecord | None:
         """Hand a pending delivery to SMS: the delivery moves to `texting` and its message
-        is persisted (with its job) in this transaction. None if the delivery moved on."""
+        is persisted (with its job) in this transaction. None if the delivery moved on.
+        `locked`: this transaction read `delivery` FOR UPDATE and has not moved it since."""
         who = actor or self.actor
         moved = await deliveries.move(
             conn,
             delivery.id,
             D.PENDING,
             D.TEXTING,
+            locked=delivery if locked else None,
             actor=who,
             reason=reason,
             data=data,
@@ -192,6 +195,14 @@ class SmsChannel:
         )
 
     # --- driving one message ----------------------------------------------------------------
+
+    async def send_started(self, message: SmsRecord) -> SmsRecord | None:
+        """Send a message `start` persisted in a transaction that has committed since: it
+        is pending (its own job waits until the safety net), so it is sent without reading
+        it again. The claim is conditional: if anything else got to it first, nothing is sent."""
+        if message.status is not M.PENDING:
+            return await self.drive(message.id)
+        return await self._send(message)
 
     async def drive(self, message_id: uuid.UUID, now: datetime | None = None) -> SmsRecord | None:
         """Do what the message needs next: send, reconcile, poll, or nothing."""
@@ -439,7 +450,7 @@ class SmsChannel:
             return None
         code = _int(params.get("ErrorCode"))
         async with self._engine.begin() as conn:
-            message = await deliveries.get_sms(conn, message_id)
+            message = await deliveries.get_sms(conn, message_id, for_update=True)
             if message is None:
                 return None
             sid = params.get("MessageSid") or params.get("SmsSid")
@@ -463,6 +474,7 @@ class SmsChannel:
                 not_deliverable=code == OPT_OUT_CODE
                 or code in NOT_DELIVERABLE_CODES
                 or code in NOT_DELIVERABLE_DELIVERY_CODES,
+                locked=message,
             )
 
     # --- staff resend -----------------------------------------------------------------------
