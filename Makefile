@@ -66,3 +66,4 @@ bench: install
 	$(BIN)/python bench/console.py
 	$(BIN)/python bench/delivery.py
 	$(BIN)/python bench/openai_sip.py
+	$(BIN)/python bench/recorder.py

@@ -78,6 +78,7 @@ NOT_IN_TABLE: dict[str, str] = {}
 NOT_OURS: dict[str, str] = {
     "FORWARDED_ALLOW_IPS": "uvicorn reads it itself (proxy headers)",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "the OpenTelemetry SDK reads the OTEL_* variables itself",
+    "TMPDIR": "Python's tempfile reads it (where call recorders spool)",
 }
 
 

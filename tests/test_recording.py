@@ -3,7 +3,9 @@ caller stopped hearing the agent, stored in Postgres or files, served by byte ra
 
 from __future__ import annotations
 
+import base64
 import io
+import os
 import uuid
 import wave
 from array import array
@@ -15,7 +17,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
-from app.calls.recording import WINDOW_SAMPLES, CallRecorder, RecordingLeg
+from app.calls.recording import SPILL_BYTES, WINDOW_SAMPLES, CallRecorder, RecordingLeg
 from app.calls.recording_store import FileStore, LargeObjectStore, get_recording
 from telephony import audio
 from telephony.legs.leg import AudioIn, DtmfIn, LegClosed, LegEvent
@@ -154,6 +156,80 @@ def test_a_long_recording_is_laid_out_in_windows_not_one_buffer() -> None:
     assert 100_000 <= recording.duration_ms <= 101_000
     assert rec.largest_window_bytes == 2 * WINDOW_SAMPLES  # 30 s of stereo G.711 at a time
     assert active_ms(caller, 0, 100_000) == 100_000  # no gap at a window boundary
+
+
+def spool_files(directory: Path) -> int:
+    """Files of `directory` this process holds open (the spool's are unlinked at once)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        held += target.startswith(str(directory))
+    return held
+
+
+def feed_a_minute(rec: CallRecorder, clock: FakeClock, *, check_held: bool = False) -> bytes:
+    """60 s of Twilio-like traffic (base64 caller frames by timestamp, agent deltas, a clear);
+    returns the caller's G.711 as sent."""
+    sent = bytearray()
+    for n in range(3000):
+        clock.now = 100 + n * 0.02
+        frame = bytes((n + i) % 256 for i in range(160))
+        sent += frame
+        rec.caller_audio(base64.b64encode(frame).decode(), n * 20)
+        if n % 5 == 0 and (n // 250) % 2:  # the agent talks every other 5 s, 100 ms deltas
+            rec.agent_audio(base64.b64encode(tone(100)).decode())
+        if n % 1000 == 999:
+            rec.cleared()
+        if check_held:
+            assert rec.held_bytes < SPILL_BYTES + 1200  # at most one record past the limit
+    return bytes(sent)
+
+
+def test_a_recording_holds_little_in_memory_and_the_rest_in_a_spool_file_gone_after(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=tmp_path)
+    sent = feed_a_minute(rec, clock, check_held=True)
+    assert spool_files(tmp_path) == 1 and os.listdir(tmp_path) == []  # open, unlinked
+    recording = rec.render()
+    caller, agent = channels(recording.wav)
+    # Every caller sample is there, where its timestamp put it.
+    assert caller[: len(sent)] == array("h", audio.mulaw_to_pcm16(sent))
+    assert active_ms(agent, 5000, 10_000) > 0 and active_ms(agent, 0, 5000) == 0
+    rec.discard()
+    assert spool_files(tmp_path) == 0
+
+
+def test_a_spool_file_that_cannot_be_made_leaves_the_audio_in_memory_and_the_recording_whole(
+    tmp_path: Path,
+) -> None:
+    recordings = []
+    for directory in (tmp_path, tmp_path / "missing"):
+        clock = FakeClock()
+        rec = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=directory)
+        feed_a_minute(rec, clock)
+        recordings.append(rec.render())
+        rec.discard()
+    spilled, unspilled = recordings
+    assert spilled.wav == unspilled.wav and spilled.duration_ms == 60_000
+
+
+def test_a_discard_during_a_render_waits_for_it(tmp_path: Path) -> None:
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=tmp_path)
+    feed_a_minute(rec, clock)
+    rec.seal()
+    with rec._spool.read() as spooled:  # what a render in a thread holds
+        rec.discard()  # the call's end gave up waiting for it
+        assert spool_files(tmp_path) >= 1 and len(spooled) > 60 * 8000  # still readable
+    assert spool_files(tmp_path) == 0
+    rec.caller_audio(base64.b64encode(tone(20)).decode(), 60_000)  # nothing taken now
+    with pytest.raises(RuntimeError):
+        rec.render()
 
 
 class FakeLeg:

@@ -6,10 +6,12 @@ and the bridge, so neither knows about recording:
 - agent audio is recorded as it is handed to the leg to play (`play`), and a `clear` (barge-in)
   cuts whatever of it had not been played yet: the recording holds what the caller heard.
 
-Per frame the tap only appends a tuple to a list (the audio is not copied or decoded). The
-tracks are laid out on one clock and encoded (`CallRecorder.render`, pure and CPU-bound, run
-in a thread) when the call ends: caller on the left channel, agent on the right, 16-bit PCM at
-8 kHz, which every browser plays and seeks.
+Per frame the tap only appends a record (when, and the audio as received: not decoded) to
+the call's spool, which holds up to `SPILL_BYTES` in memory and writes the rest to an unlinked
+temporary file as the call goes: what a call holds does not grow with its length, and is no
+objects for the collector to walk. The tracks are laid out on one clock and encoded
+(`CallRecorder.render`, pure and CPU-bound, run in a thread) when the call ends: caller on the
+left channel, agent on the right, 16-bit PCM at 8 kHz, which every browser plays and seeks.
 
 Caller frames are placed by the stream's own timestamps (Twilio's `timestamp`, ms since the
 stream started; the SIP leg's from RTP), anchored at the first frame's arrival; agent audio
@@ -25,10 +27,17 @@ buffer of the render is larger than a window besides the recording itself.
 
 from __future__ import annotations
 
-import base64
 import binascii
+import contextlib
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -47,6 +56,17 @@ END_MARGIN_MS = 1000
 # Twilio's `timestamp` is any integer string; beyond float precision it places nothing.
 MAX_STAMP_MS = 1 << 53
 WINDOW_SAMPLES = 30 * RATE  # laid out and decoded 30 s at a time
+# What a recorder holds in memory before it writes it to the call's spool file.
+SPILL_BYTES = 32 * 1024
+# A record in the spool: kind, at (s, the recorder's clock), the caller frame's timestamp (ms,
+# or NO_STAMP), size of the audio after it (> 0: base64 text, < 0: G.711 bytes, 0: none).
+_HEADER = struct.Struct("<Bddi")
+_pack = _HEADER.pack
+CALLER, AGENT = 0, 1  # an agent record with no audio is a clear
+NO_STAMP = -1.0  # no timestamp to place the frame by
+Piece = tuple[int, int, int]  # a piece of a track: start sample, offset in the G.711, samples
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,66 +90,103 @@ class CallRecorder:
         *,
         max_ms: float,
         clock: Callable[[], float] = time.monotonic,
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.audio_format = audio_format
         self._clock = clock
         self.started = clock()
         self.started_at = datetime.now(UTC)
         self._max_s = max_ms / 1000.0
-        # (arrival s, stream timestamp ms or None, payload bytes or base64 text)
-        self._caller: list[tuple[float, int | None, bytes | str]] = []
-        # (at s, audio bytes); empty audio marks a clear
-        self._agent: list[tuple[float, bytes | str]] = []
+        self._spool = _Spool(spool_dir)
+        self._sealed = False
+        self.frames = 0  # caller frames, agent audio and clears recorded
         self.truncated = False
         self.largest_window_bytes = 0  # the largest buffer a render laid out (tests, memory)
         self.ended: float | None = None
 
+    # The taps: the hot path (50 caller frames a second a call), so each appends one record
+    # to the spool and nothing else, inline; the render decodes.
+
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
         now = self._clock()
+        if self._sealed:
+            return
         if now - self.started <= self._max_s:
-            self._caller.append((now, timestamp_ms, payload))
+            if isinstance(payload, str):
+                try:
+                    data = payload.encode("ascii")
+                except UnicodeEncodeError:  # not base64: no audio
+                    data = b""
+                size = len(data)
+            else:
+                data = payload
+                size = -len(data)
+            buf = self._spool.buf
+            buf += _pack(
+                CALLER,
+                now,
+                timestamp_ms
+                if timestamp_ms is not None and 0 <= timestamp_ms < MAX_STAMP_MS
+                else NO_STAMP,
+                size,
+            )
+            buf += data
+            self.frames += 1
+            if len(buf) >= SPILL_BYTES:
+                self._spool.spill()
         else:
             self.truncated = True
 
     def agent_audio(self, audio: bytes | str) -> None:
         """Agent audio handed to the leg to play (G.711 bytes, or the delta's base64 text)."""
         now = self._clock()
-        if audio:
+        if audio and not self._sealed:
             if now - self.started <= self._max_s:
-                self._agent.append((now, audio))
+                if isinstance(audio, str):
+                    try:
+                        data = audio.encode("ascii")
+                    except UnicodeEncodeError:  # not base64: no audio (taken for a clear)
+                        data = b""
+                    size = len(data)
+                else:
+                    data = audio
+                    size = -len(data)
+                buf = self._spool.buf
+                buf += _pack(AGENT, now, NO_STAMP, size)
+                buf += data
+                self.frames += 1
+                if len(buf) >= SPILL_BYTES:
+                    self._spool.spill()
             else:
                 self.truncated = True
 
     def cleared(self) -> None:
         """The leg dropped all agent audio not yet played (barge-in)."""
-        self._agent.append((self._clock(), b""))
+        if not self._sealed:
+            self._spool.buf += _pack(AGENT, self._clock(), NO_STAMP, 0)
+            self.frames += 1
 
     @property
-    def frames(self) -> int:
-        return len(self._caller) + len(self._agent)
+    def held_bytes(self) -> int:
+        """What the recorder holds in memory now (the rest of the call is in its spool file)."""
+        return len(self._spool.buf)
 
-    # Rendering: pure, CPU-bound, run in a thread. The tracks are laid out and interleaved in
-    # G.711 (one byte a sample: plain copies) and decoded once, in C, so rendering a long call
-    # holds the GIL for little time while other calls' audio runs on the event loop.
+    # Rendering: pure, CPU-bound, run in a thread. The spool's frames are decoded once, in C,
+    # into one buffer of G.711 (the recording itself, a byte a sample); the tracks are laid out
+    # and interleaved from it window by window (plain copies) and decoded to PCM once, in C, so
+    # rendering a long call holds the GIL for little time while other calls' audio runs on the
+    # event loop. A piece is (start sample, offset in that buffer, samples).
 
-    def _g711(self, payload: bytes | str) -> bytes:
-        if isinstance(payload, str):
-            try:
-                return base64.b64decode(payload)
-            except (binascii.Error, ValueError):
-                return b""
-        return payload
-
-    def _caller_track(self) -> list[tuple[int, bytes]]:
-        """(start sample, G.711 bytes) of every caller frame."""
-        placed: list[tuple[int, bytes]] = []
-        anchor: tuple[float, int] | None = None  # (arrival ms, stream timestamp ms)
+    def _caller_track(self, frames: list[tuple[float, float, int, int]]) -> list[Piece]:
+        """Every caller frame, placed."""
+        placed: list[Piece] = []
+        anchor: tuple[float, float] | None = None  # (arrival ms, stream timestamp ms)
         cursor = 0
-        for arrival, stamp, payload in self._caller:
-            data = self._g711(payload)
-            arrival_ms = (arrival - self.started) * 1000.0
-            if stamp is not None and 0 <= stamp < MAX_STAMP_MS:
+        started = self.started
+        for arrival, stamp, offset, length in frames:
+            arrival_ms = (arrival - started) * 1000.0
+            if stamp != NO_STAMP:
                 if anchor is None or abs(anchor[0] + (stamp - anchor[1]) - arrival_ms) > (
                     MAX_SKEW_MS
                 ):
@@ -138,34 +195,45 @@ class CallRecorder:
             else:
                 at_ms = max(arrival_ms, cursor / SAMPLES_PER_MS)
             start = max(0, round(at_ms * SAMPLES_PER_MS))
-            placed.append((start, data))
-            cursor = start + len(data)
+            placed.append((start, offset, length))
+            cursor = start + length
         return placed
 
-    def _agent_track(self) -> list[tuple[int, bytes]]:
-        """(start sample, G.711 bytes) of agent audio as played, cut at each clear."""
-        placed: list[tuple[int, bytes]] = []
+    def _agent_track(self, frames: list[tuple[float, float, int, int]]) -> list[Piece]:
+        """Agent audio as played, cut at each clear."""
+        placed: list[Piece] = []
         cursor = 0  # where the audio queued so far ends, in samples
-        for at, payload in self._agent:
+        for at, _, offset, length in frames:
             now = max(0, round((at - self.started) * RATE))
-            data = self._g711(payload)
-            if not data:  # a clear: nothing after `now` was ever heard
-                placed = [
-                    (start, chunk if start + len(chunk) <= now else chunk[: now - start])
-                    for start, chunk in placed
-                    if start < now
-                ]
+            if not length:  # a clear (or audio that is none): nothing after `now` was heard
+                # The pieces lie in order without overlap, so only the last can reach past it.
+                while placed and placed[-1][0] >= now:
+                    placed.pop()
+                if placed:
+                    start, off, size = placed[-1]
+                    if start + size > now:
+                        placed[-1] = (start, off, now - start)
                 cursor = min(cursor, now)
                 continue
             start = max(cursor, now)
-            placed.append((start, data))
-            cursor = start + len(data)
+            placed.append((start, offset, length))
+            cursor = start + length
         return placed
 
     def stop(self) -> None:
         """The call is over (its leg closed): the recording ends here, whatever comes after."""
         if self.ended is None:
             self.ended = self._clock()
+
+    def seal(self) -> None:
+        """Take no more audio, so a render reads all there is (call it on the thread that
+        records before rendering in another; render seals too)."""
+        self._sealed = True
+
+    def discard(self) -> None:
+        """Release the recorded audio (its spool file), now or once a render in progress ends."""
+        self._sealed = True
+        self._spool.discard()
 
     def limit_samples(self) -> int:
         """The most samples the recording may hold: the call's length on our clock."""
@@ -175,9 +243,13 @@ class CallRecorder:
 
     def render(self) -> Recording:
         """The stereo WAV: caller left, agent right, on the recorder's clock."""
-        caller = self._caller_track()
-        agent = self._agent_track()
-        samples = max([s + len(d) for s, d in caller] + [s + len(d) for s, d in agent] + [0])
+        self.seal()
+        with self._spool.read() as spooled:
+            g711, caller_frames, agent_frames = _decode(spooled)
+        caller = self._caller_track(caller_frames)
+        agent = self._agent_track(agent_frames)
+        del caller_frames, agent_frames
+        samples = max([s + n for s, _, n in caller] + [s + n for s, _, n in agent] + [0])
         samples = min(samples, self.limit_samples())
         codec: Codec = "pcma" if self.audio_format == "audio/pcma" else "pcmu"
         silence = silence_byte(codec)
@@ -186,8 +258,8 @@ class CallRecorder:
         for index, first in enumerate(range(0, samples, WINDOW_SAMPLES)):
             size = min(WINDOW_SAMPLES, samples - first)
             stereo = bytearray(2 * size)
-            stereo[0::2] = _lay(caller_bins.get(index, ()), first, size, silence)
-            stereo[1::2] = _lay(agent_bins.get(index, ()), first, size, silence)
+            stereo[0::2] = _lay(g711, caller_bins.get(index, ()), first, size, silence)
+            stereo[1::2] = _lay(g711, agent_bins.get(index, ()), first, size, silence)
             # G.711 decodes sample by sample, so the interleaved bytes decode to stereo PCM.
             pcm.append(decode(bytes(stereo), codec))
             self.largest_window_bytes = max(self.largest_window_bytes, len(stereo))
@@ -199,27 +271,149 @@ class CallRecorder:
         )
 
 
-def _bins(pieces: list[tuple[int, bytes]], samples: int) -> dict[int, list[tuple[int, bytes]]]:
+def _decode(
+    spooled: memoryview,
+) -> tuple[bytearray, list[tuple[float, float, int, int]], list[tuple[float, float, int, int]]]:
+    """The spool's audio as G.711, and (at s, stream timestamp ms, offset in it, samples) of
+    each caller frame and each agent record; base64 that is not is no audio."""
+    g711 = bytearray()
+    caller: list[tuple[float, float, int, int]] = []
+    agent: list[tuple[float, float, int, int]] = []
+    tracks = (caller, agent)
+    a2b, error, unpack, header = (
+        binascii.a2b_base64,
+        binascii.Error,
+        _HEADER.unpack_from,
+        _HEADER.size,
+    )
+    pos, end = 0, len(spooled)
+    while pos < end:
+        kind, at, stamp, size = unpack(spooled, pos)
+        pos += header
+        offset = len(g711)
+        if size > 0:
+            try:
+                g711 += a2b(spooled[pos : pos + size])
+            except error:
+                pass
+            pos += size
+        elif size < 0:
+            g711 += spooled[pos : pos - size]
+            pos -= size
+        tracks[kind].append((at, stamp, offset, len(g711) - offset))
+    return g711, caller, agent
+
+
+def _bins(pieces: list[Piece], samples: int) -> dict[int, list[Piece]]:
     """The pieces that fall in each window (a piece across a boundary in both); none past the
     end."""
-    bins: dict[int, list[tuple[int, bytes]]] = {}
-    for start, data in pieces:
-        end = min(samples, start + len(data))
+    bins: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        start, _, length = piece
+        end = min(samples, start + length)
         if start >= end:
             continue
         for index in range(start // WINDOW_SAMPLES, (end - 1) // WINDOW_SAMPLES + 1):
-            bins.setdefault(index, []).append((start, data))
+            bins.setdefault(index, []).append(piece)
     return bins
 
 
-def _lay(pieces: Iterable[tuple[int, bytes]], first: int, size: int, silence: int) -> bytes:
+def _lay(g711: bytearray, pieces: Iterable[Piece], first: int, size: int, silence: int) -> bytes:
     """One window of a track: samples [first, first + size)."""
     track = bytearray([silence]) * size
-    for start, data in pieces:
-        lo, hi = max(start, first), min(start + len(data), first + size)
+    for start, offset, length in pieces:
+        lo, hi = max(start, first), min(start + length, first + size)
         if lo < hi:
-            track[lo - first : hi - first] = data[lo - start : hi - start]
+            at = offset - start
+            track[lo - first : hi - first] = g711[at + lo : at + hi]
     return bytes(track)
+
+
+class _Spool:
+    """A call's records, back to back, append-only: up to `SPILL_BYTES` of them in memory
+    (`buf`, where the recorder appends), the rest written as it comes to an unlinked temporary
+    file (in TMPDIR, or `directory`) that is gone once the spool is discarded or collected, or
+    the process ends. Should the file fail (no space), the records stay in memory: the
+    recording is still saved."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+        self._directory = directory
+        self.buf = bytearray()
+        self._written = 0  # bytes in the file: the spool's first ones
+        self._fd: int | None = None
+        self._close: weakref.finalize[[int], _Spool] | None = None
+        self._failed = False
+        self._lock = threading.Lock()  # a render's read against a discard
+        self._reading = 0
+        self._discarded = False
+
+    def spill(self) -> None:
+        """Write what is in memory to the file (made at the first spill)."""
+        if self._failed:
+            return
+        try:
+            if self._fd is None:
+                fd, path = tempfile.mkstemp(prefix="call-recording-", dir=self._directory)
+                self._close = weakref.finalize(self, os.close, fd)
+                self._fd = fd
+                os.unlink(path)
+            self._write(self._fd)
+        except OSError as e:
+            self._failed = True
+            log.warning("call recording: the audio stays in memory, its spool file failed: %s", e)
+
+    def _write(self, fd: int) -> None:
+        with memoryview(self.buf) as view:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], self._written + done)
+        self._written += len(self.buf)
+        self.buf = bytearray()
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[memoryview]:
+        """All of the spool; nothing may be appended meanwhile."""
+        with self._lock:
+            if self._discarded:
+                raise RuntimeError("the recording was discarded")
+            self._reading += 1
+        try:
+            fd = self._fd
+            if fd is not None and self.buf and not self._failed:
+                try:
+                    self._write(fd)
+                except OSError:
+                    self._failed = True
+            if fd is None or not self._written:
+                with memoryview(self.buf) as view:
+                    yield view
+            elif self.buf:  # the file stopped taking it: both parts, in memory
+                with memoryview(os.pread(fd, self._written, 0) + self.buf) as view:
+                    yield view
+            else:
+                with (
+                    mmap.mmap(fd, self._written, access=mmap.ACCESS_READ) as mapped,
+                    memoryview(mapped) as view,
+                ):
+                    yield view
+        finally:
+            with self._lock:
+                self._reading -= 1
+                release = self._discarded and not self._reading
+            if release:
+                self._release()
+
+    def discard(self) -> None:
+        with self._lock:
+            self._discarded = True
+            if self._reading:
+                return  # the read in progress releases it
+        self._release()
+
+    def _release(self) -> None:
+        if self._close is not None:
+            self._close()  # closes the file, once
+        self.buf = bytearray()
 
 
 class RecordingLeg:

@@ -185,7 +185,9 @@ class Recordings:
         return CallRecorder(audio_format, max_ms=self.max_ms)
 
     async def finish(self, call_id: str, recorder: CallRecorder) -> RecordingInfo | None:
-        """Render and store the call's recording; a failure is logged, never raised."""
+        """Render and store the call's recording; a failure is logged, never raised. The
+        recorder's audio (its spool file) is released either way."""
+        recorder.seal()  # here, on the thread that records, before the render's thread reads
         try:
             async with asyncio.timeout(RENDER_TIMEOUT_S):
                 recording = await asyncio.to_thread(recorder.render)
@@ -193,6 +195,8 @@ class Recordings:
         except Exception:
             log.exception("the recording of call %s could not be stored", call_id)
             return None
+        finally:
+            recorder.discard()
 
     async def save(self, call_id: str, recording: Recording) -> RecordingInfo:
         locator = await self.store.put(call_id, recording.wav)

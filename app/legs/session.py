@@ -466,5 +466,7 @@ class CallSession:
                     runtime.registry.detach(entry)
         finally:
             runtime.registry.release_reservation(self.call_sid)
+            if self._recorder is not None:
+                self._recorder.discard()  # saved by now or never to be: its spool file goes
             if self._span is not None:
                 self._span.end()
