@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -284,11 +285,12 @@ async def test_a_released_call_is_left_alone_by_the_sweep_and_the_delivery_path_
 async def test_a_holder_is_alive_while_its_lock_is_held_and_dead_at_once_after(
     engine: AsyncEngine,
 ) -> None:
-    lock = HolderLock(engine, "replica-under-test")
+    name = f"replica-under-test-{uuid.uuid4().hex[:8]}"
+    lock = HolderLock(engine, name)
     await lock.start()
-    alive = await holder_alive(engine, "replica-under-test")
+    alive = await holder_alive(engine, name)
     await lock.stop()
-    gone = await holder_alive(engine, "replica-under-test")
+    gone = await holder_alive(engine, name)
 
     assert alive is True
     assert gone is False

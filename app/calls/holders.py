@@ -86,4 +86,16 @@ class HolderLock:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._release()
         await self._drop()
+
+    async def _release(self) -> None:
+        """Give the lock back on its own connection before closing it: a closed socket
+        releases it only once the server's backend has noticed and exited, which can be
+        after this process already asked `holder_alive` (a restart under the same name)."""
+        if self._conn is None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await self._conn.scalar(sa.select(sa.func.pg_advisory_unlock(_key(self.holder))))
+                await self._conn.commit()
