@@ -38,7 +38,7 @@ demo: install
 # 15-19 on this 2-core machine kind); `$(BIN)/pytest` alone runs it serially.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -n $(TEST_WORKERS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --durations=30
 
 # The race scenarios alone (`make test` runs them too), serially and in file order, each
 # printing one line (state, side effects, order checked, heard) in the summary's "races" part.

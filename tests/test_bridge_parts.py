@@ -37,6 +37,7 @@ class FakeSession:
     sent: list[tuple[Any, ...]] = field(default_factory=list)
     voice: str | None = "marin"
     session_id: str = "sess_fake"
+    server_turns: bool = False
 
     async def append(self, payload: str) -> bool:
         self.sent.append(("append", payload))

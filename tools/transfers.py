@@ -191,6 +191,14 @@ def zone_name(zone: str) -> str:
     return zone
 
 
+def check_name(name: str) -> None:
+    """A target's name as the model and the tools file use it; TransferTargetError if not."""
+    if not TARGET_NAME.match(name):
+        raise TransferTargetError(
+            f"target name {name!r}: use lowercase letters, digits, _ or - (e.g. front_desk)"
+        )
+
+
 def parse_targets(text: str | None) -> dict[str, TransferTarget]:
     """`name=destination` pairs, comma separated; empty or None: no targets."""
     targets: dict[str, TransferTarget] = {}
@@ -203,10 +211,7 @@ def parse_targets(text: str | None) -> dict[str, TransferTarget]:
             raise TransferTargetError(
                 f"{entry!r} is not name=destination (e.g. front_desk=+15550100009)"
             )
-        if not TARGET_NAME.match(name):
-            raise TransferTargetError(
-                f"target name {name!r}: use lowercase letters, digits, _ or - (e.g. front_desk)"
-            )
+        check_name(name)
         try:
             check_destination(destination)
         except TransferTargetError as exc:
@@ -219,10 +224,7 @@ def parse_targets(text: str | None) -> dict[str, TransferTarget]:
 
 def declared_target(name: str, to: str, hours: str | None, zone: str, who: str) -> TransferTarget:
     """A target as a tools file declares it; TransferTargetError names what is wrong."""
-    if not TARGET_NAME.match(name):
-        raise TransferTargetError(
-            f"target name {name!r}: use lowercase letters, digits, _ or - (e.g. front_desk)"
-        )
+    check_name(name)
     return TransferTarget(
         name,
         check_destination(to),

@@ -184,7 +184,7 @@ class LiveEvents:
                 await asyncio.sleep(WATCH_S)
                 item = self._playout.items.get(item_id)
                 now_received = item.received_ms if item is not None else 0.0
-                if item is None or self._playout.playing() or now_received != received:
+                if item is None or self._playout.item_playing(item_id) or now_received != received:
                     received, quiet_since = now_received, None
                     continue
                 quiet_since = quiet_since or time.monotonic()

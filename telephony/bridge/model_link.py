@@ -28,6 +28,9 @@ class ModelSession(Protocol):
     voice: str | None
     # The model's id of this session (`sess_…`) where the server says it, else call/generation.
     session_id: str
+    # True where the server starts its own turns (GPT-Live): a create is not answered by a
+    # `response.created`, so a late result is told by the utterance that says it.
+    server_turns: bool
 
     async def append(self, payload: str) -> bool:
         """Caller audio (the leg's base64) appended to the input buffer: the hot path."""

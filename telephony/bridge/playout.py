@@ -145,12 +145,19 @@ class Playout(ABC):
 
     def playing(self) -> bool:
         """Whether the caller is still to hear audio of an item that was not cut."""
-        playback = self.leg.playback
-        return any(
+        return any(self._playing(item_id, item) for item_id, item in self.items.items())
+
+    def item_playing(self, item_id: str) -> bool:
+        """The same for one item only (a watcher of the current utterance, every few
+        hundred ms, need not walk the whole call's items)."""
+        item = self.items.get(item_id)
+        return item is not None and self._playing(item_id, item)
+
+    def _playing(self, item_id: str, item: AgentItem) -> bool:
+        return (
             item.cut_at_ms is None
             and item.received_ms > 0
-            and playback.confirmed_ms(item_id) < item.received_ms - READBACK_TOLERANCE_MS
-            for item_id, item in self.items.items()
+            and self.leg.playback.confirmed_ms(item_id) < item.received_ms - READBACK_TOLERANCE_MS
         )
 
     def item_audio(self, response_id: str) -> list[ItemAudio]:

@@ -91,6 +91,7 @@ class RealtimeSession:
         "conn",
         "generation",
         "items",
+        "server_turns",
         "session_id",
         "slot",
         "voice",
@@ -110,6 +111,7 @@ class RealtimeSession:
         self.items: set[str] = set()
         self.voice: str | None = None
         self.session_id = f"{call_id}/{generation}"
+        self.server_turns = False  # every response is one we asked for
         self.slot = ResponseSlot()
         self._call_id = call_id
         self._timeout_s = timeout_s

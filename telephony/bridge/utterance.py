@@ -14,6 +14,7 @@ import logging
 import re
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from telephony.announcements import AnnouncementTracker
 from telephony.bridge.model_link import ModelSession
@@ -212,7 +213,7 @@ class Utterances:
             if request.late:
                 # The socket is going; the next session gets them (with fresh notes).
                 self._late.extendleft(reversed(request.late))
-        elif request.late and getattr(session, "server_turns", False):
+        elif request.late and session.server_turns:
             # GPT-Live answers nothing to a create: the notes wait for an utterance saying them.
             noted_at = time.monotonic()
             for result in request.late:
@@ -250,14 +251,22 @@ class Utterances:
             turn_id=self._turns.turn_id,
             reason=request.reason if request else "server",
         )
-        if request is not None and request.operation_ids:
+        if request is not None:
+            self._told_by(response_id, request.operation_ids, request.late)
+
+    def _told_by(
+        self, response_id: str, operation_ids: Sequence[str], late: tuple[LateResult, ...]
+    ) -> None:
+        """The one entry point, on either model, for "response `response_id` tells these
+        operations' outcomes": on the timeline, and to the heard accounting of late results."""
+        if operation_ids:
             self._port.emit(
                 CallEventKind.RESULT_ANNOUNCED,
                 response_id=response_id,
-                operation_ids=list(request.operation_ids),
+                operation_ids=list(operation_ids),
             )
-        if request is not None and request.late:
-            self.announcing.spoken(response_id, request.late)
+        if late:
+            self.announcing.spoken(response_id, late)
 
     def response_done(
         self, session: ModelSession, response_id: str | None, status: str | None
@@ -299,12 +308,7 @@ class Utterances:
             else:
                 self._live_waiting[key] = (result, noted_at, passed + 1)
         if said:
-            self._port.emit(
-                CallEventKind.RESULT_ANNOUNCED,
-                response_id=response_id,
-                operation_ids=[r.operation_id for r in said],
-            )
-            self.announcing.spoken(response_id, tuple(said))
+            self._told_by(response_id, [r.operation_id for r in said], tuple(said))
             self.announcing.done(response_id, "completed")
 
     def create_refused(self, session: ModelSession, event_id: str | None) -> None:
