@@ -192,6 +192,9 @@ class Settings(BaseSettings):
     # Digest credentials for a 401/407 from the proxy or the callee (answered once).
     sip_outbound_user: str | None = None
     sip_outbound_password: SecretStr | None = None
+    # Answering-machine detection on outbound SIP calls (telephony/amd.py), since no carrier
+    # tells us there who answered; off: whoever answers is taken for a person.
+    sip_amd: bool = True
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

@@ -6,7 +6,11 @@ recorded as on Twilio; and what the reconciler decides for a placing whose answe
 from __future__ import annotations
 
 import asyncio
+import math
 import re
+import shutil
+import struct
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
 from app.ops.outbound import SipCalls, request_call
+from telephony import audio
 from tests.console_support import bearer
 from tests.e2e_support import event_kinds, event_rows, make_settings, wait_until
 from tests.sipp_support import SCENARIOS, needs_sipp
@@ -26,14 +31,59 @@ from tools import ledger
 
 pytestmark = needs_sipp
 WAIT_S = 20.0
+needs_espeak = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
+)
 
 
 class _Rtp(asyncio.DatagramProtocol):
+    """The callee's media: what our side sends, and a voice (PCMU) sent back from the same
+    socket, paced at 20 ms, to the port of our INVITE's offer."""
+
     def __init__(self) -> None:
         self.packets: list[bytes] = []
+        self.transport: asyncio.DatagramTransport | None = None
+        self.timed: list[tuple[float, bytes]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self.packets.append(data)
+        self.timed.append((asyncio.get_running_loop().time(), data))
+
+    def voiced_at(self) -> float | None:
+        """When the first packet of our side that was not silence came (loop time)."""
+        return next((t for t, data in self.timed if audio.rms(data[12:]) > 300), None)
+
+    async def say(self, far: Any, pcm: bytes, *, first: bool = True) -> None:
+        """Once our side's media flows, `pcm` (16-bit 8 kHz) toward our offer's port."""
+        await wait_until(lambda: _true(bool(self.packets)), WAIT_S, "our RTP")
+        [port] = re.findall(r"m=audio (\d+) RTP/AVP", far.seen().split("SIP/2.0 100")[0])[:1]
+        if first:
+            await asyncio.sleep(0.5)  # the call is live: the detector listens
+        mulaw = audio.pcm16_to_mulaw(pcm)
+        assert self.transport is not None
+        for seq, at in enumerate(range(0, len(mulaw), 160)):
+            header = struct.pack("!BBHII", 0x80, 0, seq, seq * 160, 0x5EED)
+            self.transport.sendto(header + mulaw[at : at + 160], ("127.0.0.1", int(port)))
+            await asyncio.sleep(0.02)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _speech(text: str) -> bytes:
+    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    return audio.wav_to_pcm16(wav)
+
+
+def _beep(ms: int) -> bytes:
+    n = 8 * ms
+    return struct.pack(
+        f"<{n}h", *(int(8000 * math.sin(2 * math.pi * 1000 * i / 8000)) for i in range(n))
+    )
 
 
 def _sip_stack(engine: AsyncEngine, clean_db: str, proxy_port: int, **extra: Any) -> Any:
@@ -50,6 +100,7 @@ def _sip_stack(engine: AsyncEngine, clean_db: str, proxy_port: int, **extra: Any
     )
 
 
+@needs_espeak
 async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
     engine: AsyncEngine, clean_db: str, tmp_path: Path
 ) -> None:
@@ -71,6 +122,7 @@ async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
             answer = await place(stack, {"to": CALLEE, "purpose": PURPOSE}, headers)
             assert answer.status_code == 202, answer.text
             call_id, op_id = answer.json()["call_id"], answer.json()["operation_id"]
+            await rtp.say(far, _speech("Hello?"))  # a person picks up and waits
 
             async def first_words() -> bool:
                 return bool(await heard_text(engine, call_id)) and len(rtp.packets) > 10
@@ -107,7 +159,67 @@ async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
     order = ["call_started", "outbound_requested", "outbound_answered", "stream_started",
              "call_ended"]  # fmt: skip
     assert [k for k in kinds if k in order] == order, kinds
-    assert "amd_result" not in kinds  # no answering-machine detection on SIP
+    # Taken for a person by what they said, and told so on the timeline.
+    [amd] = [e["data"] for e in await event_rows(engine, call_id) if e["kind"] == "amd_result"]
+    assert amd["answered_by"] == "human" and "then silence" in amd["reason"], amd
+    assert "voicemail_left" not in kinds
+
+
+@needs_espeak
+async def test_an_answering_machine_on_sip_gets_the_short_message_after_its_beep_then_we_hang_up(
+    engine: AsyncEngine, clean_db: str, tmp_path: Path
+) -> None:
+    loop = asyncio.get_running_loop()
+    transport, rtp = await loop.create_datagram_endpoint(_Rtp, local_addr=("127.0.0.1", 0))
+    rtp_port = transport.get_extra_info("sockname")[1]
+    greeting = _speech(
+        "Hi, you have reached Alex. I cannot take your call right now. "
+        "Please leave a message after the tone."
+    )
+    try:
+        async with (
+            sipp_uas("uac_answer_await_bye.xml", tmp_path, rtp_port=rtp_port) as far,
+            _sip_stack(engine, clean_db, far.port) as stack,
+        ):
+            headers = await bearer(engine, Role.OPERATOR)
+            answer = await place(stack, {"to": CALLEE, "purpose": PURPOSE}, headers)
+            call_id, op_id = answer.json()["call_id"], answer.json()["operation_id"]
+            beep_ended = -1.0
+
+            async def greet() -> None:
+                nonlocal beep_ended
+                await rtp.say(far, greeting)
+                await rtp.say(far, _beep(600), first=False)
+                beep_ended = loop.time()
+                await rtp.say(far, b"\x00\x00" * 8 * 6000, first=False)
+
+            greeting_task = asyncio.create_task(greet())
+            run = await far.finish(40.0)  # sipp waits for our BYE
+            greeting_task.cancel()
+
+            async def ended() -> bool:
+                await stack.service.runtime.events.flush()
+                return "call_ended" in await event_kinds(engine, call_id)
+
+            await wait_until(ended, WAIT_S, "the call's end on its timeline")
+            rows = await event_rows(engine, call_id)
+            said = await heard_text(engine, call_id)
+            _op, op_events = await operation(engine, op_id)
+    finally:
+        transport.close()
+    assert run.returncode == 0, run.explain()  # our BYE came and was answered
+    kinds = [e["kind"] for e in rows]
+    [amd] = [e["data"] for e in rows if e["kind"] == "amd_result"]
+    # The greeting's end was its beep, and the message was said after it, once, in full:
+    # the purpose but nothing more than a voicemail may hear.
+    assert amd["answered_by"] == "machine_end_beep", amd
+    voiced_at = rtp.voiced_at()
+    assert voiced_at is not None and beep_ended > 0 and voiced_at > beep_ended
+    assert len(said) == 1 and "automated message about" in said[0] and PURPOSE in said[0], said
+    order = ["outbound_answered", "amd_result", "voicemail_left", "call_ended"]
+    assert [k for k in kinds if k in order] == order, kinds
+    assert "a voicemail message was left" in [e["reason"] for e in op_events]
+    assert f"BYE sip:far@127.0.0.1:{far.port}" in far.seen()
 
 
 async def test_a_busy_sip_callee_is_recorded_on_the_row_the_timeline_and_the_operation(

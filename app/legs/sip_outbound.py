@@ -15,7 +15,11 @@ call's agent (the same bridge as an inbound SIP call, with the outbound purpose)
    600, 603), no answer (480, 408, the ring timeout's 487) or failed -> the row, the timeline
    and the placing operation, as Twilio's status callback records them.
 
-There is no answering-machine detection on SIP: whoever answers is taken for a person.
+Who answered is judged from the callee's first audio (telephony/amd.py, SIP_AMD, on by
+default): a person is greeted with the purpose as soon as their "Hello?" ends, a machine gets
+the short voicemail message once its greeting ended (the beep, or its silence), as Twilio's
+`AnsweredBy` values, so the same OutboundLine acts on both legs. SIP_AMD=false takes whoever
+answers for a person.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from app.legs.twilio.outbound import OutboundLine, unanswered
 from app.ops.outbound import bind_sid
 from app.runtime import Runtime
 from app.settings import host_port
+from telephony import audio
+from telephony.amd import LineListener, Verdict
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.sip.access import AllowList
 from telephony.legs.sip.dialog import CallKey
@@ -328,8 +334,15 @@ class SipOutbound:
                 line = OutboundLine(runtime, session, bridge)
                 if session.entry is not None:
                     session.entry.outbound = line
-                # No answering-machine detection on SIP: whoever answered is a person.
-                await line.answered_by("human", detected=False)
+                if runtime.settings.sip_amd:
+                    verdict = await _who_answered(leg, run)
+                    if verdict is not None:
+                        await line.answered_by(
+                            verdict.answered_by,
+                            detail={"at_ms": verdict.at_ms, "reason": verdict.reason},
+                        )
+                else:
+                    await line.answered_by("human", detected=False)
             else:
                 await bridge.end("ended elsewhere")
             await run
@@ -359,3 +372,20 @@ class SipOutbound:
             await asyncio.wait(self._tasks, timeout=10.0)
         for task in list(self._tasks):
             task.cancel()
+
+
+async def _who_answered(leg: SipLeg, run: asyncio.Task[None]) -> Verdict | None:
+    """The detector's verdict on the callee's audio; None if the call ended first."""
+    listener = LineListener()
+    codec: audio.Codec = "pcma" if leg.codec.name == "PCMA" else "pcmu"
+    leg.listener = lambda data: listener.hear(audio.decode(data, codec))
+    waiting = asyncio.create_task(listener.verdict(), name=f"amd-{leg.call_id}")
+    try:
+        await asyncio.wait({waiting, run}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leg.listener = None
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+    return waiting.result() if not waiting.cancelled() else None

@@ -172,9 +172,12 @@ class OutboundLine:
         if isinstance(answered_by, str):
             await self.answered_by(answered_by)
 
-    async def answered_by(self, answered_by: str, *, detected: bool = True) -> None:
-        """Act on who answered; `detected`: the carrier's AMD said so (a SIP leg has none,
-        and takes whoever answered for a person without an `amd_result` on the timeline)."""
+    async def answered_by(
+        self, answered_by: str, *, detected: bool = True, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Act on who answered; `detected`: a detector said so (Twilio's, or ours on a SIP
+        leg, whose `detail` says when and why); not detected (SIP_AMD off): whoever answered
+        is taken for a person, without an `amd_result` on the timeline."""
         if self._acted:
             return
         self._acted = True
@@ -182,7 +185,7 @@ class OutboundLine:
         outbound = await _outbound_of(self.runtime, call_id)
         purpose = _quoted(str(outbound.get("purpose") or "a message for you"))
         if detected:
-            self._emit(CallEventKind.AMD_RESULT, {"answered_by": answered_by})
+            self._emit(CallEventKind.AMD_RESULT, {"answered_by": answered_by, **(detail or {})})
         delivery_id = outbound.get("delivery_id")
         if answered_by == "human" and delivery_id and self.runtime.delivery is not None:
             # A callback: the result goes as an announcement, so "told" means heard.

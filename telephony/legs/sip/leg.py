@@ -51,6 +51,9 @@ class SipLeg:
         self._closed = False
         self._close_reason: str | None = None
         self.dropped_audio = 0
+        # Hears the caller's audio (codec bytes) as it arrives, beside the bridge: the
+        # answering-machine detector of an outbound call.
+        self.listener: Callable[[bytes], None] | None = None
         self.rtp = RtpStream(
             codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit,
             policy=policy, stats=stats, on_foreign=on_foreign, ptime_ms=ptime_ms,
@@ -61,6 +64,8 @@ class SipLeg:
     def _on_audio(self, audio: bytes, timestamp_ms: int) -> None:
         if self._closed:
             return
+        if self.listener is not None:
+            self.listener(audio)
         if self._events.qsize() >= MAX_PENDING_EVENTS:
             # The bridge is behind: old caller audio is worth less than new.
             try:
