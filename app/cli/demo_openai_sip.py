@@ -2,7 +2,9 @@
 
 The interconnect stand-in plays OpenAI's side: a signed `realtime.call.incoming` webhook to
 the service, then accept, the sideband WebSocket (scripted speech events, function calls and
-output-buffer events, no audio), and the caller's turns. The service verifies the webhook,
+output-buffer events, no audio), and the caller's turns. With MODEL_API=live it plays GPT-Live's:
+`live.transport.incoming`, the Live accept, the Live sideband (delegated function calls,
+transcript spans), the caller speaking each scripted turn. The service verifies the webhook,
 accepts with its session, attaches over the sideband and runs the same agent, tools, policy,
 ledger and late results as on the other legs. Then the call's timeline is printed.
 """
@@ -67,18 +69,24 @@ async def _script(sim: SipInterconnect, call: SimCall, scenario: Scenario, say: 
     say("  caller hung up (OpenAI closed the sideband; the re-attach is refused)")
 
 
+async def _live_script(sim: SipInterconnect, call: SimCall, say: Say) -> None:
+    """GPT-Live on the interconnect: the stand-in's caller says each scripted turn once the
+    agent's utterance ended, and hangs up after the last; the model drives the turns."""
+    say(f"  OpenAI sent live.transport.incoming; the service accepted {call.call_id}")
+    await sim.wait_for_session(call.call_id)
+    say("  the service drives the call over the Live sideband; the caller speaks each turn")
+    await sim.wait_for_state(call.call_id, "ended", within=90)
+    say("  caller hung up after the last turn")
+
+
 async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
     began = time.monotonic()
-    if settings.model_api == "live":
-        # The script below follows Realtime's sideband events; tests/test_openai_sip_live.py
-        # plays GPT-Live on the interconnect.
-        print(
-            "voice-agent demo --leg openai-sip plays the Realtime interconnect: run it with "
-            "MODEL_API=realtime (MODEL_API=live voice-agent demo runs GPT-Live on Twilio)",
-            file=sys.stderr,
-        )
-        return 2
-    print("voice-agent demo --leg openai-sip: one booking call through the SIP interconnect")
+    live = settings.model_api == "live"
+    model = "GPT-Live" if live else "Realtime"
+    print(
+        "voice-agent demo --leg openai-sip: one booking call through the SIP interconnect "
+        f"({model})"
+    )
     where = (
         "DATABASE_URL" if settings.database_url else f"embedded PostgreSQL in {settings.data_dir}"
     )
@@ -122,9 +130,15 @@ async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
                     await asyncio.sleep(0.02)
             print(f"- service at {settings.public_base_url}, webhook {sim.webhook_url}")
             print("- call:")
-            call = await sim.place_call(from_number=demo_caller_number(), to_number="+15557654321")
+            sim.auto_caller = live  # on Live the stand-in's caller speaks each turn itself
+            call = await sim.place_call(
+                from_number=demo_caller_number(), to_number="+15557654321", live=live
+            )
             try:
-                await _script(sim, call, scenario, print)
+                if live:
+                    await _live_script(sim, call, print)
+                else:
+                    await _script(sim, call, scenario, print)
             except TimeoutError:
                 failure = "the call did not go as scripted (timed out waiting for the agent)"
                 await sim.remote_hangup(call.call_id)
@@ -135,7 +149,7 @@ async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
                 async with asyncio.timeout(WAIT_S):
                     await entry.done.wait()
             await runtime.events.flush()
-            row = await find_by_sid(runtime.engine, call.call_id)
+            row = await find_by_sid(runtime.engine, call.session_id if live else call.call_id)
             if row is None:
                 print("the call was not recorded", file=sys.stderr)
                 return 1
@@ -156,7 +170,8 @@ async def demo_openai_sip(settings: Settings, *, wide: bool = False) -> int:
     for op in timeline["operations"]:
         ref = f", reference {op['reference']}" if op["reference"] else ""
         print(f"Operation {op['tool']} {op['operation_id']}: {op['status']}{ref}")
-    accepts = len(sim.requests_for(call.call_id, "accept"))
+    requests = sim.live_requests_for if live else sim.requests_for
+    accepts = len(requests(call.call_id, "accept"))
     print(f"Interconnect: {accepts} accept, {len(call.sessions)} sideband connection(s)")
     print(f"Done in {time.monotonic() - began:.1f} s.")
     if failure is not None:
