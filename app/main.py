@@ -64,6 +64,8 @@ def bridge_config_from(settings: Settings, catalog: Catalog | None = None) -> Br
         model_api=settings.model_api,
         live_model=settings.live_model,
         live_delegation_model=settings.live_delegation_model,
+        live_delegation=settings.live_delegation,
+        live_backend_base_url=settings.live_backend_base_url,
     )
 
 

@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     model_api: Literal["realtime", "live"] = "realtime"
     live_model: str = Field(default="gpt-live-1", min_length=1)
     live_delegation_model: str = Field(default="gpt-5-mini", min_length=1)
+    # Who works out what GPT-Live delegates: `responses` (OpenAI runs LIVE_DELEGATION_MODEL and
+    # sends us its function calls) or `client` (our own backend agent calls the Responses API
+    # at LIVE_BACKEND_BASE_URL, default OPENAI_BASE_URL, with the same tools; see the README).
+    live_delegation: Literal["responses", "client"] = "responses"
+    live_backend_base_url: str | None = None
     openai_webhook_secret: SecretStr | None = None
     realtime_voice: str = "marin"
     # Calls talk to a simulator: true always (even with a key), false never (no key: `serve`

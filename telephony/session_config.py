@@ -90,6 +90,11 @@ class BridgeConfig:
     model_api: Literal["realtime", "live"] = "realtime"
     live_model: str = "gpt-live-1"
     live_delegation_model: str = "gpt-5-mini"
+    # Who runs GPT-Live's delegated work: OpenAI's Responses delegation (its function calls
+    # come to us), or `client`: our own backend agent (telephony/bridge/live_backend.py) over
+    # the Responses API at `live_backend_base_url` (None: the client's, OpenAI's).
+    live_delegation: Literal["responses", "client"] = "responses"
+    live_backend_base_url: str | None = None
 
 
 def instructions_text(

@@ -14,7 +14,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from telephony.bridge.live_backend import NOTHING_DONE
 from telephony.sim.live_session import parse_live_client_event
+from telephony.sim.responses_backend import ResponsesStandIn
 from telephony.sim.scenario import Scenario
 from tests.domains import RESTAURANT
 from tests.e2e_support import call_stack
@@ -362,3 +364,130 @@ async def _says(live: Any, text: str, within: float = 15.0) -> None:
         )
 
     await wait_until(began, within, f"the model says {text!r}")
+
+
+async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the_engine_admits_it(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    # LIVE_DELEGATION=client: the Live model hands work off with an id only; our backend agent
+    # asks a Responses model (the stand-in, playing it from the same scenario) what to do.
+    sims: list[Any] = []
+    async with (
+        ResponsesStandIn(lambda: [s for sim in sims for s in sim.live_sessions]) as responses,
+        RESTAURANT.start(clean_db) as backend,
+    ):
+        catalog = backend.catalog()
+        try:
+            async with call_stack(
+                engine,
+                live_booking(),
+                with_worker=True,
+                catalog=catalog,
+                database_url=clean_db,
+                sweep_interval_s=1.0,
+                model_api="live",
+                live_delegation="client",
+                live_backend_base_url=responses.base_url,
+            ) as stack:
+                sims.append(stack.sim)
+                caller = stack.caller()
+                await caller.dial()
+                await hear(caller, GREETING_MS)
+                live = await stack.sim.wait_for_live_session()
+                before = caller.heard_ms
+                await caller.play_speech(700)
+                await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+                call_id = await stack.call_id(caller)
+                waiting = [op["status"] for op in await operations_of(engine, call_id)]
+                before = caller.heard_ms
+                await caller.play_speech(500)
+                op = await wait_for_operation(engine, call_id, "committed")
+                await hear(caller, before + REQUESTED_MS)
+                await caller.hangup()
+                calls = await tool_calls_of(engine, call_id)
+                spoken = await heard_text(engine, call_id)
+                booked = await backend.booked()
+        finally:
+            await catalog.aclose()
+
+    assert live.refused == [] and responses.refused == []
+    received = [event for _, event in live.received]
+    for event in received:
+        parse_live_client_event(event)
+    # The Live session was started with client delegation: no backend model of OpenAI's.
+    assert received[0]["session"]["delegation"] == {"type": "client"}
+    # The engine admitted exactly what the backend asked for: the booking waited for the
+    # caller's yes, then one confirmed booking.
+    assert waiting == ["awaiting_confirmation"]
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        (RESTAURANT.book_tool, "needs_confirmation"),
+        ("confirm_operation", "allow"),
+    ]
+    assert booked == 1
+    # Each delegation: the backend's function call, then the engine's output back to it
+    # (previous_response_id), with the catalog's tools and the conversation as input.
+    assert len(responses.requests) == 4
+    first, second = responses.requests[:2]
+    assert RESTAURANT.book_tool in {t["name"] for t in first["tools"]}
+    assert any(i.get("role") == "user" for i in first["input"]), first["input"]
+    assert first["metadata"]["delegation_id"] == second["metadata"]["delegation_id"]
+    assert second["previous_response_id"] and second["input"][0]["type"] == "function_call_output"
+    # Nothing went to the Live socket as a function output: each answer is the delegation's
+    # commentary, naming it, carrying what the engine said.
+    kinds = [e["type"] for e in received if e["type"] != "session.input_audio.append"]
+    assert "response.item.create" not in kinds and "response.create" not in kinds
+    answers = [e for e in received if e["type"] == "session.commentary.append"]
+    delegations = [e["delegation"]["id"] for e in live.sent_events("session.delegation.created")]
+    assert [a["delegation_id"] for a in answers[:2]] == delegations[:2]
+    readback = json.loads(answers[0]["content"])
+    assert readback["status"] == "awaiting_confirmation" and readback["readback"]
+    assert json.loads(answers[1]["content"])["operation_id"] == str(op["operation_id"])
+    # The caller heard the engine's readback in full, then "requested, not yet confirmed".
+    # (Utterances the model chains without a pause are recorded as one.)
+    assert any(readback["readback"] in s for s in spoken), spoken
+    assert any(REQUESTED in s for s in spoken), spoken
+
+
+async def test_on_client_delegation_a_failing_backend_is_told_as_nothing_done_and_does_nothing(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    sims: list[Any] = []
+    async with (
+        ResponsesStandIn(lambda: [s for sim in sims for s in sim.live_sessions]) as responses,
+        RESTAURANT.start(clean_db) as backend,
+    ):
+        responses.failing = 10  # every backend call fails
+        catalog = backend.catalog()
+        try:
+            async with call_stack(
+                engine,
+                live_booking(),
+                with_worker=True,
+                catalog=catalog,
+                database_url=clean_db,
+                model_api="live",
+                live_delegation="client",
+                live_backend_base_url=responses.base_url,
+            ) as stack:
+                sims.append(stack.sim)
+                caller = stack.caller()
+                await caller.dial()
+                await hear(caller, GREETING_MS)
+                live = await stack.sim.wait_for_live_session()
+                await caller.play_speech(700)
+                answer = await live.wait_for_received("session.commentary.append", within=15)
+                call_id = await stack.call_id(caller)
+                ops = await operations_of(engine, call_id)
+                await caller.hangup()
+                events = await stack.events(caller)
+                booked = await backend.booked()
+        finally:
+            await catalog.aclose()
+
+    [delegation] = live.sent_events("session.delegation.created")
+    assert answer["delegation_id"] == delegation["delegation"]["id"]
+    assert answer["content"] == NOTHING_DONE
+    assert ops == [] and booked == 0 and live.function_outputs == []
+    errors = [e["data"] for e in events if e["kind"] == "error"]
+    assert [e["where"] for e in errors] == ["live:client-delegation"], errors
+    assert "500" in errors[0]["error"]

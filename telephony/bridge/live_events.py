@@ -96,9 +96,12 @@ class LiveEvents:
                 self._caller_turn_ended()
                 self._utterance_ended(session)
                 delegation = event.delegation
-                self._responses[delegation.id] = (
-                    delegation.response_id or f"{session.session_id}/{delegation.id}"
-                )
+                response_id = delegation.response_id or f"{session.session_id}/{delegation.id}"
+                self._responses[delegation.id] = response_id
+                if delegation.target == "client" and session.backend is not None:
+                    session.backend.delegated(
+                        session, delegation.id, response_id, self._tools.function_call
+                    )
             case "response.event":
                 self._backend_event(session, event.delegation_id, event.event)
             case "session.commentary.appended":

@@ -50,6 +50,8 @@ from telephony.bridge.link_common import (
     emit_server_error,
     open_within_budget,
 )
+from telephony.bridge.live_backend import ClientBackend
+from telephony.bridge.live_items import functions, history_input
 from telephony.bridge.model_link import DeltaHandler, DeltaLane, EventHandler
 from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot, ResponseState
@@ -62,9 +64,6 @@ log = logging.getLogger(__name__)
 
 SESSION_START_EVENT_ID = "bridge_session_start"
 SESSION_UPDATE_EVENT_ID = "bridge_session_update"
-# `session.start`'s `input`: at most 128 text messages within a token budget (8,192 by default).
-MAX_INPUT_ITEMS = 128
-MAX_INPUT_CHARS = 16_000
 # `session.instructions.append` takes at most 500 tokens.
 MAX_APPEND_CHARS = 1_500
 LIVE_RESUMED_NOTE = (
@@ -111,45 +110,6 @@ def silence(ms: int) -> str:
     return "////" * max(1, ms * 8 // 3)
 
 
-def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The catalog's tools as function tools of the Responses delegation."""
-    return [
-        {
-            "type": "function",
-            "name": tool["name"],
-            "description": tool.get("description", ""),
-            "parameters": tool.get("parameters", {"type": "object", "properties": {}}),
-        }
-        for tool in tools
-        if tool.get("type") == "function"
-    ]
-
-
-def history_input(lines: list[str]) -> list[dict[str, Any]]:
-    """The conversation so far (the bridge's "Caller: …" / "Agent: …" lines) as `session.start`
-    input: user and assistant messages, one text part each, the most recent within the limits.
-    An agent line cut by the caller is an incomplete message (Live does not resume it)."""
-    items: list[dict[str, Any]] = []
-    total = 0
-    for line in reversed(lines):
-        if len(items) >= MAX_INPUT_ITEMS or total + len(line) > MAX_INPUT_CHARS:
-            break
-        total += len(line)
-        who, _, text = line.partition(": ")
-        item: dict[str, Any]
-        if who == "Caller":
-            item = {"role": "user", "content": [{"type": "input_text", "text": text}]}
-        elif who.startswith("Agent"):
-            item = {"role": "assistant", "content": [{"type": "output_text", "text": text}]}
-            if who != "Agent":
-                item["status"] = "incomplete"
-        else:
-            item = {"role": "developer", "content": [{"type": "input_text", "text": line}]}
-        items.append({"type": "message", **item})
-    items.reverse()
-    return items
-
-
 def session_start(
     config: BridgeConfig,
     audio_format: AudioFormat | None,
@@ -170,14 +130,18 @@ def session_start(
         "model": config.live_model,
         "instructions": instructions + (f"\n\n{LIVE_RESUMED_NOTE}" if history else ""),
         "audio": audio,
-        "delegation": {
-            "type": "responses",
-            "responses": {
-                "model": config.live_delegation_model,
-                "instructions": instructions,
-                "tools": _functions(tools),
-            },
-        },
+        "delegation": (
+            {"type": "client"}  # our own backend agent (telephony/bridge/live_backend.py)
+            if config.live_delegation == "client"
+            else {
+                "type": "responses",
+                "responses": {
+                    "model": config.live_delegation_model,
+                    "instructions": instructions,
+                    "tools": functions(tools),
+                },
+            }
+        ),
     }
     if history:
         start["input"] = history_input(history)
@@ -208,6 +172,8 @@ class LiveSession:
         self._timeout_s = timeout_s
         self._utterance = 0
         self._outputs_waiting = False  # a function output awaits its response.create
+        # Client delegation: our backend agent, whose function calls' outputs go to it.
+        self.backend: ClientBackend | None = None
 
     # The agent's utterances, named by us (Live deltas carry no item).
 
@@ -240,6 +206,8 @@ class LiveSession:
         return False
 
     async def add_function_output(self, function_call_id: str, output: str) -> bool:
+        if self.backend is not None and self.backend.owns(function_call_id):
+            return self.backend.output(function_call_id, output)
         sent = await self._send(
             {
                 "type": "response.item.create",
@@ -255,8 +223,12 @@ class LiveSession:
 
     async def add_note(self, text: str) -> bool:
         # Speakable context, not a forced turn: the model says it when the moment suits.
+        return await self.add_commentary(text, None)
+
+    async def add_commentary(self, text: str, delegation_id: str | None) -> bool:
+        """Speakable context; `delegation_id`: the answer to that client delegation."""
         return await self._send(
-            {"type": "session.commentary.append", "content": text, "delegation_id": None}
+            {"type": "session.commentary.append", "content": text, "delegation_id": delegation_id}
         )
 
     async def create_response(self, event_id: str, instructions: str | None) -> bool:
@@ -274,7 +246,8 @@ class LiveSession:
         """A handoff: the frontend instructions cannot change after startup, so the new agent's
         tools and rules go to the Responses backend (`session.update`) and its persona is
         appended to the conversation's instructions (`session.instructions.append`)."""
-        updated = await self._send(
+        # Client delegation: our backend reads the active agent's rules and tools itself.
+        updated = self.backend is not None or await self._send(
             {
                 "type": "session.update",
                 "event_id": SESSION_UPDATE_EVENT_ID,
@@ -283,7 +256,7 @@ class LiveSession:
                         "type": "responses",
                         "responses": {
                             "instructions": instructions_text(self._config, persona=persona),
-                            "tools": _functions(tools),
+                            "tools": functions(tools),
                         },
                     }
                 },
@@ -337,6 +310,11 @@ class LiveLink:
         self._persona = persona
         self._voice = voice
         self.keeps_conversation = sideband_session_id is not None
+        self.backend: ClientBackend | None = None
+        self._current: LiveSession | None = None
+        if config.live_delegation == "client":
+            self.backend = ClientBackend(port, config, client, tools, persona, self._history)
+            self.backend.follow(lambda: self._current)
         self.ended_remotely = False
         self.deltas_by_lane = 0
         self._generation = 0
@@ -358,6 +336,8 @@ class LiveLink:
         )
         session.voice = self._voice() or self._config.voice
         session.session_id = server_id[:64] or session.session_id
+        session.backend = self.backend
+        self._current = session
         return session, attempts, None
 
     async def _dial(self) -> AsyncLiveConnection | AsyncSidebandConnection:

@@ -171,6 +171,7 @@ class _PendingCall:
     call_id: str
     name: str
     answered: bool = False
+    arguments: str = "{}"  # as the scenario renders them (the client backend's function call)
 
 
 class LiveSimulatedSession:
@@ -226,6 +227,21 @@ class LiveSimulatedSession:
         self._delegations: dict[str, _PendingCall] = {}  # by delegation id
         self._caller_rest = ""  # the caller's words not yet transcribed
         self._answer_ready = False  # a function output came back; response.create speaks it
+
+    # ---- the client delegation's backend (telephony/sim/responses_backend.py) -------------
+
+    def client_task(self, delegation_id: str) -> _PendingCall | None:
+        """The function call behind a client delegation of this session, while unanswered."""
+        pending = self._delegations.get(delegation_id)
+        if self.delegation != "client" or pending is None or pending.answered:
+            return None
+        return pending
+
+    def backend_output(self, pending: _PendingCall, output: str) -> None:
+        """What the engine answered the client backend's function call (the session hears of
+        it only through the delegation's commentary)."""
+        self.function_outputs.append((pending.call_id, output))
+        self._notify()
 
     # ---- test helpers ------------------------------------------------------------------
 
@@ -567,7 +583,12 @@ class LiveSimulatedSession:
         )
         delegation_id = new_id("dlg")
         response_id = new_id("resp") if target == "responses" else None
-        pending = _PendingCall(delegation_id, new_id("call"), call.name)
+        pending = _PendingCall(
+            delegation_id,
+            new_id("call"),
+            call.name,
+            arguments=call.rendered_arguments(output=self._latest_output),
+        )
         self._calls[pending.call_id] = pending
         self._delegations[delegation_id] = pending
         await self._send(
@@ -587,7 +608,7 @@ class LiveSimulatedSession:
             "id": new_id("fc"),
             "call_id": pending.call_id,
             "name": call.name,
-            "arguments": call.rendered_arguments(output=self._latest_output),
+            "arguments": pending.arguments,
             "status": "completed",
         }
         await self._send(
