@@ -30,6 +30,7 @@ from app.runtime import Runtime
 from app.settings import Settings, host_port
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
+from telephony.legs.sip import udp_send
 from telephony.legs.sip.access import DEFAULT_ALLOW_FROM, AllowList, parse_networks
 from telephony.legs.sip.dialog import CallKey
 from telephony.legs.sip.digest import DigestAuth, parse_users
@@ -166,6 +167,10 @@ class SipService:
         # busy event loop hands it over only every 5 ms. 1 ms keeps ticks on time.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, RTP_SWITCH_INTERVAL_S))
+        log.info(
+            "RTP sends %s the GIL (telephony/legs/sip/udp_send.py)",
+            "keep" if udp_send.KEEPS_GIL else "give up (not Linux or no libc)",
+        )
         host, port = await self.transport.start()
         if port != self.core.config.port:
             # SIP_BIND port 0 (tests): Via and Contact must name the port we got.
