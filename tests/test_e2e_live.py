@@ -10,6 +10,8 @@ the engine allows.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -366,11 +368,10 @@ async def _says(live: Any, text: str, within: float = 15.0) -> None:
     await wait_until(began, within, f"the model says {text!r}")
 
 
-async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the_engine_admits_it(
-    engine: AsyncEngine, clean_db: str
-) -> None:
-    # LIVE_DELEGATION=client: the Live model hands work off with an id only; our backend agent
-    # asks a Responses model (the stand-in, playing it from the same scenario) what to do.
+@asynccontextmanager
+async def client_delegation(engine: AsyncEngine, clean_db: str) -> AsyncIterator[Any]:
+    """A GPT-Live booking stack on LIVE_DELEGATION=client, its backend agent's Responses API
+    the stand-in serving the simulator's Live sessions: (stack, stand-in, restaurant)."""
     sims: list[Any] = []
     async with (
         ResponsesStandIn(lambda: [s for sim in sims for s in sim.live_sessions]) as responses,
@@ -390,25 +391,34 @@ async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the
                 live_backend_base_url=responses.base_url,
             ) as stack:
                 sims.append(stack.sim)
-                caller = stack.caller()
-                await caller.dial()
-                await hear(caller, GREETING_MS)
-                live = await stack.sim.wait_for_live_session()
-                before = caller.heard_ms
-                await caller.play_speech(700)
-                await hear(caller, before + PREAMBLE_MS + READBACK_MS)
-                call_id = await stack.call_id(caller)
-                waiting = [op["status"] for op in await operations_of(engine, call_id)]
-                before = caller.heard_ms
-                await caller.play_speech(500)
-                op = await wait_for_operation(engine, call_id, "committed")
-                await hear(caller, before + REQUESTED_MS)
-                await caller.hangup()
-                calls = await tool_calls_of(engine, call_id)
-                spoken = await heard_text(engine, call_id)
-                booked = await backend.booked()
+                yield stack, responses, backend
         finally:
             await catalog.aclose()
+
+
+async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the_engine_admits_it(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    # LIVE_DELEGATION=client: the Live model hands work off with an id only; our backend agent
+    # asks a Responses model (the stand-in, playing it from the same scenario) what to do.
+    async with client_delegation(engine, clean_db) as (stack, responses, backend):
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        live = await stack.sim.wait_for_live_session()
+        before = caller.heard_ms
+        await caller.play_speech(700)
+        await hear(caller, before + PREAMBLE_MS + READBACK_MS)
+        call_id = await stack.call_id(caller)
+        waiting = [op["status"] for op in await operations_of(engine, call_id)]
+        before = caller.heard_ms
+        await caller.play_speech(500)
+        op = await wait_for_operation(engine, call_id, "committed")
+        await hear(caller, before + REQUESTED_MS)
+        await caller.hangup()
+        calls = await tool_calls_of(engine, call_id)
+        spoken = await heard_text(engine, call_id)
+        booked = await backend.booked()
 
     assert live.refused == [] and responses.refused == []
     received = [event for _, event in live.received]
@@ -451,38 +461,19 @@ async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the
 async def test_on_client_delegation_a_failing_backend_is_told_as_nothing_done_and_does_nothing(
     engine: AsyncEngine, clean_db: str
 ) -> None:
-    sims: list[Any] = []
-    async with (
-        ResponsesStandIn(lambda: [s for sim in sims for s in sim.live_sessions]) as responses,
-        RESTAURANT.start(clean_db) as backend,
-    ):
+    async with client_delegation(engine, clean_db) as (stack, responses, backend):
         responses.failing = 10  # every backend call fails
-        catalog = backend.catalog()
-        try:
-            async with call_stack(
-                engine,
-                live_booking(),
-                with_worker=True,
-                catalog=catalog,
-                database_url=clean_db,
-                model_api="live",
-                live_delegation="client",
-                live_backend_base_url=responses.base_url,
-            ) as stack:
-                sims.append(stack.sim)
-                caller = stack.caller()
-                await caller.dial()
-                await hear(caller, GREETING_MS)
-                live = await stack.sim.wait_for_live_session()
-                await caller.play_speech(700)
-                answer = await live.wait_for_received("session.commentary.append", within=15)
-                call_id = await stack.call_id(caller)
-                ops = await operations_of(engine, call_id)
-                await caller.hangup()
-                events = await stack.events(caller)
-                booked = await backend.booked()
-        finally:
-            await catalog.aclose()
+        caller = stack.caller()
+        await caller.dial()
+        await hear(caller, GREETING_MS)
+        live = await stack.sim.wait_for_live_session()
+        await caller.play_speech(700)
+        answer = await live.wait_for_received("session.commentary.append", within=15)
+        call_id = await stack.call_id(caller)
+        ops = await operations_of(engine, call_id)
+        await caller.hangup()
+        events = await stack.events(caller)
+        booked = await backend.booked()
 
     [delegation] = live.sent_events("session.delegation.created")
     assert answer["delegation_id"] == delegation["delegation"]["id"]
