@@ -17,7 +17,8 @@ class CallContext:
     from_number: str | None
     to_number: str | None
     # The leg can brief a person before joining the caller to them (a warm transfer: Twilio's
-    # conference); elsewhere `transfer_call` with mode warm is refused with nothing sent.
+    # conference, our SIP leg's REFER with Replaces); elsewhere `transfer_call` with mode warm
+    # is refused with nothing sent.
     warm_transfer: bool = False
 
 

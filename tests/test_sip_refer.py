@@ -190,3 +190,42 @@ def test_any_notify_during_a_refer_gets_a_final_answer_and_never_an_internal_err
     assert len(notified) <= 1
     if notified and notified[0].final:
         assert statuses(h.feed(uac.notify(b"SIP/2.0 200 OK\r\n", terminated=True))) == [481]
+
+
+def test_a_warm_transfers_refer_replaces_our_dialog_with_the_person_and_needs_it_up() -> None:
+    """RFC 3891: the Refer-To is the person's Contact with `?Replaces=` naming our dialog with
+    them, the tags as the person sees them (to-tag theirs, from-tag ours), escaped; a person
+    still ringing cannot be replaced, and nothing is sent."""
+    from telephony.legs.sip.message import Flow
+    from telephony.legs.sip.sdp import LocalMedia
+    from tests.test_sip_uac_core import ANSWER, FAR, _response
+
+    h = make()
+    _, key = confirmed(h)
+    person = h.core.invite("sip:desk@127.0.0.1:5099", LocalMedia("127.0.0.1", 40000, 1), h.now)
+    (invite,) = h._collect()
+    assert not h.core.refer(key, "", h.now, replacing=person)  # type: ignore[arg-type]
+    assert h._collect() == []
+    h.feed(_response(bytes(invite), "200 OK", tag="p3rs0n", body=ANSWER), Flow("udp", FAR))
+    assert h.core.refer(key, "", h.now, replacing=person)  # type: ignore[arg-type]
+    (refer,) = [m for m in h._collect() if isinstance(m, SipRequest) and m.method == "REFER"]
+    escaped = person.call_id.replace("@", "%40")
+    assert refer.headers.get_first("refer-to") == (
+        f"<sip:far@127.0.0.1:5099?Replaces={escaped}%3Bto-tag%3Dp3rs0n"
+        f"%3Bfrom-tag%3D{person.local_tag}>"
+    )
+
+
+def test_replaces_uris_escape_the_dialog_and_refuse_what_is_no_sip_contact() -> None:
+    from telephony.legs.sip.refer import replaces_uri
+
+    assert replaces_uri("sip:bob@pbx.example;transport=udp", "a@b", "t", "f") == (
+        "sip:bob@pbx.example;transport=udp?Replaces=a%40b%3Bto-tag%3Dt%3Bfrom-tag%3Df"
+    )
+    assert replaces_uri("sip:pbx.example?X-A=1", "c", "t", "f").endswith(
+        "&Replaces=c%3Bto-tag%3Dt%3Bfrom-tag%3Df"
+    )
+    for contact, tags in [("tel:+1555", ("t", "f")), ("sip:a b@x", ("t", "f")),
+                          ("sip:b@x", ("", "f"))]:  # fmt: skip
+        with pytest.raises(ValueError):
+            replaces_uri(contact, "c", *tags)

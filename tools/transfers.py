@@ -14,11 +14,11 @@ own time zone and who may be put through (anyone, or only a caller who proved wh
 transfer outside the hours or for a caller not verified is refused with a speakable reason (when
 the target opens next) and nothing is sent.
 
-A warm transfer (`mode: "warm"`, on legs that can: Twilio) rings the person first and reads them
-a briefing the engine composes here (`briefing`): who is calling (their name once they proved
-who they are, else their number's last digits), what they want, the operations of the call
-still open and what the caller was told is done; the caller stays with the agent until the
-person has heard it, and only then are the two joined.
+A warm transfer (`mode: "warm"`, on legs that can: Twilio, our own SIP leg) rings the person
+first and reads them a briefing the engine composes here (`briefing`): who is calling (their
+name once they proved who they are, else their number's last digits), what they want, the
+operations of the call still open and what the caller was told is done; the caller stays with
+the agent until the person has heard it, and only then are the two joined.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from app.calls.store import CallStatus
 from app.legs.session import Admission, Caller, CallSession, EndReason, sip_refusal
 from app.legs.sip_outbound import SipOutbound
 from app.legs.sip_transfer import ReferPort, SipTransfer, put_through
+from app.legs.sip_warm import warm_through
 from app.models import LegKind
 from app.runtime import Runtime
 from app.settings import Settings, host_port
@@ -91,6 +92,7 @@ class _Pending:
     bridge: Bridge | None = None
     cancel_reason: str = ""
     transfer: SipTransfer | None = None  # a REFER whose outcome the agent waits for
+    warm: bool = False  # a warm transfer is calling or briefing the person
 
 
 class SipService:
@@ -351,7 +353,8 @@ class SipService:
         async def transfer(request: TransferRequest) -> TransferOutcome:
             return await self._transfer(pending, session, request)
 
-        bridge = session.build_bridge(leg, transfer=transfer)
+        # Warm transfers call the person from this listener (app/legs/sip_warm.py).
+        bridge = session.build_bridge(leg, transfer=transfer, warm_transfer=True)
         pending.bridge = bridge
         started = time.monotonic()
         run = asyncio.create_task(bridge.run(), name=f"sip-bridge-{session.call_id}")
@@ -426,16 +429,43 @@ class SipService:
     async def _transfer(
         self, pending: _Pending, session: CallSession, request: TransferRequest
     ) -> TransferOutcome:
-        """`transfer_call` on this call: REFER, and its outcome (app/legs/sip_transfer.py)."""
-        if pending.transfer is not None:
+        """`transfer_call` on this call: REFER, and its outcome (app/legs/sip_transfer.py);
+        a warm one calls and briefs the person first (app/legs/sip_warm.py)."""
+        if pending.transfer is not None or pending.warm:
             return TransferOutcome(False, "failed", "a transfer of this call is under way")
+        if request.mode == "warm":
+
+            async def refer(
+                replacing: CallKey, joined: Callable[[], Awaitable[None]]
+            ) -> TransferOutcome:
+                return await self._refer(pending, session, request, replacing, joined)
+
+            pending.warm = True
+            try:
+                return await warm_through(self.runtime, session, request, self.outbound, refer)
+            finally:
+                pending.warm = False
+        return await self._refer(pending, session, request, None)
+
+    async def _refer(
+        self,
+        pending: _Pending,
+        session: CallSession,
+        request: TransferRequest,
+        replacing: CallKey | None,
+        joined: Callable[[], Awaitable[None]] | None = None,
+    ) -> TransferOutcome:
+        """The REFER of this call to `request`'s target, or (`replacing`) to the person of a
+        warm transfer in place of our dialog with them; its outcome."""
         key = pending.incoming.key
         domain = self.runtime.settings.sip_transfer_domain
 
         def send(destination: str) -> bool:
             return bool(
                 self.transport.act(
-                    lambda now: self.core.refer(key, destination, now, domain=domain)
+                    lambda now: self.core.refer(
+                        key, destination, now, domain=domain, replacing=replacing
+                    )
                 )
             )
 
@@ -454,6 +484,7 @@ class SipService:
             give_up=lambda: self.transport.act(lambda now: self.core.give_up_refer(key)),
             end_call=end_call,
             answer_timeout_s=self.core.t.b,
+            on_answered=joined,
         )
         pending.transfer = SipTransfer(request)
         try:

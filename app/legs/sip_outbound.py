@@ -31,6 +31,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -116,6 +117,24 @@ class _Outgoing:
     recorded: set[int] = field(default_factory=set)
 
 
+@dataclass(eq=False)
+class BareLeg:
+    """An outgoing SIP call that is no call of its own (no row, no registry entry, no slot):
+    a warm transfer's person. Its dialog's life as the core reports it."""
+
+    key: CallKey
+    leg: SipLeg
+    rtp_port: int
+    rtcp: Any
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # answered, failed or over
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # failed or over (a BYE)
+    answered: OutgoingAnswered | None = None
+    failed: OutgoingFailed | None = None
+    end_reason: str = ""
+    hung_up: bool = False  # by us: CANCEL or BYE sent
+    released: bool = False
+
+
 class SipOutbound:
     """Places outbound calls on a SipService's listener (the `SipPlacer` of app/ops)."""
 
@@ -123,10 +142,11 @@ class SipOutbound:
         self.service = service
         self.runtime = service.runtime
         self._calls: dict[CallKey, _Outgoing] = {}
+        self._bare: dict[CallKey, BareLeg] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def handles(self, key: CallKey) -> bool:
-        return key in self._calls
+        return key in self._calls or key in self._bare
 
     # ---- placing ------------------------------------------------------------------------
 
@@ -145,44 +165,18 @@ class SipOutbound:
             return ActionResult(Outcome.failed_final, error="the call ended before it was placed")
         out = _Outgoing(call_id)
         holder: list[CallKey] = []
-        signalling = proxy or next_hop(uri)
 
         def hang_up(reason: str) -> None:
             if holder:
                 service.hang_up(holder[0], reason)
 
-        leg = SipLeg(
-            call_id, PCMU, 101, service.clock, hang_up,
-            policy=MediaPolicy(signalling_host=signalling[0], allow=service.media_allow,
-                               learn_s=settings.sip_rtp_learn_s,
-                               probation=settings.sip_rtp_probation),
-            stats=service.media_stats, ptime_ms=PTIME_MS,
-        )  # fmt: skip
         try:
-            _, _, rtp_port, rtp_sock = await service.ports.bind(service.bind_host, lambda: leg.rtp)
+            leg, rtp_port, rtcp = await self._media(call_id, proxy or next_hop(uri), hang_up)
         except RtpPortsExhausted:
             await self._fail_row(call_id, "no RTP port free")
             return ActionResult(Outcome.failed_retryable, error="no RTP port free")
-        leg.rtp.use_socket(rtp_sock)
-        rtcp = await service.bind_rtcp(leg, rtp_port)
         out.leg = leg
-        local = LocalMedia(service.advertised, rtp_port, random.randint(1, 2**31))
-        credentials = None
-        if settings.sip_outbound_user and settings.sip_outbound_password is not None:
-            credentials = SipDigestAuth(
-                settings.sip_outbound_user, settings.sip_outbound_password.get_secret_value()
-            )
-        key: CallKey = service.transport.act(
-            lambda now: service.core.invite(
-                uri,
-                local,
-                now,
-                proxy=proxy,
-                from_user=settings.sip_outbound_user or "voice-agent",
-                credentials=credentials,
-                ring_timeout_s=float(settings.outbound_ring_timeout_s),
-            )
-        )
+        key = self._invite(uri, rtp_port, proxy, float(settings.outbound_ring_timeout_s))
         holder.append(key)
         self._calls[key] = out
         task = asyncio.create_task(
@@ -203,9 +197,115 @@ class SipOutbound:
             reference=key.call_id,
         )
 
+    # ---- the parts of an outgoing call ----------------------------------------------------
+
+    async def _media(
+        self, name: str, signalling: tuple[str, int], hang_up: Callable[[str], None]
+    ) -> tuple[SipLeg, int, Any]:
+        """The RTP leg of an outgoing call, on a port of ours (RtpPortsExhausted: none free)."""
+        service = self.service
+        settings = self.runtime.settings
+        leg = SipLeg(
+            name, PCMU, 101, service.clock, hang_up,
+            policy=MediaPolicy(signalling_host=signalling[0], allow=service.media_allow,
+                               learn_s=settings.sip_rtp_learn_s,
+                               probation=settings.sip_rtp_probation),
+            stats=service.media_stats, ptime_ms=PTIME_MS,
+        )  # fmt: skip
+        _, _, rtp_port, rtp_sock = await service.ports.bind(service.bind_host, lambda: leg.rtp)
+        leg.rtp.use_socket(rtp_sock)
+        rtcp = await service.bind_rtcp(leg, rtp_port)
+        return leg, rtp_port, rtcp
+
+    def _invite(
+        self, uri: str, rtp_port: int, proxy: tuple[str, int] | None, ring_timeout_s: float
+    ) -> CallKey:
+        """Our INVITE to `uri` (through `proxy`, with the outbound digest credentials)."""
+        service = self.service
+        settings = self.runtime.settings
+        local = LocalMedia(service.advertised, rtp_port, random.randint(1, 2**31))
+        credentials = None
+        if settings.sip_outbound_user and settings.sip_outbound_password is not None:
+            credentials = SipDigestAuth(
+                settings.sip_outbound_user, settings.sip_outbound_password.get_secret_value()
+            )
+        key: CallKey = service.transport.act(
+            lambda now: service.core.invite(
+                uri,
+                local,
+                now,
+                proxy=proxy,
+                from_user=settings.sip_outbound_user or "voice-agent",
+                credentials=credentials,
+                ring_timeout_s=ring_timeout_s,
+            )
+        )
+        return key
+
+    # ---- a leg that is not a call of its own (a warm transfer's person) ------------------
+
+    async def dial_leg(self, name: str, to: str, ring_timeout_s: float) -> BareLeg:
+        """INVITE `to` as `place` does (proxy, digest, our RTP port) for a leg with no row of
+        its own; its answer, failure and end come on the returned BareLeg. ValueError: `to`
+        cannot be called; RtpPortsExhausted: no RTP port free."""
+        service = self.service
+        settings = self.runtime.settings
+        proxy = host_port(settings.sip_outbound_proxy, "") if settings.sip_outbound_proxy else None
+        uri = target_uri(to, proxy[0] if proxy else None)
+        holder: list[BareLeg] = []
+
+        def hang_up(reason: str) -> None:
+            if holder and not holder[0].hung_up:
+                holder[0].hung_up = True
+                service.hang_up(holder[0].key, reason)
+
+        leg, rtp_port, rtcp = await self._media(name, proxy or next_hop(uri), hang_up)
+        key = self._invite(uri, rtp_port, proxy, ring_timeout_s)
+        bare = BareLeg(key, leg, rtp_port, rtcp)
+        holder.append(bare)
+        self._bare[key] = bare
+        return bare
+
+    def release_leg(self, bare: BareLeg, reason: str) -> None:
+        """Hang up the leg (CANCEL while it rings, BYE once up: nothing if over already) and
+        give its ports back."""
+        if not bare.ended.is_set() and not bare.hung_up:
+            bare.hung_up = True
+            self.service.hang_up(bare.key, reason)
+        self._bare.pop(bare.key, None)
+        bare.leg.rtp.close()
+        if bare.rtcp is not None:
+            bare.rtcp.close()
+        if not bare.released:
+            bare.released = True
+            self.service.ports.release(bare.rtp_port)
+
+    def _on_bare(self, bare: BareLeg, event: SipEvent) -> None:
+        match event:
+            case OutgoingAnswered():
+                bare.answered = event
+                bare.settled.set()
+            case OutgoingFailed():
+                bare.failed = event
+                bare.settled.set()
+                bare.ended.set()
+            case CallEnded():
+                bare.end_reason = event.reason
+                bare.ended.set()
+                bare.settled.set()
+                bare.leg.remote_ended(event.reason)
+            case MediaUpdated():
+                bare.leg.media_updated(event.remote, event.direction)
+            case _:
+                pass
+
     # ---- events from the core -----------------------------------------------------------
 
     def on_event(self, event: SipEvent) -> None:
+        bare = self._bare.get(event.key)
+        if bare is not None:
+            self._on_bare(bare, event)
+            return
         out = self._calls.get(event.key)
         if out is None:
             return
@@ -366,7 +466,7 @@ class SipOutbound:
 
     async def stop(self) -> None:
         """Hang up what is still ringing or up, and wait for the calls' tasks."""
-        for key in list(self._calls):
+        for key in list(self._calls) + list(self._bare):
             self.service.hang_up(key, "server shutdown")
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10.0)

@@ -14,13 +14,17 @@ more than what happened:
    failure (486 busy, 480 no answer, 603 declined, 503...), or no final NOTIFY within
    TRANSFER_RING_TIMEOUT_S (later ones are refused), leaves the caller with the agent, who is
    told why.
+
+A warm transfer (app/legs/sip_warm.py) ends with the same REFER, whose Refer-To replaces our
+dialog with the person (RFC 3891), so the same steps decide it; its row then ends
+"transferred to <target> (warm)".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from app.legs.session import CallSession
@@ -91,12 +95,15 @@ class SipTransfer:
 @dataclass(frozen=True, slots=True)
 class ReferPort:
     """What the hook needs of the SIP service: send the REFER (False: not sent), stop
-    waiting for it, and end the call from our side with a reason."""
+    waiting for it, and end the call from our side with a reason; `on_answered`, what else
+    to record once the transfer was answered."""
 
     send: Callable[[str], bool]
     give_up: Callable[[], None]
     end_call: Callable[[str], None]
     answer_timeout_s: float
+    # Recorded before our side ends the call (whose end cancels the caller of put_through).
+    on_answered: Callable[[], Awaitable[None]] | None = None
 
 
 async def put_through(
@@ -132,7 +139,12 @@ async def put_through(
         CallEvent(
             call_id,
             CallEventKind.TRANSFER_STARTED,
-            {"target": request.target, "refer_to": target.masked(), "by": "transfer_call"},
+            {
+                "target": request.target,
+                "refer_to": target.masked(),
+                "by": "transfer_call",
+                "mode": request.mode,
+            },
         )
     )
     await record_transfer_outcome(
@@ -154,14 +166,20 @@ async def put_through(
     if code == ENDED:
         return gone
     if 200 <= code < 300:
-        end = f"transferred to {request.target}"
+        warm = request.mode == "warm"
+        end = f"transferred to {request.target}" + (" (warm)" if warm else "")
         runtime.events.emit(
             CallEvent(
-                call_id, CallEventKind.TRANSFER_ANSWERED, {"target": request.target, "status": code}
+                call_id,
+                CallEventKind.TRANSFER_ANSWERED,
+                {"target": request.target, "status": code, "mode": request.mode},
             )
         )
-        outcome = TransferOutcome(True, "answered", f"{request.target} answered")
+        said = f"{request.target} was briefed and joined" if warm else f"{request.target} answered"
+        outcome = TransferOutcome(True, "answered", said)
         await record_transfer_outcome(runtime.engine, call_id, request.function_call_id, outcome)
+        if port.on_answered is not None:
+            await port.on_answered()
         session.ended_by(end)
         log.info("call %s: %s", call_id, end)
         port.end_call(end)

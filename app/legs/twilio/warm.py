@@ -106,7 +106,7 @@ def checked(settings: Settings, call_id: str, fc: str, key: str) -> bool:
 # ---- the transfer's state, on its tool call row ------------------------------------------
 
 
-async def _advance(
+async def advance(
     runtime: Runtime,
     call_id: str,
     fc: str,
@@ -164,7 +164,7 @@ async def briefed(runtime: Runtime, call_id: str, fc: str, person_sid: str) -> s
     """The person heard the briefing (see the module docstring, 2): the TwiML for them."""
     row = await call_store.get_call(runtime.engine, call_id)
     if row is None or row.status in call_store.TERMINAL:
-        await _advance(
+        await advance(
             runtime, call_id, fc, frozenset({"", RINGING, BRIEFED}), FAILED,
             status="caller-gone",
         )  # fmt: skip
@@ -173,7 +173,7 @@ async def briefed(runtime: Runtime, call_id: str, fc: str, person_sid: str) -> s
     recorded = warm.get("person_call_sid")
     if recorded and recorded != person_sid:
         return twiml.hangup()  # not the call we placed
-    moved = await _advance(
+    moved = await advance(
         runtime, call_id, fc, frozenset({"", RINGING}), BRIEFED, person_call_sid=person_sid
     )
     if moved is not None:
@@ -196,7 +196,7 @@ async def person_status(
     if recorded and recorded != person_sid:
         return
     status = "person-hung-up" if call_status == "completed" else call_status
-    moved = await _advance(
+    moved = await advance(
         runtime, call_id, fc, frozenset({"", RINGING, BRIEFED}), FAILED,
         status=status, person_call_sid=person_sid,
     )  # fmt: skip
@@ -263,7 +263,7 @@ class WarmTransfer:
             return TransferOutcome(False, "refused", "another transfer is already under way")
         s = runtime.settings
         call_id = session.call_id
-        await _advance(runtime, call_id, request.function_call_id, frozenset({""}), RINGING)
+        await advance(runtime, call_id, request.function_call_id, frozenset({""}), RINGING)
         then = webhook_url(s, "/twilio/warm-briefed", call_id, request)
         entry.warm = self
         try:
@@ -282,7 +282,7 @@ class WarmTransfer:
             # `briefed` finds the transfer failed and tells them the caller is gone.
             entry.warm = None
             self.settled.set()
-            await _advance(
+            await advance(
                 runtime, call_id, request.function_call_id, frozenset({"", RINGING}), FAILED,
                 status="refused",
             )  # fmt: skip
@@ -309,7 +309,7 @@ class WarmTransfer:
         if state == BRIEFED:
             await self.join()
             return
-        moved = await _advance(
+        moved = await advance(
             self.runtime, call_id, fc, frozenset({RINGING}), FAILED, status="no-answer"
         )
         if moved is None:
@@ -330,7 +330,7 @@ class WarmTransfer:
     async def _bind(self, person_sid: str) -> None:
         """The person's CallSid on the transfer's row (the briefing's webhook may have come
         first and recorded it already: that one stands)."""
-        await _advance(
+        await advance(
             self.runtime, self.session.call_id, self.request.function_call_id,
             frozenset({RINGING, BRIEFED, JOINED, FAILED}), None, person_call_sid=person_sid,
         )  # fmt: skip
@@ -365,7 +365,7 @@ class WarmTransfer:
                 log.warning("call %s: joining the caller failed: %r", call_id, exc)
         if not placed:
             self.joining = False
-            await _advance(runtime, call_id, fc, frozenset({BRIEFED}), FAILED, status="not-joined")
+            await advance(runtime, call_id, fc, frozenset({BRIEFED}), FAILED, status="not-joined")
             await self._end_person()
             outcome = TransferOutcome(
                 False, "not-joined", "the caller could not be joined to the person"
@@ -374,7 +374,7 @@ class WarmTransfer:
             if bridge is not None:
                 await bridge.tools.transfer_failed(request, outcome)
             return
-        await _advance(runtime, call_id, fc, frozenset({BRIEFED}), JOINED)
+        await advance(runtime, call_id, fc, frozenset({BRIEFED}), JOINED)
         self.joined = True
         session.ended_by(reason)
         self._emit(
@@ -416,7 +416,7 @@ class WarmTransfer:
             return
         self._acted = True
         self.settled.set()
-        moved = await _advance(
+        moved = await advance(
             self.runtime, self.session.call_id, self.request.function_call_id,
             frozenset({"", RINGING, BRIEFED}), FAILED, status="caller-gone",
         )  # fmt: skip

@@ -1,6 +1,10 @@
 """A transfer we ask of the caller's side (REFER, RFC 3515): its target URI, the implicit
 subscription it creates, and the `message/sipfrag` progress its NOTIFYs carry.
 
+A warm transfer (our own dialog with the person, briefed first) refers the caller's side to the
+person's Contact with `?Replaces=` naming that dialog (RFC 3891 section 5: `replaces_uri`), so
+the caller's new INVITE takes our place in it.
+
 The transferee (the caller's phone or trunk) places a new call to the Refer-To URI and reports
 on it through NOTIFYs (`Event: refer`) whose bodies are the new call's status lines:
 `SIP/2.0 100 Trying`, then a final one (`SIP/2.0 200 OK`, `SIP/2.0 486 Busy Here`) with
@@ -13,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from urllib.parse import quote
 
 from telephony.legs.sip.errors import SipError
 
@@ -72,6 +77,20 @@ def refer_to_uri(destination: str, domain: str) -> str:
     if not HOST.match(domain):
         raise ValueError(f"not a host to route a number through: {domain[:64]!r}")
     return f"sip:{destination}@{domain};user=phone"
+
+
+def replaces_uri(contact: str, call_id: str, to_tag: str, from_tag: str) -> str:
+    """The Refer-To URI that replaces a dialog: `contact` (the far UA's Contact in it) with the
+    embedded header `Replaces: <call_id>;to-tag=<to_tag>;from-tag=<from_tag>`, escaped as an
+    URI header (RFC 3891 section 5, RFC 3261 19.1.1). The tags are as the far UA, the one that
+    gets the Replaces, sees them: `to_tag` its own, `from_tag` ours."""
+    if not contact.lower().startswith(("sip:", "sips:")) or any(c in contact for c in ' <>"'):
+        raise ValueError(f"not a SIP contact: {contact[:64]!r}")
+    if not call_id or not to_tag or not from_tag:
+        raise ValueError("a dialog to replace needs its Call-ID and both tags")
+    value = f"{call_id};to-tag={to_tag};from-tag={from_tag}"
+    separator = "&" if "?" in contact else "?"
+    return f"{contact}{separator}Replaces={quote(value, safe='')}"
 
 
 def sipfrag_status(body: bytes) -> tuple[int, str] | None:

@@ -44,6 +44,7 @@ from telephony.legs.sip.refer import (
     ReferState,
     event_id,
     refer_to_uri,
+    replaces_uri,
     sipfrag_status,
     subscription_terminated,
 )
@@ -386,19 +387,36 @@ class UserAgentServer:
             self._bye(call, now, reason, notify=False)
 
     def refer(
-        self, key: CallKey, destination: str, now: float, *, domain: str | None = None
+        self,
+        key: CallKey,
+        destination: str,
+        now: float,
+        *,
+        domain: str | None = None,
+        replacing: CallKey | None = None,
     ) -> bool:
         """Ask the caller's side to call `destination` (RFC 3515): an in-dialog REFER, sent and
         retransmitted like a BYE. An E.164 number becomes `sip:+E164@<domain>;user=phone`,
-        `domain` by default the host of the caller's From. False, with nothing sent, when the
-        call is not confirmed, is ending, or a REFER of it is still open."""
+        `domain` by default the host of the caller's From. With `replacing` (our confirmed
+        outgoing call to the person of a warm transfer) the Refer-To is instead that dialog's
+        remote target with `?Replaces=` naming it (RFC 3891), and `destination` is not used.
+        False, with nothing sent, when the call (or the replaced one) is not confirmed, is
+        ending, or a REFER of it is still open."""
         call = self._calls.get(key)
         if call is None or call.state is not CallState.CONFIRMED:
             return False
         if call.refer is not None and call.refer.open:
             return False
         try:
-            target = refer_to_uri(destination, domain or _host(call.remote_to))
+            if replacing is not None:
+                other = self._calls.get(replacing)
+                if other is None or other.state is not CallState.CONFIRMED:
+                    raise ValueError("the dialog to replace is not up")
+                target = replaces_uri(
+                    other.remote_target, other.key.call_id, other.remote_tag, other.key.local_tag
+                )
+            else:
+                target = refer_to_uri(destination, domain or _host(call.remote_to))
         except ValueError as exc:
             log.warning("call %s: no REFER: %s", key.call_id[:64], exc)
             return False
