@@ -239,7 +239,11 @@ class LineListener:
         *,
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        message_end: bool = True,
     ) -> None:
+        # message_end: a machine's verdict once its greeting ended (to leave a message after
+        # it); False: as soon as it is known to be a machine (nothing will be said to it).
+        self._message_end = message_end
         self.detector = MachineDetector(settings)
         self.verdicts: list[Verdict] = []
         self._tick_s = tick_s
@@ -265,5 +269,6 @@ class LineListener:
         if verdict is None:
             return
         self.verdicts.append(verdict)
-        if verdict.answered_by != MACHINE_START and not self._decided.done():
+        final = verdict.answered_by != MACHINE_START or not self._message_end
+        if final and not self._decided.done():
             self._decided.set_result(verdict)

@@ -6,11 +6,7 @@ recorded as on Twilio; and what the reconciler decides for a placing whose answe
 from __future__ import annotations
 
 import asyncio
-import math
 import re
-import shutil
-import struct
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,9 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
 from app.ops.outbound import SipCalls, request_call
-from telephony import audio
 from tests.console_support import bearer
 from tests.e2e_support import event_kinds, event_rows, make_settings, wait_until
+from tests.rtp_voice import GREETING, beep, needs_espeak, open_ear, quiet, speech
 from tests.sipp_support import SCENARIOS, needs_sipp
 from tests.sipp_uas import sipp_uas
 from tests.test_e2e_booking import heard_text
@@ -31,59 +27,6 @@ from tools import ledger
 
 pytestmark = needs_sipp
 WAIT_S = 20.0
-needs_espeak = pytest.mark.skipif(
-    shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
-)
-
-
-class _Rtp(asyncio.DatagramProtocol):
-    """The callee's media: what our side sends, and a voice (PCMU) sent back from the same
-    socket, paced at 20 ms, to the port of our INVITE's offer."""
-
-    def __init__(self) -> None:
-        self.packets: list[bytes] = []
-        self.transport: asyncio.DatagramTransport | None = None
-        self.timed: list[tuple[float, bytes]] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.packets.append(data)
-        self.timed.append((asyncio.get_running_loop().time(), data))
-
-    def voiced_at(self) -> float | None:
-        """When the first packet of our side that was not silence came (loop time)."""
-        return next((t for t, data in self.timed if audio.rms(data[12:]) > 300), None)
-
-    async def say(self, far: Any, pcm: bytes, *, first: bool = True) -> None:
-        """Once our side's media flows, `pcm` (16-bit 8 kHz) toward our offer's port."""
-        await wait_until(lambda: _true(bool(self.packets)), WAIT_S, "our RTP")
-        [port] = re.findall(r"m=audio (\d+) RTP/AVP", far.seen().split("SIP/2.0 100")[0])[:1]
-        if first:
-            await asyncio.sleep(0.5)  # the call is live: the detector listens
-        mulaw = audio.pcm16_to_mulaw(pcm)
-        assert self.transport is not None
-        for seq, at in enumerate(range(0, len(mulaw), 160)):
-            header = struct.pack("!BBHII", 0x80, 0, seq, seq * 160, 0x5EED)
-            self.transport.sendto(header + mulaw[at : at + 160], ("127.0.0.1", int(port)))
-            await asyncio.sleep(0.02)
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
-def _speech(text: str) -> bytes:
-    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
-    return audio.wav_to_pcm16(wav)
-
-
-def _beep(ms: int) -> bytes:
-    n = 8 * ms
-    return struct.pack(
-        f"<{n}h", *(int(8000 * math.sin(2 * math.pi * 1000 * i / 8000)) for i in range(n))
-    )
 
 
 def _sip_stack(engine: AsyncEngine, clean_db: str, proxy_port: int, **extra: Any) -> Any:
@@ -104,9 +47,7 @@ def _sip_stack(engine: AsyncEngine, clean_db: str, proxy_port: int, **extra: Any
 async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
     engine: AsyncEngine, clean_db: str, tmp_path: Path
 ) -> None:
-    loop = asyncio.get_running_loop()
-    transport, rtp = await loop.create_datagram_endpoint(_Rtp, local_addr=("127.0.0.1", 0))
-    rtp_port = transport.get_extra_info("sockname")[1]
+    transport, rtp, rtp_port = await open_ear()
     # sipp hangs up once the agent had time to say its first sentence.
     scenario = tmp_path / "uac_answer_long.xml"
     text = (SCENARIOS / "uac_answer.xml").read_text()
@@ -122,7 +63,7 @@ async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
             answer = await place(stack, {"to": CALLEE, "purpose": PURPOSE}, headers)
             assert answer.status_code == 202, answer.text
             call_id, op_id = answer.json()["call_id"], answer.json()["operation_id"]
-            await rtp.say(far, _speech("Hello?"))  # a person picks up and waits
+            await rtp.say(far.seen, speech("Hello?"))  # a person picks up and waits
 
             async def first_words() -> bool:
                 return bool(await heard_text(engine, call_id)) and len(rtp.packets) > 10
@@ -149,7 +90,7 @@ async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
     [sip_call_id] = set(re.findall(r"Call-ID: (\S+)", seen))
     # The agent said the purpose first; RTP (PCMU) went to the port of sipp's answer.
     assert PURPOSE in said, said
-    assert all(p[1] & 0x7F in (0, 101) for p in rtp.packets)
+    assert all(p[1] & 0x7F in (0, 101) for _, p in rtp.packets)
     # The row is the SIP call, named by its Call-ID; placing it is a committed operation.
     assert row["leg"] == "sip" and row["direction"] == "outbound"
     assert row["call_sid"] == sip_call_id and row["status"] == "completed"
@@ -170,12 +111,7 @@ async def test_an_answering_machine_on_sip_gets_the_short_message_after_its_beep
     engine: AsyncEngine, clean_db: str, tmp_path: Path
 ) -> None:
     loop = asyncio.get_running_loop()
-    transport, rtp = await loop.create_datagram_endpoint(_Rtp, local_addr=("127.0.0.1", 0))
-    rtp_port = transport.get_extra_info("sockname")[1]
-    greeting = _speech(
-        "Hi, you have reached Alex. I cannot take your call right now. "
-        "Please leave a message after the tone."
-    )
+    transport, rtp, rtp_port = await open_ear()
     try:
         async with (
             sipp_uas("uac_answer_await_bye.xml", tmp_path, rtp_port=rtp_port) as far,
@@ -188,10 +124,10 @@ async def test_an_answering_machine_on_sip_gets_the_short_message_after_its_beep
 
             async def greet() -> None:
                 nonlocal beep_ended
-                await rtp.say(far, greeting)
-                await rtp.say(far, _beep(600), first=False)
+                await rtp.say(far.seen, speech(GREETING))
+                await rtp.say(far.seen, beep(600), first=False)
                 beep_ended = loop.time()
-                await rtp.say(far, b"\x00\x00" * 8 * 6000, first=False)
+                await rtp.say(far.seen, quiet(6000), first=False)
 
             greeting_task = asyncio.create_task(greet())
             run = await far.finish(40.0)  # sipp waits for our BYE

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from telephony.caller_evidence import READBACK_TOLERANCE_MS
 from telephony.sim.scenario import Scenario
 from tests.e2e_support import call_row, wait_until
+from tests.rtp_voice import GREETING, Ear, needs_espeak, open_ear
+from tests.rtp_voice import speech as voice
 from tests.sipp_support import SCENARIOS, count_in_trace, needs_sipp, sip_stack
 from tests.sipp_uas import SippUas, sipp_uas
 from tests.test_e2e_booking import heard_text
@@ -38,26 +39,7 @@ from tests.test_transfer_warm import JOIN, JOIN_MS, NOBODY, REASON, STAY, warm_s
 pytestmark = needs_sipp
 
 WAIT_S = 40.0
-SILENCE = 0xFF  # PCMU
 FRAME_MS = 20
-
-
-class _Rtp(asyncio.DatagramProtocol):
-    """The person's ear: every RTP packet with the wall-clock time it came."""
-
-    def __init__(self) -> None:
-        self.packets: list[tuple[float, bytes]] = []
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.packets.append((time.time(), data))
-
-    def speech(self) -> list[float]:
-        """When each packet carrying sound (not PCMU silence) came."""
-        return [
-            at
-            for at, p in self.packets
-            if len(p) > 12 and p[1] & 0x7F == 0 and any(b != SILENCE for b in p[12:])
-        ]
 
 
 def received_at(trace: str, method: str) -> list[float]:
@@ -103,20 +85,23 @@ def joined_then(last: str) -> Scenario:
     return Scenario.model_validate(scenario)
 
 
-def _warm_stack(engine: AsyncEngine, person: SippUas, scenario: Scenario, **extra: Any) -> Any:
+def _warm_stack(
+    engine: AsyncEngine, person: SippUas, scenario: Scenario, *, sip_amd: bool = False, **extra: Any
+) -> Any:
+    # Who answers the person's line (answering-machine detection) is judged only where a test
+    # gives the person a voice; sipp alone sends none, which would read as nobody.
     return sip_stack(
         engine,
         scenario,
         transfer_targets=TARGETS,
         sip_outbound_proxy=f"127.0.0.1:{person.port}",
+        sip_amd=sip_amd,
         **extra,
     )
 
 
-async def _ear() -> tuple[asyncio.DatagramTransport, _Rtp, int]:
-    loop = asyncio.get_running_loop()
-    transport, rtp = await loop.create_datagram_endpoint(_Rtp, local_addr=("127.0.0.1", 0))
-    return transport, rtp, transport.get_extra_info("sockname")[1]
+async def _ear() -> tuple[asyncio.DatagramTransport, Ear, int]:
+    return await open_ear()
 
 
 async def test_a_briefed_person_gets_the_caller_by_refer_with_replaces_after_the_join_sentence(
@@ -127,10 +112,12 @@ async def test_a_briefed_person_gets_the_caller_by_refer_with_replaces_after_the
     try:
         async with (
             sipp_uas("warm_person.xml", tmp_path, rtp_port=rtp_port) as person,
-            _warm_stack(engine, person, warm_scenario(JOIN)) as stack,
+            _warm_stack(engine, person, warm_scenario(JOIN), sip_amd=True) as stack,
         ):
             task = await sipp_in_background(stack, "warm_refer_replaced.xml", tmp_path)
+            hello = asyncio.create_task(rtp.say(person.seen, voice("Hello?")))
             run = await task
+            await hello
             assert run.returncode == 0, run.explain()
             far = await person.finish()
             assert far.returncode == 0, far.explain()
@@ -187,8 +174,10 @@ async def test_a_briefed_person_gets_the_caller_by_refer_with_replaces_after_the
     assert row["end_reason"] == "transferred to front_desk (warm)"
     assert tc["decision"] == "transferred" and tc["output"]["outcome"]["status"] == "answered"
     assert tc["output"]["warm"] == {"state": "joined", "person_call_sid": person_call_id}
-    order = ["function_call", "transfer_requested", "transfer_briefing", "transfer_started",
-             "transfer_answered", "call_ended"]  # fmt: skip
+    order = ["function_call", "transfer_requested", "transfer_briefing", "amd_result",
+             "transfer_started", "transfer_answered", "call_ended"]  # fmt: skip
+    [amd] = [e["data"] for e in events if e["kind"] == "amd_result"]
+    assert amd["answered_by"] == "human" and amd["target"] == "front_desk", amd
     assert [k for k in seen if k in order] == order, seen
     assert "transfer_failed" not in seen
     assert transfers_ended("transferred") == answered_before + 1
@@ -218,6 +207,40 @@ async def test_a_busy_person_leaves_the_caller_with_the_agent_who_says_so(
     assert STAY in said and NOBODY in said  # what the caller heard: told, still with the agent
     assert ended is not None and "bye" in ended["end_reason"], ended["end_reason"]
     assert transfers_ended("failed") == failed_before + 1
+
+
+@needs_espeak
+async def test_a_voicemail_on_the_persons_line_is_never_briefed_and_the_caller_stays_told(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    transport, rtp, rtp_port = await _ear()
+    try:
+        async with (
+            sipp_uas("warm_person.xml", tmp_path, rtp_port=rtp_port) as person,
+            _warm_stack(engine, person, warm_scenario(NOBODY), sip_amd=True) as stack,
+        ):
+            task = await sipp_in_background(stack, "warm_caller_stays.xml", tmp_path)
+            greeting = asyncio.create_task(rtp.say(person.seen, voice(GREETING)))
+            row, seen, tc = await stays_with_the_agent(
+                stack, task, "voicemail", "a voicemail answered, not a person"
+            )
+            greeting.cancel()
+            far = await person.finish()
+            said = await heard_text(engine, str(row["id"]))
+            events = await timeline(engine, str(row["id"]))
+            person_sessions = stack.sim.sessions[1:]
+    finally:
+        transport.close()
+    assert far.returncode == 0, far.explain()  # it got our BYE
+    # Hung up as soon as it was known to be a machine: no briefing, no REFER, no session.
+    assert rtp.speech() == [] and person_sessions == []
+    assert count_in_trace(tmp_path, "REFER sip:") == 0
+    [amd] = [e["data"] for e in events if e["kind"] == "amd_result"]
+    assert amd["answered_by"] == "machine_start", amd
+    assert tc["output"]["warm"]["state"] == "failed"
+    assert tc["output"]["warm"]["status"] == "voicemail"
+    assert "transfer_answered" not in seen and "transfer_started" not in seen
+    assert STAY in said and NOBODY in said
 
 
 async def test_a_declined_refer_hangs_up_the_person_and_keeps_the_caller_with_the_agent(

@@ -360,6 +360,7 @@ DIAL_SAID = {
     "failed": "the call could not be placed",
     "canceled": "the call was cancelled",
     "declined": "the call was declined",
+    "voicemail": "a voicemail answered, not a person",
 }
 
 

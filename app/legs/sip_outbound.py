@@ -435,7 +435,7 @@ class SipOutbound:
                 if session.entry is not None:
                     session.entry.outbound = line
                 if runtime.settings.sip_amd:
-                    verdict = await _who_answered(leg, run)
+                    verdict = await who_answered(leg, run)
                     if verdict is not None:
                         await line.answered_by(
                             verdict.answered_by,
@@ -474,14 +474,18 @@ class SipOutbound:
             task.cancel()
 
 
-async def _who_answered(leg: SipLeg, run: asyncio.Task[None]) -> Verdict | None:
-    """The detector's verdict on the callee's audio; None if the call ended first."""
-    listener = LineListener()
+async def who_answered(
+    leg: SipLeg, ended: asyncio.Future[Any], *, message_end: bool = True
+) -> Verdict | None:
+    """The answering-machine detector's verdict on the audio of an answered leg (a callee, a
+    warm transfer's person); None if `ended` (the call's end) came first. `message_end`: a
+    machine's verdict once its greeting ended, else as soon as it is known."""
+    listener = LineListener(message_end=message_end)
     codec: audio.Codec = "pcma" if leg.codec.name == "PCMA" else "pcmu"
     leg.listener = lambda data: listener.hear(audio.decode(data, codec))
     waiting = asyncio.create_task(listener.verdict(), name=f"amd-{leg.call_id}")
     try:
-        await asyncio.wait({waiting, run}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiting, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         leg.listener = None
         if not waiting.done():

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from app.legs.session import CallSession
-from app.legs.sip_outbound import BareLeg, SipOutbound
+from app.legs.sip_outbound import BareLeg, SipOutbound, who_answered
 from app.legs.sip_transfer import sipfrag_outcome
 from app.legs.twilio.warm import (
     BRIEFED,
@@ -48,6 +48,7 @@ from app.legs.twilio.warm import (
     said_of,
 )
 from app.runtime import Runtime
+from telephony.amd import HUMAN, Verdict
 from telephony.bridge import Bridge
 from telephony.call_events import CallEvent, CallEventKind
 from telephony.legs.sip.dialog import CallKey
@@ -164,6 +165,23 @@ async def _attempt(
             why = f"not answered ({status})"
             return TransferOutcome(False, name, f"{dial_outcome_said(name)} (SIP {status})")
         person.leg.answered(answered.remote, answered.direction)
+        if runtime.settings.sip_amd:
+            # Never brief a voicemail, never put the caller through to one.
+            verdict = await _answered_by(person)
+            if verdict is None:
+                why = "hung up before the briefing"
+                return TransferOutcome(False, "person-hung-up", said_of("person-hung-up"))
+            session.sink.emit(
+                CallEvent(
+                    call_id,
+                    CallEventKind.AMD_RESULT,
+                    {"answered_by": verdict.answered_by, "at_ms": verdict.at_ms,
+                     "reason": verdict.reason, "target": request.target},
+                )
+            )  # fmt: skip
+            if verdict.answered_by != HUMAN:
+                why = f"answered by {verdict.answered_by}"
+                return TransferOutcome(False, "voicemail", dial_outcome_said("voicemail"))
         briefing, run = _briefing_bridge(runtime, session, person)
         heard = await _first_done(
             briefing.open_line(
@@ -213,6 +231,14 @@ async def _attempt(
             person.leg.remote_ended(why)  # the briefing's bridge stops with its leg
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(run)
+
+
+async def _answered_by(person: BareLeg) -> Verdict | None:
+    ended = asyncio.ensure_future(person.ended.wait())
+    try:
+        return await who_answered(person.leg, ended, message_end=False)
+    finally:
+        ended.cancel()
 
 
 def _briefing_bridge(
