@@ -113,10 +113,12 @@ async def test_a_warm_transfer_briefs_the_person_then_joins_the_caller_to_their_
         await caller.wait_for(lambda c: c.state is CallerState.ENDED, WAIT_S)
     # The model was told to keep the caller company, never that they were connected.
     assert '"status":"calling_person"' in output and "Never say they are connected" in output
-    # The person was called with a briefing, within the ring timeout, reporting to us.
+    # The person was called within the ring timeout, reporting to us, with Twilio's
+    # answering-machine detection answered before the briefing.
     assert (
         person.params["Timeout"] == "30"
         and "/twilio/warm-status?" in person.params["StatusCallback"]
+        and person.params["MachineDetection"] == "Enable"
     )
     [briefing] = person.said
     assert REASON in briefing
@@ -167,11 +169,42 @@ async def test_nobody_answering_leaves_the_caller_with_the_agent_who_offers_a_ca
     [note] = [n for n in notes if "did not go through" in n]
     assert "nobody answered" in note and "arrange a call back (schedule_callback)" in note
     assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == "no-answer"
-    assert tc["output"]["warm"] == {
-        "state": "failed", "status": "no-answer", "person_call_sid": person.sid
-    }  # fmt: skip
+    warm = tc["output"]["warm"]
+    assert (warm["state"], warm["status"], warm["person_call_sid"]) == (
+        "failed", "no-answer", person.sid
+    )  # fmt: skip
     order = ["transfer_requested", "transfer_briefing", "transfer_failed", "call_ended"]
     assert [k for k in kinds if k in order] == order, kinds
+    assert "transfer_answered" not in kinds
+
+
+async def test_a_voicemail_answering_the_persons_phone_is_never_briefed_nor_joined(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, warm_scenario(NOBODY), transfer_targets=TARGETS) as stack:
+        stack.api.call_outcomes[DESK] = "machine_start"
+        caller, call_id = await ask_for_a_person(stack)
+        person = await the_person(stack)
+
+        async def told() -> bool:
+            return NOBODY in await heard_text(engine, call_id)
+
+        await wait_until(told, WAIT_S, "the caller hears nobody answered")
+        row = await call_row(engine, caller.call_sid)
+        tc = await tool_call(engine, call_id)
+        notes = notes_to_model(stack)
+        state = caller.state
+        await caller.hangup()
+        kinds = await kinds_of(stack, caller)
+    # The voicemail heard nothing of the caller's business and was hung up on.
+    assert person.said == [] and person.status == "completed"
+    assert state is CallerState.STREAMING  # still with the agent
+    assert row is not None and row["status"] == "in_progress"
+    assert not stack.api.conferences
+    [note] = [n for n in notes if "did not go through" in n]
+    assert "a voicemail answered, not a person" in note
+    assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == "voicemail"
+    assert tc["output"]["warm"]["state"] == "failed"
     assert "transfer_answered" not in kinds
 
 
@@ -187,6 +220,9 @@ async def test_repeated_briefing_and_status_webhooks_join_the_caller_once(
         redirect = person.params["Twiml"].split('<Redirect method="POST">')[1]
         path = redirect.split("</Redirect>")[0].replace("&amp;", "&")
         path = path.removeprefix(stack.service.settings.public_base_url)
+        # The created call asks warm-answered first; the briefing's redirect, the same query.
+        assert path.startswith("/twilio/warm-answered?")
+        path = path.replace("/twilio/warm-answered?", "/twilio/warm-briefed?")
         form = {
             "CallSid": person.sid,
             "AccountSid": person.account_sid,

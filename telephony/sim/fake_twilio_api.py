@@ -15,7 +15,9 @@ calls, at the same paths, with Twilio's auth, JSON shapes, errors and signed cal
   and after `amd_delay_s` the signed AsyncAmd callback says who answered.
 - A created call with `Twiml` instead of `Url` (a warm transfer's person): it rings, then per
   `call_outcomes[To]`: `busy` / `no-answer` / `failed` as above; `hangs-up` answers and hangs up
-  during the first `<Say>`; anything else answers and runs the TwiML: each `<Say>` is kept
+  during the first `<Say>`; anything else answers and runs the TwiML (with `MachineDetection`,
+  each `<Redirect>` carries `AnsweredBy`: the outcome where it is one, else `human`): each
+  `<Say>` is kept
   (`FakeCall.said`) and takes `say_s`, a `<Redirect>` POSTs the signed call params to its URL
   and runs the answer, `<Dial><Conference>` joins the room. `StatusCallbackEvent` (repeated or
   space separated, as Twilio takes it) picks which of `ringing` / `answered` are reported;
@@ -192,6 +194,13 @@ class CallbackRecord:
     signature: str
     status_code: int | None
     error: str | None
+
+
+# Twilio's AnsweredBy values (a created call's outcome may name one).
+AMD_ANSWERS = frozenset(
+    {"human", "machine_start", "machine_end_beep", "machine_end_silence", "machine_end_other",
+     "fax", "unknown"}
+)  # fmt: skip
 
 
 @dataclass
@@ -871,6 +880,9 @@ class FakeTwilioApi:
             if parsed.kind != "redirect" or parsed.redirect_url is None:
                 break
             params = {**self._status_params(call), "CallStatus": "in-progress"}
+            if call.params.get("MachineDetection"):
+                # Its detector has answered before the TwiML runs: who picked up.
+                params["AnsweredBy"] = outcome if outcome in AMD_ANSWERS else "human"
             response = await self._fetch(parsed.redirect_url, params)
             if response is None:
                 break

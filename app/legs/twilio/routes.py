@@ -195,6 +195,27 @@ async def _warm_params(request: Request, runtime: Runtime) -> tuple[dict[str, st
     return params, call_id, fc
 
 
+@router.post("/twilio/warm-answered")
+async def warm_answered(request: Request, runtime: RuntimeDep) -> Response:
+    """A warm transfer's person's call was answered, and Twilio's answering-machine detection
+    says by whom (`AnsweredBy`): the briefing for a person, a hang-up for a machine (see
+    warm.py)."""
+    params, call_id, fc = await _warm_params(request, runtime)
+    if params.get("CallStatus") in call_store.TWILIO_TERMINAL:
+        return _xml(twiml.hangup())
+    target = request.query_params.get("target", "")
+    try:
+        return _xml(
+            await warm.answered(
+                runtime, call_id, fc, target, params["CallSid"], params.get("AnsweredBy", "")
+            )
+        )
+    except DataError as exc:
+        raise BadRequest("unstorable CallSid") from exc
+    except DBAPIError as exc:
+        raise DatabaseUnavailable("transfer update failed") from exc
+
+
 @router.post("/twilio/warm-briefed")
 async def warm_briefed(request: Request, runtime: RuntimeDep) -> Response:
     """A warm transfer's person heard the briefing (the `<Redirect>` after its `<Say>`): into

@@ -64,6 +64,13 @@ def briefing(text: str, then_url: str) -> str:
     return str(response)
 
 
+def redirect(url: str) -> str:
+    """Ask `url` what next (a warm transfer's person, once Twilio's detector has answered)."""
+    response = VoiceResponse()
+    response.redirect(url, method="POST")
+    return str(response)
+
+
 def say_and_hang_up(text: str) -> str:
     response = VoiceResponse()
     response.say(text)

@@ -3,11 +3,16 @@
 The caller never leaves the agent until the person has heard who is calling and why:
 
 1. `WarmTransfer.dial` (the call's replica, once the agent's sentence "I'm calling them, stay on
-   the line" was heard): Twilio `Calls.create` to the target with inline TwiML, `<Say>` the
-   engine's briefing then `<Redirect>` to `/twilio/warm-briefed`, `Timeout` the ring timeout, and
-   a signed `StatusCallback` (`/twilio/warm-status`). The person's CallSid is recorded on the
-   transfer's tool call row (`output.warm`) and on the timeline (`transfer_briefing`). A refused
-   create leaves the caller with the agent, who is told.
+   the line" was heard): Twilio `Calls.create` to the target with answering-machine detection
+   (`MachineDetection=Enable`: Twilio runs the TwiML once it knows who answered) and inline
+   TwiML that `<Redirect>`s to `/twilio/warm-answered`, `Timeout` the ring timeout, and a signed
+   `StatusCallback` (`/twilio/warm-status`). `answered` (that redirect, with `AnsweredBy`): a
+   person gets `<Say>` the engine's briefing (kept on the row) then `<Redirect>` to
+   `/twilio/warm-briefed`; a machine, a fax or nobody to tell is hung up unbriefed and the
+   transfer fails `voicemail` as in 4 (the caller is never put through to a voicemail). The
+   person's CallSid is recorded on the transfer's tool call row (`output.warm`) and on the
+   timeline (`transfer_briefing`). A refused create leaves the caller with the agent, who is
+   told.
 2. `briefed` (`POST /twilio/warm-briefed`, the `<Redirect>` after the `<Say>`: Twilio asks it only
    once the briefing was played to its end): the row goes ringing -> briefed (once: a repeated
    request gets the same answer and nothing more), the person is put into the conference
@@ -69,6 +74,11 @@ WATCH_MARGIN_S = 60.0
 RINGING, BRIEFED, JOINED, FAILED = "ringing", "briefed", "joined", "failed"
 # The person's final call statuses (Twilio's CallStatus) that mean they were never joined.
 NOT_JOINED = frozenset({"busy", "no-answer", "failed", "canceled", "completed"})
+# Twilio's AnsweredBy values that are a person to brief (machine_start, fax and unknown are
+# not: a voicemail must never hear the briefing, nor get the caller).
+PERSON = frozenset({"human"})
+# How long Twilio's detector may listen before it answers `unknown` (its minimum is 3 s).
+AMD_TIMEOUT_S = 5
 GONE_MESSAGE = "Sorry, the caller is no longer on the line. Goodbye."
 
 
@@ -86,9 +96,12 @@ def url_key(settings: Settings, call_id: str, function_call_id: str) -> str:
 
 
 def webhook_url(settings: Settings, path: str, call_id: str, request: TransferRequest) -> str:
-    fc = request.function_call_id
+    return transfer_url(settings, path, call_id, request.function_call_id, request.target)
+
+
+def transfer_url(settings: Settings, path: str, call_id: str, fc: str, target: str) -> str:
     key = url_key(settings, call_id, fc)
-    query = urlencode({"call_id": call_id, "target": request.target, "fc": fc, "k": key})
+    query = urlencode({"call_id": call_id, "target": target, "fc": fc, "k": key})
     return f"{settings.public_base_url.rstrip('/')}{path}?{query}"
 
 
@@ -160,6 +173,23 @@ async def _state(runtime: Runtime, call_id: str, fc: str) -> dict[str, Any]:
 # ---- the webhooks (any replica) ----------------------------------------------------------
 
 
+async def answered(
+    runtime: Runtime, call_id: str, fc: str, target: str, person_sid: str, answered_by: str
+) -> str:
+    """The person's call was answered and Twilio's detector said by whom (see the module
+    docstring, 1): the briefing for a person; a hang-up for anything else."""
+    warm = await _state(runtime, call_id, fc)
+    recorded = warm.get("person_call_sid")
+    if recorded and recorded != person_sid:
+        return twiml.hangup()  # not the call we placed
+    if answered_by in PERSON:
+        text = str(warm.get("briefing") or "")
+        then = transfer_url(runtime.settings, "/twilio/warm-briefed", call_id, fc, target)
+        return twiml.briefing(text, then) if text else twiml.hangup()
+    await _not_joined(runtime, call_id, fc, person_sid, "voicemail")
+    return twiml.hangup()
+
+
 async def briefed(runtime: Runtime, call_id: str, fc: str, person_sid: str) -> str:
     """The person heard the briefing (see the module docstring, 2): the TwiML for them."""
     row = await call_store.get_call(runtime.engine, call_id)
@@ -196,6 +226,13 @@ async def person_status(
     if recorded and recorded != person_sid:
         return
     status = "person-hung-up" if call_status == "completed" else call_status
+    await _not_joined(runtime, call_id, fc, person_sid, status)
+
+
+async def _not_joined(
+    runtime: Runtime, call_id: str, fc: str, person_sid: str, status: str
+) -> None:
+    """The person will not be joined: the row fails once, the caller's agent is told."""
     moved = await advance(
         runtime, call_id, fc, frozenset({"", RINGING, BRIEFED}), FAILED,
         status=status, person_call_sid=person_sid,
@@ -263,15 +300,20 @@ class WarmTransfer:
             return TransferOutcome(False, "refused", "another transfer is already under way")
         s = runtime.settings
         call_id = session.call_id
-        await advance(runtime, call_id, request.function_call_id, frozenset({""}), RINGING)
-        then = webhook_url(s, "/twilio/warm-briefed", call_id, request)
+        await advance(
+            runtime, call_id, request.function_call_id, frozenset({""}), RINGING,
+            briefing=request.briefing or request.reason,
+        )  # fmt: skip
+        then = webhook_url(s, "/twilio/warm-answered", call_id, request)
         entry.warm = self
         try:
             async with asyncio.timeout(REST_TIMEOUT_S):
                 call = await runtime.twilio.calls.create_async(
                     to=request.destination,
                     from_=s.twilio_from_number,
-                    twiml=twiml.briefing(request.briefing or request.reason, then),
+                    twiml=twiml.redirect(then),
+                    machine_detection="Enable",
+                    machine_detection_timeout=AMD_TIMEOUT_S,
                     timeout=int(s.transfer_ring_timeout_s),
                     status_callback=webhook_url(s, "/twilio/warm-status", call_id, request),
                     status_callback_method="POST",
