@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shutil
 import struct
-import subprocess
-
-import pytest
 
 from telephony import audio
 from telephony.amd import (
@@ -25,29 +21,14 @@ from telephony.amd import (
     MachineDetector,
     Verdict,
 )
-
-needs_espeak = pytest.mark.skipif(
-    shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
-)
-GREETING = (
-    "Hi, you have reached Alex and Sam. We cannot take your call right now. "
-    "Please leave a message after the tone."
-)
-
-
-def speech(text: str) -> bytes:
-    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
-    return audio.wav_to_pcm16(wav)
+from tests.rtp_voice import GREETING, needs_espeak, speech
+from tests.rtp_voice import quiet as silence
 
 
 def tone(hz: float, ms: int, amplitude: int = 8000) -> bytes:
     n = 8 * ms
     samples = [int(amplitude * math.sin(2 * math.pi * hz * i / 8000)) for i in range(n)]
     return struct.pack(f"<{n}h", *samples)
-
-
-def silence(ms: int) -> bytes:
-    return b"\x00\x00" * 8 * ms
 
 
 def noise_floor(pcm: bytes, level: int = 60) -> bytes:

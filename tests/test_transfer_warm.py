@@ -143,11 +143,19 @@ async def test_a_warm_transfer_briefs_the_person_then_joins_the_caller_to_their_
     assert caller.closed_by == "twilio-api"  # the conference ended with the person's hang-up
 
 
-async def test_nobody_answering_leaves_the_caller_with_the_agent_who_offers_a_callback(
-    engine: AsyncEngine,
+@pytest.mark.parametrize(
+    ("answer", "person_status", "status", "said"),
+    [
+        ("no-answer", "no-answer", "no-answer", "nobody answered"),
+        # A voicemail picks up: it hears nothing of the caller's business and is hung up on.
+        ("machine_start", "completed", "voicemail", "a voicemail answered, not a person"),
+    ],
+)
+async def test_no_answer_or_a_voicemail_leaves_the_caller_with_the_agent_who_offers_a_callback(
+    engine: AsyncEngine, answer: str, person_status: str, status: str, said: str
 ) -> None:
     async with call_stack(engine, warm_scenario(NOBODY), transfer_targets=TARGETS) as stack:
-        stack.api.call_outcomes[DESK] = "no-answer"
+        stack.api.call_outcomes[DESK] = answer
         caller, call_id = await ask_for_a_person(stack)
         person = await the_person(stack)
 
@@ -161,50 +169,20 @@ async def test_nobody_answering_leaves_the_caller_with_the_agent_who_offers_a_ca
         state = caller.state
         await caller.hangup()
         kinds = await kinds_of(stack, caller)
-    assert person.status == "no-answer" and not person.said
+    assert person.status == person_status and person.said == []  # never briefed
     assert state is CallerState.STREAMING  # still with the agent
     assert row is not None and row["status"] == "in_progress"
     assert not stack.api.conferences
     assert not stack.api.requests_to(f"/Calls/{caller.call_sid}.json")
     [note] = [n for n in notes if "did not go through" in n]
-    assert "nobody answered" in note and "arrange a call back (schedule_callback)" in note
-    assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == "no-answer"
+    assert said in note and "arrange a call back (schedule_callback)" in note
+    assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == status
     warm = tc["output"]["warm"]
     assert (warm["state"], warm["status"], warm["person_call_sid"]) == (
-        "failed", "no-answer", person.sid
+        "failed", status, person.sid
     )  # fmt: skip
     order = ["transfer_requested", "transfer_briefing", "transfer_failed", "call_ended"]
     assert [k for k in kinds if k in order] == order, kinds
-    assert "transfer_answered" not in kinds
-
-
-async def test_a_voicemail_answering_the_persons_phone_is_never_briefed_nor_joined(
-    engine: AsyncEngine,
-) -> None:
-    async with call_stack(engine, warm_scenario(NOBODY), transfer_targets=TARGETS) as stack:
-        stack.api.call_outcomes[DESK] = "machine_start"
-        caller, call_id = await ask_for_a_person(stack)
-        person = await the_person(stack)
-
-        async def told() -> bool:
-            return NOBODY in await heard_text(engine, call_id)
-
-        await wait_until(told, WAIT_S, "the caller hears nobody answered")
-        row = await call_row(engine, caller.call_sid)
-        tc = await tool_call(engine, call_id)
-        notes = notes_to_model(stack)
-        state = caller.state
-        await caller.hangup()
-        kinds = await kinds_of(stack, caller)
-    # The voicemail heard nothing of the caller's business and was hung up on.
-    assert person.said == [] and person.status == "completed"
-    assert state is CallerState.STREAMING  # still with the agent
-    assert row is not None and row["status"] == "in_progress"
-    assert not stack.api.conferences
-    [note] = [n for n in notes if "did not go through" in n]
-    assert "a voicemail answered, not a person" in note
-    assert tc["decision"] == "transfer_failed" and tc["output"]["outcome"]["status"] == "voicemail"
-    assert tc["output"]["warm"]["state"] == "failed"
     assert "transfer_answered" not in kinds
 
 

@@ -38,14 +38,15 @@ from typing import Any
 from app.legs.session import CallSession
 from app.legs.sip_outbound import BareLeg, SipOutbound, who_answered
 from app.legs.sip_transfer import sipfrag_outcome
+from app.legs.twilio.outbound import quoted
 from app.legs.twilio.warm import (
     BRIEFED,
     FAILED,
-    JOIN_SPEECH_WAIT_S,
     JOINED,
     RINGING,
     advance,
     said_of,
+    say_connecting,
 )
 from app.runtime import Runtime
 from telephony.amd import HUMAN, Verdict
@@ -100,11 +101,6 @@ class _Unrecorded:
 
     def emit(self, event: CallEvent) -> None:
         return None
-
-
-def _quoted(text: str) -> str:
-    """Text safe inside the `Say exactly: "…"` of an instruction."""
-    return " ".join(text.replace('"', "'").split())
 
 
 async def warm_through(
@@ -186,7 +182,7 @@ async def _attempt(
         heard = await _first_done(
             briefing.open_line(
                 f"You have called {request.target.replace('_', ' ')} for a caller who is "
-                f'waiting. Say exactly: "{_quoted(request.briefing or request.reason)}" '
+                f'waiting. Say exactly: "{quoted(request.briefing or request.reason)}" '
                 "Say nothing else.",
                 listen=False,
                 wait_s=BRIEFING_WAIT_S,
@@ -198,14 +194,7 @@ async def _attempt(
             return TransferOutcome(False, "person-hung-up", said_of("person-hung-up"))
         log.info("call %s: %s was briefed", call_id, request.target)
         await advance(runtime, call_id, fc, frozenset({RINGING}), BRIEFED)
-        bridge = session.bridge
-        spoken = request.target.replace("_", " ")
-        said = bridge is not None and await bridge.tools.say_and_wait(
-            f"{spoken} has answered and has been told about this call. Tell the caller in one "
-            "short sentence that you are connecting them now, and say nothing after it.",
-            "warm_transfer_join",
-            JOIN_SPEECH_WAIT_S,
-        )
+        said = await say_connecting(session.bridge, request.target)
         if not said:
             why = "the caller left"
             return await _caller_gone(runtime, call_id, request)

@@ -150,7 +150,7 @@ async def answered_by_here(runtime: Runtime, call_sid: str, answered_by: str) ->
         await line.answered_by(answered_by)
 
 
-def _quoted(text: str) -> str:
+def quoted(text: str) -> str:
     """Text safe inside the `Say exactly: "…"` of an instruction."""
     return " ".join(text.replace('"', "'").split())
 
@@ -183,7 +183,7 @@ class OutboundLine:
         self._acted = True
         call_id = self.session.call_id
         outbound = await _outbound_of(self.runtime, call_id)
-        purpose = _quoted(str(outbound.get("purpose") or "a message for you"))
+        purpose = quoted(str(outbound.get("purpose") or "a message for you"))
         if detected:
             self._emit(CallEventKind.AMD_RESULT, {"answered_by": answered_by, **(detail or {})})
         delivery_id = outbound.get("delivery_id")
@@ -245,7 +245,7 @@ class OutboundLine:
             spec = self.runtime.tools.registry.get(op.tool)
         except UnknownTool:
             return ""
-        return _quoted(status_message(spec, op))
+        return quoted(status_message(spec, op))
 
     def _emit(self, kind: CallEventKind, data: dict[str, Any]) -> None:
         self.session.sink.emit(CallEvent(self.session.call_id, kind, data))

@@ -248,6 +248,22 @@ async def _not_joined(
         await publish_warm(runtime.engine, row.call_sid, "failed", fc, status)
 
 
+async def say_connecting(bridge: Any, target: str) -> bool:
+    """The agent's one sentence before the join ("connecting you now"), heard to its end; False
+    when the caller left (or there is no bridge) first. Either leg's warm transfer says it."""
+    if bridge is None:
+        return False
+    spoken = target.replace("_", " ")
+    return bool(
+        await bridge.tools.say_and_wait(
+            f"{spoken} has answered and has been told about this call. Tell the caller in one "
+            "short sentence that you are connecting them now, and say nothing after it.",
+            "warm_transfer_join",
+            JOIN_SPEECH_WAIT_S,
+        )
+    )
+
+
 def said_of(status: str) -> str:
     if status == "person-hung-up":
         return "they hung up before the caller could be joined"
@@ -386,13 +402,7 @@ class WarmTransfer:
         runtime, session, request = self.runtime, self.session, self.request
         call_id, fc = session.call_id, request.function_call_id
         bridge, entry = session.bridge, session.entry
-        spoken = request.target.replace("_", " ")
-        said = bridge is not None and await bridge.tools.say_and_wait(
-            f"{spoken} has answered and has been told about this call. Tell the caller in one "
-            "short sentence that you are connecting them now, and say nothing after it.",
-            "warm_transfer_join",
-            JOIN_SPEECH_WAIT_S,
-        )
+        said = await say_connecting(bridge, request.target)
         reason = f"transferred to {request.target} (warm)"
         placed = False
         if said and entry is not None and runtime.twilio is not None:
