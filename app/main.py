@@ -92,7 +92,8 @@ async def _start_worker(
     settings: Settings, engine: AsyncEngine, url: str | None, catalog: Catalog, runtime: Runtime
 ) -> Any:
     """The in-process operation worker; calls still run (tools queue up) if it cannot start.
-    It places SIP outbound calls on this process's SIP listener (started after it)."""
+    It places SIP outbound calls on this process's SIP listener (it takes them once the
+    listener started: `take_sip_jobs`)."""
     from app.ops.worker import start_inprocess_worker
 
     def sip() -> Any:
@@ -246,6 +247,9 @@ def create_app(
 
             runtime.sip = SipService(runtime)
             await runtime.sip.start()
+            if worker is not None:
+                # SIP placings only now: a worker takes them only beside a live listener.
+                await worker.take_sip_jobs()
         try:
             yield
         finally:
@@ -254,6 +258,8 @@ def create_app(
             await heartbeat.stop()
             await holder_lock.stop()
             if runtime.sip is not None:
+                if worker is not None:
+                    await worker.leave_sip_jobs()  # placings in hand end before the listener
                 await runtime.sip.stop()
             await console.aclose()
             await listener.stop()

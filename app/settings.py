@@ -191,6 +191,9 @@ class Settings(BaseSettings):
     # How outbound calls are placed: Twilio's Calls.create, or a SIP INVITE from our own SIP
     # listener (SIP_BIND); a `sip:` URI in `to` always goes over SIP.
     outbound_via: Literal["twilio", "sip"] = "twilio"
+    # A SIP placing is taken only by a process with a SIP listener (`serve` with SIP_BIND);
+    # one that none took this long after it was due fails, with that reason, not hangs.
+    sip_place_wait_s: float = Field(default=30.0, gt=0, le=3600)
     # Where our INVITEs go (host:port, a loose Route); a number is called as
     # sip:+E164@<its host>. Unset: straight to a SIP URI's host (numbers cannot be called).
     sip_outbound_proxy: str | None = None
@@ -269,7 +272,9 @@ class Settings(BaseSettings):
     # How often each worker's sweeper looks for stuck, unknown and expired operations (and
     # for deliveries, SMS and webhooks that need another look).
     sweep_interval_s: float = Field(default=5.0, gt=0)
-    # Procrastinate queues this process's workers take jobs from (comma-separated).
+    # Procrastinate queues this process's workers take jobs from (comma-separated):
+    # `operations`, `deliveries`, and `operations-sip` (SIP placings), which only a process
+    # with a SIP listener takes (naming `operations` takes it there too).
     worker_queues: str = "operations,deliveries"
     # Worker heartbeat, and after how long without one its jobs count as lost.
     worker_heartbeat_s: float = Field(default=5.0, gt=0)

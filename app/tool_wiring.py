@@ -24,7 +24,7 @@ from app.ops.outbound import callback_scheduler
 from app.settings import Settings
 from tools.agents import AgentSet, AgentsFileError, load_agents_file
 from tools.catalog import Catalog, CatalogContext
-from tools.executor import make_app, make_enqueue
+from tools.executor import QUEUE, make_app, make_enqueue
 from tools.gateway import ToolPipeline
 from tools.identity import Account, StaticIdentityStore
 from tools.ledger import Enqueue
@@ -179,11 +179,13 @@ def build_tools(
     # Deferral runs on the admitting connection, so this app is never opened here.
     agents = load_configured_agents(settings, catalog)
     jobs = make_app(database_url, max_pool_size=1)
+    # Outbound calls (console, API) go on the queue their row names (SIP needs a SIP listener).
     enqueue = make_enqueue(jobs)
     pipeline = ToolPipeline(
         engine,
         catalog.registry,
-        enqueue=enqueue,
+        # The model's tool calls admit only the catalog's tools (never place_call): no read.
+        enqueue=make_enqueue(jobs, QUEUE),
         read_executor=catalog.read,
         identities=load_accounts(settings.accounts_file, settings.tenant_id),
         lockout=LockoutPolicy(

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import procrastinate
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import faults, ledger, log_context, measures, tracing
@@ -45,6 +46,15 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "execute_operation"
 QUEUE = "operations"
+# Placing a call over our own SIP leg needs the SIP listener of the process that runs the job:
+# only a worker beside one (`serve` with SIP_BIND) takes this queue.
+SIP_QUEUE = "operations-sip"
+# Which operations go on SIP_QUEUE, read from the operation's row (app/ops/outbound.py writes
+# `via` into a place_call's args; a `sip:` target is SIP whatever the row says).
+_QUEUE_OF = sa.text(
+    "SELECT CASE WHEN tool = 'place_call' AND (args->>'via' = 'sip' OR args->>'to' ILIKE 'sip:%') "
+    f"THEN '{SIP_QUEUE}' ELSE '{QUEUE}' END FROM operations WHERE operation_id = :id"
+)
 # A provider's answer that cannot be recorded (the database is away) is tried again, first
 # after this long, doubling up to the most, for so long; after that the sweeper's deadline and
 # the reconciler take over (they ask the provider by the idempotency key).
@@ -74,24 +84,35 @@ async def enqueue_operation(
     operation_id: uuid.UUID,
     *,
     schedule_at: datetime | None = None,
+    queue: str | None = None,
 ) -> int:
     """Defer the operation's job on `conn`'s own psycopg connection, inside its transaction.
 
     The job row commits or rolls back with whatever else `conn` does (the admission).
-    The app need not be open: the INSERT runs on `conn`, not on the app's pool.
+    The app need not be open: the INSERT runs on `conn`, not on the app's pool. `queue`:
+    None reads it from the operation's row (`queue_of`); a caller that knows it admits only
+    the catalog's tools passes QUEUE and saves that read.
     """
+    if queue is None:
+        queue = await queue_of(conn, operation_id)
     raw = await conn.get_raw_connection()
     pg = raw.driver_connection
-    deferrer = app.configure_task(TASK_NAME, queue=QUEUE, connection=pg, schedule_at=schedule_at)
+    deferrer = app.configure_task(TASK_NAME, queue=queue, connection=pg, schedule_at=schedule_at)
     return await deferrer.defer_async(operation_id=str(operation_id))
 
 
-def make_enqueue(app: procrastinate.App) -> ledger.Enqueue:
+async def queue_of(conn: AsyncConnection, operation_id: uuid.UUID) -> str:
+    """The queue of the operation's jobs: SIP_QUEUE for a place_call over SIP, else QUEUE."""
+    return str(await conn.scalar(_QUEUE_OF, {"id": operation_id}) or QUEUE)
+
+
+def make_enqueue(app: procrastinate.App, queue: str | None = None) -> ledger.Enqueue:
     """The gateway's `enqueue(conn, operation_id)` hook for a process that only admits
-    (the app need not be opened: deferral runs on the admitting connection)."""
+    (the app need not be opened: deferral runs on the admitting connection); `queue` as
+    `enqueue_operation` takes it."""
 
     async def enqueue(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
-        await enqueue_operation(app, conn, operation_id)
+        await enqueue_operation(app, conn, operation_id, queue=queue)
 
     return enqueue
 

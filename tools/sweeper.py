@@ -8,7 +8,10 @@ Each sweep:
 3. `unknown` operations due for a check are reconciled with the provider;
 4. runnable operations (`admitted`, `failed_retryable` and due) with no live job, which
    only a job lost with a dead worker leaves behind, are enqueued again;
-5. confirmations whose window passed are cancelled.
+5. confirmations whose window passed are cancelled;
+6. jobs waiting on a queue only some processes take (`QueueWait`: SIP placings, which need
+   a SIP listener) that nobody took long after they were due: the operation fails with the
+   wait's reason (nobody claimed it, so nothing was sent) instead of hanging in `admitted`.
 
 Several sweepers may run at once (one per worker): every move is a conditional transition.
 """
@@ -19,15 +22,17 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import procrastinate
 import sqlalchemy as sa
 from procrastinate.jobs import Status as JobStatus
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import ledger, measures
+from tools.ledger import OperationRecord
 from tools.ledger_models import operations_table as ops_t
 from tools.outage import DATABASE
 from tools.reconcile import Reconciler
@@ -46,6 +51,17 @@ class SweepReport:
     expired: list[uuid.UUID] = field(default_factory=list)
     requeued: list[uuid.UUID] = field(default_factory=list)
     stalled_jobs: int = 0
+    untaken: list[uuid.UUID] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueWait:
+    """A queue only some processes take: its job due `wait_s` ago and still not taken fails
+    its operation with `reason`; `on_failed` runs in the same transaction (the call's row)."""
+
+    wait_s: float
+    reason: str
+    on_failed: Callable[[AsyncConnection, OperationRecord], Awaitable[None]] | None = None
 
 
 def _now() -> datetime:
@@ -67,6 +83,7 @@ class Sweeper:
         orphan_grace_s: float = 60.0,
         batch: int = 100,
         actor: str = "sweeper",
+        queue_waits: Mapping[str, QueueWait] | None = None,
     ) -> None:
         self.engine = engine
         self.reconciler = reconciler
@@ -77,6 +94,7 @@ class Sweeper:
         self.orphan_grace_s = orphan_grace_s
         self.batch = batch
         self.actor = actor
+        self.queue_waits = dict(queue_waits or {})
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
         report = SweepReport()
@@ -101,6 +119,8 @@ class Sweeper:
             if after is not None:
                 report.reconciled[op_id] = after.status.value
         report.requeued = await self._requeue_orphans(now)
+        for queue, wait in self.queue_waits.items():
+            report.untaken += await self._fail_untaken(queue, wait, now)
         async with self.engine.begin() as conn:
             report.expired = await ledger.expire_confirmations(conn, now, actor=self.actor)
             measures.OPERATIONS_UNKNOWN.set(
@@ -139,6 +159,52 @@ class Sweeper:
                 )
                 requeued.append(op_id)
         return requeued
+
+    async def _fail_untaken(self, queue: str, wait: QueueWait, now: datetime) -> list[uuid.UUID]:
+        """Fail the runnable operations whose job on `queue` nobody took within `wait`."""
+        cutoff = now - timedelta(seconds=wait.wait_s)
+        failed = []
+        async with self.engine.begin() as conn:
+            rows = await conn.execute(
+                sa.text(
+                    "SELECT o.operation_id, j.id FROM procrastinate_jobs j "
+                    "JOIN operations o ON o.operation_id::text = j.args->>'operation_id' "
+                    "WHERE j.queue_name = :queue AND j.status = 'todo' "
+                    "AND o.status IN ('admitted', 'failed_retryable') "
+                    "AND coalesce(j.scheduled_at, (SELECT max(e.at) FROM procrastinate_events e "
+                    "  WHERE e.job_id = j.id AND e.type = 'deferred')) < :cutoff "
+                    "ORDER BY j.id LIMIT :n FOR UPDATE OF o SKIP LOCKED"
+                ),
+                {"queue": queue, "cutoff": cutoff, "n": self.batch},
+            )
+            for op_id, job_id in rows.all():
+                # Conditional: a worker claiming it now either ran first (we move nothing)
+                # or finds it failed and sends nothing.
+                moved = await ledger.transition(
+                    conn,
+                    op_id,
+                    (S.ADMITTED, S.FAILED_RETRYABLE),
+                    S.FAILED_FINAL,
+                    actor=self.actor,
+                    reason=wait.reason,
+                    data={"queue": queue, "job_id": job_id},
+                    error=wait.reason,
+                )
+                if moved is None:
+                    continue
+                await conn.execute(
+                    sa.text(
+                        "UPDATE procrastinate_jobs SET status = 'cancelled' "
+                        "WHERE id = :id AND status = 'todo'"
+                    ),
+                    {"id": job_id},
+                )
+                if wait.on_failed is not None:
+                    await wait.on_failed(conn, moved)
+                failed.append(op_id)
+        if failed:
+            log.warning("sweep: %d operations on %s failed: %s", len(failed), queue, wait.reason)
+        return failed
 
     async def _unknown_due(self, now: datetime) -> list[uuid.UUID]:
         async with self.engine.connect() as conn:

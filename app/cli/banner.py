@@ -115,6 +115,8 @@ def lines(info: StartInfo) -> list[str]:
         )
     if not info.with_worker:
         out.append("  operations      no worker here (--no-worker): run `voice-agent worker`")
+        if s.sip_bind:
+            out.append("                  (SIP outbound calls need a worker here: no --no-worker)")
     console = f"{s.public_base_url.rstrip('/')}/console"
     if s.console_password is not None:
         out.append(f"  console         {console}  (first admin {s.console_user}: CONSOLE_PASSWORD)")

@@ -1,13 +1,14 @@
 """`voice-agent cluster`: the multi-replica layout of infra/ on one machine, as plain processes.
 
 PostgreSQL (DATABASE_URL, else TEST_DATABASE_URL, else the embedded one in the cluster's
-directory), N `serve --no-worker` replicas (each its own HTTP port, SIP port and RTP range),
-M `voice-agent worker` processes, nginx in front of the replicas' HTTP (infra/nginx/nginx.conf)
-and Kamailio in front of their SIP (infra/kamailio/kamailio.cfg), all on loopback and in the
-foreground. Once every part answers, `DIR/endpoints.json` says where each one is and its PID,
-so a test, sipp or a person can find and kill any of them. Ctrl+C (or SIGTERM) stops it all:
-the replicas first (they drain, as in production), then the workers, the proxies and the
-database; a second Ctrl+C kills what is left.
+directory), N `serve` replicas (each its own HTTP port, SIP port and RTP range; their in-process
+worker takes only SIP placings, WORKER_QUEUES=operations-sip), M `voice-agent worker`
+processes, nginx in front of the replicas' HTTP (infra/nginx/nginx.conf) and Kamailio in
+front of their SIP (infra/kamailio/kamailio.cfg), all on loopback and in the foreground. Once
+every part answers, `DIR/endpoints.json` says where each one is and its PID, so a test, sipp
+or a person can find and kill any of them. Ctrl+C (or SIGTERM) stops it all: the replicas
+first (they drain, as in production), then the workers, the proxies and the database; a
+second Ctrl+C kills what is left.
 """
 
 from __future__ import annotations
@@ -241,11 +242,14 @@ class Cluster:
                 SIP_BIND=f"{c.host}:{sip_port}",
                 SIP_RTP_PORTS=rtp,
                 DATA_DIR=str(self.directory / f"replica-{n}"),
+                # Only a replica's SIP listener can place a SIP call: its worker takes those,
+                # the workers everything else.
+                WORKER_QUEUES="operations-sip",
             )
             self.replicas.append(
                 Part(
                     f"replica-{n}",
-                    [*python, "serve", "--no-worker", "--host", c.host, "--port", str(http_port)]
+                    [*python, "serve", "--host", c.host, "--port", str(http_port)]
                     + (["--simulator"] if c.simulator else []),
                     env,
                     http=f"http://{c.host}:{http_port}",

@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-worker",
         action="store_true",
-        help="run no operation worker in this process (run `voice-agent worker` instead)",
+        help="run no operation worker in this process (run `voice-agent worker` instead;"
+        " SIP outbound calls need one beside SIP_BIND)",
     )
     p.add_argument(
         "--simulator",
@@ -483,7 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the loopback address every part uses")
     p.add_argument("--http-port", type=_port, default=8080, help="nginx's port")
     p.add_argument("--sip-port", type=_port, default=5060, help="Kamailio's port (UDP and TCP)")
-    p.add_argument("--replicas", type=_positive, default=2, help="`serve --no-worker` replicas")
+    p.add_argument(
+        "--replicas",
+        type=_positive,
+        default=2,
+        help="`serve` replicas (their worker: SIP placings only)",
+    )
     p.add_argument("--workers", type=_positive, default=1, help="`worker` processes")
     p.add_argument(
         "--rtp-base",

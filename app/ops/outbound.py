@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlencode
 
 import aiohttp
@@ -48,6 +48,7 @@ from tools.errors import ToolError
 from tools.ledger import Enqueue, OperationRecord
 from tools.provider import ActionResult, Finding, Outcome, Provider
 from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
+from tools.sweeper import QueueWait
 from tools.transfers import E164, CallbackScheduler, ScheduledCallback
 
 MAX_SIP_URI = 256
@@ -79,6 +80,10 @@ class PlaceCallArgs(BaseModel):
     call_id: str
     purpose: str
     about_operation_id: str | None = None
+    # The leg that places it, decided when it was asked for: a SIP placing goes on the queue
+    # only processes with a SIP listener take (tools/executor.py SIP_QUEUE). None: a row from
+    # before `via` (a `sip:` target, or OUTBOUND_VIA, says).
+    via: Literal["twilio", "sip"] | None = None
 
 
 def _masked(number: str) -> str:
@@ -223,7 +228,13 @@ async def request_call_in(
             outbound=outbound,
         )
     )
-    args = PlaceCallArgs(to=to, call_id=call_id, purpose=purpose, about_operation_id=about)
+    args = PlaceCallArgs(
+        to=to,
+        call_id=call_id,
+        purpose=purpose,
+        about_operation_id=about,
+        via="sip" if leg == "sip" else "twilio",
+    )
     admission = await ledger.admit_operation(
         conn,
         tenant_id=settings.tenant_id,
@@ -398,15 +409,11 @@ class SipCalls:
         args = PlaceCallArgs.model_validate(op.args)
         placer = self.placer()
         if placer is None:
-            reason = "no SIP listener in this worker's process"
+            # Only a job on the wrong queue, or one taken while the listener stops, gets here.
             async with self.engine.begin() as conn:
-                await conn.execute(
-                    sa.update(calls)
-                    .where(calls.c.id == uuid.UUID(args.call_id),
-                           calls.c.status == CallStatus.RINGING)
-                    .values(status=str(CallStatus.FAILED), end_reason=reason,
-                            ended_at=sa.func.now())
-                )  # fmt: skip
+                await fail_unplaced_row(
+                    conn, args.call_id, "no SIP listener in this worker's process"
+                )
             return ActionResult(
                 Outcome.failed_final,
                 error="SIP outbound calls are placed by `serve` with SIP_BIND (its in-process "
@@ -435,6 +442,30 @@ class SipCalls:
         return Finding("not_found")
 
 
+async def fail_unplaced_row(conn: AsyncConnection, call_id: str, reason: str) -> None:
+    """The row of an outbound call that was never placed: failed, with `reason`."""
+    await conn.execute(
+        sa.update(calls)
+        .where(calls.c.id == uuid.UUID(call_id), calls.c.status == CallStatus.RINGING)
+        .values(status=str(CallStatus.FAILED), end_reason=reason[:128], ended_at=sa.func.now())
+    )
+
+
+def sip_queue_wait(wait_s: float) -> QueueWait:
+    """How long a SIP placing may wait for a process with a SIP listener to take it: after
+    `wait_s` past due nobody did, so nothing was sent: the operation fails (the sweeper,
+    conditionally, so a worker that takes it in the same instant wins or loses whole) and the
+    call's row says why."""
+    reason = f"no replica with a SIP listener took it within {wait_s:g} s"
+
+    async def failed(conn: AsyncConnection, op: OperationRecord) -> None:
+        call_id = op.args.get("call_id")
+        if op.tool == PLACE_CALL and call_id:
+            await fail_unplaced_row(conn, str(call_id), reason)
+
+    return QueueWait(wait_s=wait_s, reason=reason, on_failed=failed)
+
+
 class OutboundRouter:
     """The worker's provider: `place_call` to Twilio (or over SIP), every other tool to the
     catalog's."""
@@ -453,7 +484,10 @@ class OutboundRouter:
 
     def _over_sip(self, op: OperationRecord) -> SipCalls | None:
         to = str(op.args.get("to", ""))
-        if self.sip_calls is not None and outbound_leg(self.settings, to) == "sip":
+        via = op.args.get("via") or outbound_leg(self.settings, to)
+        if to.lower().startswith("sip:"):
+            via = "sip"
+        if self.sip_calls is not None and via == "sip":
             return self.sip_calls
         return None
 

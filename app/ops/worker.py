@@ -5,6 +5,12 @@ runs `run_worker` until SIGINT/SIGTERM. Both wire the same pieces: the executor'
 a Procrastinate app, the configured catalog's providers, the delivery tasks (outcomes to
 callers by call or SMS, integrator webhooks), and the sweeper loops that recover what a crash
 left behind.
+
+SIP placings (`place_call` over our SIP leg) are jobs on their own queue (SIP_QUEUE), taken
+only beside a SIP listener: `serve` with SIP_BIND starts a second Procrastinate worker on it
+once its listener is up (`take_sip_jobs`) and stops it before the listener goes; a standalone
+worker never takes it. Every worker's sweeper fails a SIP placing nobody took within
+SIP_PLACE_WAIT_S (`sip_queue_wait`).
 """
 
 from __future__ import annotations
@@ -23,18 +29,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import make_engine, resolve_database_url
 from app.ops.callback import CallbackChannel, CallbackConfig
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
-from app.ops.outbound import OutboundRouter, SipPlacer, outbound_worker
+from app.ops.outbound import OutboundRouter, SipPlacer, outbound_worker, sip_queue_wait
 from app.ops.sms import SmsChannel
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog
 from tools import webhooks
 from tools.catalog import Catalog
-from tools.executor import QUEUE, TASK_NAME, Executor, make_app, make_enqueue
+from tools.executor import QUEUE, SIP_QUEUE, TASK_NAME, Executor, make_app, make_enqueue
 from tools.jobs import DELIVERY_QUEUE
 from tools.outage import quiet_library_outages
 from tools.provider import Provider
 from tools.registry import Registry
-from tools.sweeper import Sweeper
+from tools.sweeper import QueueWait, Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,7 @@ class OperationWorker:
         sweep: bool = True,
         delivery: DeliveryDriver | None = None,
         queues: list[str] | None = None,
+        queue_waits: dict[str, QueueWait] | None = None,
     ) -> None:
         self.app: procrastinate.App = make_app(database_url, max_pool_size=concurrency + 4)
         self.executor = Executor(
@@ -79,6 +86,7 @@ class OperationWorker:
             task_name=TASK_NAME,
             interval_s=sweep_interval_s,
             stalled_after_s=stalled_after_s,
+            queue_waits=queue_waits,
         )
         self.delivery = delivery
         self.delivery_sweeper: DeliverySweeper | None = None
@@ -91,7 +99,14 @@ class OperationWorker:
                 engine, delivery.config, interval_s=sweep_interval_s
             )
         default = [QUEUE, DELIVERY_QUEUE] if delivery is not None else [QUEUE]
-        self.queues = [q for q in (queues or default) if q in default] or default
+        asked = queues or default
+        # SIP_QUEUE is never among these: only `take_sip_jobs` (beside a SIP listener) takes it;
+        # naming it, or `operations`, is what lets it.
+        self.queues = [q for q in asked if q in default]
+        self.sip_jobs = SIP_QUEUE in asked or QUEUE in asked
+        if not self.queues and SIP_QUEUE not in asked:
+            self.queues = default
+        self._sip_task: asyncio.Task[Any] | None = None
         self.concurrency = concurrency
         self.heartbeat_s = heartbeat_s
         self.stalled_after_s = stalled_after_s
@@ -110,21 +125,10 @@ class OperationWorker:
         quiet_library_outages()
         await self.app.open_async()
         self._stop.clear()
-        worker = self.app.run_worker_async(
-            queues=self.queues,
-            name=self.worker_id,
-            concurrency=self.concurrency,
-            wait=True,
-            install_signal_handlers=False,
-            listen_notify=True,
-            fetch_job_polling_interval=self.poll_interval_s,
-            abort_job_polling_interval=self.poll_interval_s,
-            update_heartbeat_interval=self.heartbeat_s,
-            stalled_worker_timeout=self.stalled_after_s,
-            shutdown_graceful_timeout=self.shutdown_grace_s,
-            delete_jobs="successful",
-        )
-        self._tasks = [asyncio.create_task(worker, name=f"procrastinate:{self.worker_id}")]
+        self._tasks = []
+        if self.queues:
+            worker = self._procrastinate(self.queues, self.worker_id)
+            self._tasks.append(asyncio.create_task(worker, name=f"procrastinate:{self.worker_id}"))
         if self.sweep:
             self._tasks.append(
                 asyncio.create_task(self.sweeper.run(self._stop), name="operation-sweeper")
@@ -136,6 +140,45 @@ class OperationWorker:
                     )
                 )
         log.info("operation worker %s started (concurrency %d)", self.worker_id, self.concurrency)
+
+    def _procrastinate(self, queues: list[str], name: str) -> Any:
+        return self.app.run_worker_async(
+            queues=queues,
+            name=name,
+            concurrency=self.concurrency,
+            wait=True,
+            install_signal_handlers=False,
+            listen_notify=True,
+            fetch_job_polling_interval=self.poll_interval_s,
+            abort_job_polling_interval=self.poll_interval_s,
+            update_heartbeat_interval=self.heartbeat_s,
+            stalled_worker_timeout=self.stalled_after_s,
+            shutdown_graceful_timeout=self.shutdown_grace_s,
+            delete_jobs="successful",
+        )
+
+    async def take_sip_jobs(self) -> bool:
+        """Take SIP placings too (call once this process's SIP listener is up); False when
+        WORKER_QUEUES names neither `operations` nor `operations-sip`."""
+        if not self.sip_jobs:
+            return False
+        if self._sip_task is None:
+            self._sip_task = asyncio.create_task(
+                self._procrastinate([SIP_QUEUE], f"{self.worker_id}:sip"),
+                name=f"procrastinate-sip:{self.worker_id}",
+            )
+            self._sip_task.add_done_callback(_log_end)
+            log.info("operation worker %s takes SIP placings (%s)", self.worker_id, SIP_QUEUE)
+        return True
+
+    async def leave_sip_jobs(self) -> None:
+        """Stop taking SIP placings (before the SIP listener stops); the placings running
+        get `shutdown_grace_s` to finish, as at `stop`."""
+        task, self._sip_task = self._sip_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def wait(self) -> None:
         """Until the Procrastinate worker ends (it only ends on stop or on a fatal error)."""
@@ -149,6 +192,7 @@ class OperationWorker:
         it to `unknown` after its deadline and reconciles it.
         """
         self._stop.set()
+        await self.leave_sip_jobs()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -161,6 +205,11 @@ class OperationWorker:
         if self.delivery is not None:
             await self.delivery.aclose()
         log.info("operation worker %s stopped", self.worker_id)
+
+
+def _log_end(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: %r", task.get_name(), task.exception())
 
 
 def delivery_config(settings: Settings) -> DeliveryConfig:
@@ -229,6 +278,7 @@ async def start_inprocess_worker(
         stalled_after_s=settings.worker_stalled_after_s,
         delivery=build_delivery(settings, engine, registry),
         queues=settings.queues(),
+        queue_waits={SIP_QUEUE: sip_queue_wait(settings.sip_place_wait_s)},
     )
     if owned is not None:
         _close_with(worker, owned)
@@ -260,8 +310,46 @@ def _close_with(worker: OperationWorker, catalog: Catalog) -> None:
     worker.stop = stop_and_close  # type: ignore[method-assign]
 
 
+def standalone_worker(
+    settings: Settings,
+    engine: AsyncEngine,
+    url: str,
+    catalog: Catalog,
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+) -> OperationWorker:
+    """`voice-agent worker`'s worker (not started): the catalog's tools, Twilio placings and
+    deliveries; no SIP listener, so never a SIP placing."""
+    registry, provider = outbound_worker(settings, engine, catalog.registry, catalog.router)
+    return OperationWorker(
+        database_url=url,
+        engine=engine,
+        registry=registry,
+        provider=provider,
+        concurrency=concurrency or settings.worker_concurrency,
+        worker_id=worker_id,
+        callback_base_url=settings.public_base_url,
+        sweep_interval_s=settings.sweep_interval_s,
+        heartbeat_s=settings.worker_heartbeat_s,
+        stalled_after_s=settings.worker_stalled_after_s,
+        delivery=build_delivery(settings, engine, registry),
+        queues=settings.queues(),
+        queue_waits={SIP_QUEUE: sip_queue_wait(settings.sip_place_wait_s)},
+    )
+
+
 async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     """`voice-agent worker`: run operation workers until SIGINT/SIGTERM."""
+    if SIP_QUEUE in settings.queues():
+        log.warning(
+            "WORKER_QUEUES names %s: SIP placings are taken only by `serve` with SIP_BIND, "
+            "never by a standalone worker",
+            SIP_QUEUE,
+        )
+        if not set(settings.queues()) & {QUEUE, DELIVERY_QUEUE}:
+            print("voice-agent worker: WORKER_QUEUES leaves it nothing to take", flush=True)
+            return 2
     # A catalog that cannot run is refused before anything starts.
     catalog = load_configured_catalog(settings)
     try:
@@ -273,20 +361,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         raise
     engine = make_engine(url)
     await sync_webhooks(settings, engine)
-    registry, provider = outbound_worker(settings, engine, catalog.registry, catalog.router)
-    worker = OperationWorker(
-        database_url=url,
-        engine=engine,
-        registry=registry,
-        provider=provider,
-        concurrency=concurrency or settings.worker_concurrency,
-        callback_base_url=settings.public_base_url,
-        sweep_interval_s=settings.sweep_interval_s,
-        heartbeat_s=settings.worker_heartbeat_s,
-        stalled_after_s=settings.worker_stalled_after_s,
-        delivery=build_delivery(settings, engine, registry),
-        queues=settings.queues(),
-    )
+    worker = standalone_worker(settings, engine, url, catalog, concurrency=concurrency)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
