@@ -91,8 +91,9 @@ class RateLimitedLog:
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# Libraries whose INFO lines say nothing an operator needs (alembic lists its plugins).
-_QUIET = ("alembic.runtime.plugins",)
+# Libraries whose INFO lines say nothing an operator needs (alembic lists its plugins,
+# procrastinate says it registers our task blueprints when tools are first imported).
+_QUIET = ("alembic.runtime.plugins", "procrastinate.blueprints")
 
 
 class JsonFormatter(RedactingFormatter):

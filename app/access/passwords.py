@@ -7,14 +7,22 @@ in a thread (`hash_password_async`, `verify_password_async`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
 _hasher = PasswordHasher()
-# Verified when the account does not exist, so a wrong name costs as long as a wrong password.
-_DUMMY_HASH = _hasher.hash(secrets.token_urlsafe(16))
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    """Verified when the account does not exist, so a wrong name costs as long as a wrong
+    password. Made at the first login, not at import: a hash is ~0.3 s of CPU that every
+    `voice-agent` command would otherwise pay at start."""
+    return _hasher.hash(secrets.token_urlsafe(16))
+
 
 MIN_LENGTH = 10
 MAX_LENGTH = 256
@@ -44,7 +52,8 @@ def hash_password(password: str) -> str:
 def verify_password(password_hash: str | None, password: str) -> bool:
     """Whether `password` matches; a missing account still spends the same time."""
     try:
-        return _hasher.verify(password_hash or _DUMMY_HASH, password) and password_hash is not None
+        matches = _hasher.verify(password_hash or _dummy_hash(), password)
+        return matches and password_hash is not None
     except (VerificationError, InvalidHashError):
         return False
 

@@ -11,7 +11,6 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any, TextIO
 
 import sqlalchemy as sa
@@ -26,34 +25,12 @@ from app.access.passwords import (
     needs_rehash,
     verify_password_async,
 )
+from app.access.roles import Role as Role
 from app.access.usernames import USERNAME, StaffError, check_username
 from app.console_models import console_sessions_table as sessions_t
 from app.console_models import staff_accounts_table as staff_t
 
 log = logging.getLogger(__name__)
-
-
-class Role(StrEnum):
-    """What a staff member (or an API token) may do."""
-
-    VIEWER = "viewer"
-    OPERATOR = "operator"
-    ADMIN = "admin"
-
-    @property
-    def rank(self) -> int:
-        return _RANK[self]
-
-    def allows(self, needed: Role) -> bool:
-        """Whether this role includes `needed`."""
-        return self.rank >= needed.rank
-
-    @property
-    def sees_phone_numbers(self) -> bool:
-        return self.allows(Role.OPERATOR)
-
-
-_RANK = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
 
 
 @dataclass(frozen=True, slots=True)

@@ -532,7 +532,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from app.errors import StartupError
     from app.logging import configure_logging
     from app.settings import get_settings, setting_problems
-    from tools.catalog import CatalogError
 
     # Commands that stop cleanly on their own (serve, worker, simulator) replace this
     # while they run; it covers their start and the commands that do not.
@@ -541,10 +540,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = get_settings()
         configure_logging(args.log_level or settings.log_level, settings.log_format)
         return int(args.func(args) or 0)
-    except CatalogError as exc:
-        # A catalog that cannot run: one line per problem, no traceback, non-zero exit.
-        print(f"voice-agent: refusing to start: {exc}", file=sys.stderr)
-        return 2
     except StartupError as exc:
         print(f"voice-agent {args.command}: {exc}", file=sys.stderr)
         return exc.exit_status
@@ -557,6 +552,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # tools.catalog is imported by the commands that load a catalog (~1 s of CPU), not
+        # by every command: a CatalogError can only come from a process that imported it.
+        catalog = sys.modules.get("tools.catalog")
+        if catalog is None or not isinstance(exc, catalog.CatalogError):
+            raise
+        # A catalog that cannot run: one line per problem, no traceback, non-zero exit.
+        print(f"voice-agent: refusing to start: {exc}", file=sys.stderr)
+        return 2
     finally:
         from app import embedded_db
 

@@ -11,6 +11,9 @@
 
 A password is asked for on the terminal (twice), read from stdin with `--password-stdin`, or
 generated and shown once. A token's secret is shown once, when it is made.
+
+The accounts and tokens modules (and sqlalchemy's asyncio layer under them) are imported by the
+commands that use them: every `voice-agent` command builds this parser at start.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import asyncio
 import getpass
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from app.access import api_tokens, staff
 from app.access.passwords import generate_password
-from app.access.staff import Role, StaffError
+from app.access.roles import Role
+from app.access.usernames import StaffError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 
 def _read_password(args: argparse.Namespace) -> tuple[str, bool]:
@@ -70,6 +74,8 @@ def _run(work: Callable[[AsyncEngine], Awaitable[int]]) -> int:
 
 
 def _staff_add(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     password, generated = _read_password(args)
 
     async def work(engine: AsyncEngine) -> int:
@@ -83,6 +89,8 @@ def _staff_add(args: argparse.Namespace) -> int:
 
 
 def _staff_list(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     async def work(engine: AsyncEngine) -> int:
         accounts = await staff.list_staff(engine)
         print(f"{'name':<24} {'role':<9} {'state':<9} {'last login':<21} created")
@@ -98,6 +106,8 @@ def _staff_list(args: argparse.Namespace) -> int:
 
 
 def _staff_disable(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     async def work(engine: AsyncEngine) -> int:
         account = await staff.set_disabled(engine, args.name, True)
         print(f"staff account {account.username} disabled (its sessions ended)")
@@ -107,6 +117,8 @@ def _staff_disable(args: argparse.Namespace) -> int:
 
 
 def _staff_enable(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     async def work(engine: AsyncEngine) -> int:
         account = await staff.set_disabled(engine, args.name, False)
         print(f"staff account {account.username} enabled")
@@ -116,6 +128,8 @@ def _staff_enable(args: argparse.Namespace) -> int:
 
 
 def _staff_password(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     password, generated = _read_password(args)
 
     async def work(engine: AsyncEngine) -> int:
@@ -129,6 +143,8 @@ def _staff_password(args: argparse.Namespace) -> int:
 
 
 def _staff_unlock(args: argparse.Namespace) -> int:
+    from app.access import staff
+
     if args.name is None and args.source is None:
         print("voice-agent: staff unlock needs NAME, --source ADDRESS or both", file=sys.stderr)
         return 2
@@ -151,6 +167,8 @@ def _staff_unlock(args: argparse.Namespace) -> int:
 
 
 def _token_add(args: argparse.Namespace) -> int:
+    from app.access import api_tokens
+
     async def work(engine: AsyncEngine) -> int:
         token, secret = await api_tokens.create_token(
             engine, args.name, Role(args.role), created_by="cli"
@@ -163,6 +181,8 @@ def _token_add(args: argparse.Namespace) -> int:
 
 
 def _token_list(args: argparse.Namespace) -> int:
+    from app.access import api_tokens
+
     async def work(engine: AsyncEngine) -> int:
         print(f"{'id':>4} {'name':<24} {'starts with':<12} {'role':<9} {'state':<8} last used")
         for t in await api_tokens.list_tokens(engine):
@@ -177,6 +197,8 @@ def _token_list(args: argparse.Namespace) -> int:
 
 
 def _token_revoke(args: argparse.Namespace) -> int:
+    from app.access import api_tokens
+
     async def work(engine: AsyncEngine) -> int:
         token = await api_tokens.revoke_token(engine, args.id)
         print(f"API token {token.id} {token.name!r} revoked")
