@@ -227,11 +227,17 @@ def _is_fax(hz: float) -> bool:
     return any(low <= hz <= high for low, high in FAX_HZ)
 
 
+# Packets this late are not jitter: the line sends nothing (a phone that mutes, a gateway that
+# suppresses silence), and the time without them counts as silence.
+GAP_S = 1.0
+
+
 class LineListener:
     """Runs a MachineDetector on a live line: `hear` is called with each decoded frame of the
     callee's audio (from a socket callback), `verdict()` waits for who answered (a machine's
-    verdict only once its message ended). A line that sends no packets at all is judged by
-    the clock: every `tick_s` the time not covered by audio counts as silence."""
+    verdict only once its message ended). A line that sends no packets is judged by the
+    clock: once none came for GAP_S, the time since the last one counts as silence (packets
+    that are merely late, jitter or a busy loop, are judged as they come, in order)."""
 
     def __init__(
         self,
@@ -248,10 +254,13 @@ class LineListener:
         self.verdicts: list[Verdict] = []
         self._tick_s = tick_s
         self._clock = clock
-        self._started = clock()
+        self._last_heard = clock()  # the answer, then each packet
+        self._gap_fed_ms = 0  # silence counted for the current gap
         self._decided: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
 
     def hear(self, pcm: bytes) -> None:
+        self._last_heard = self._clock()
+        self._gap_fed_ms = 0
         if not self._decided.done():
             self._take(self.detector.feed(pcm))
 
@@ -260,9 +269,10 @@ class LineListener:
             try:
                 return await asyncio.wait_for(asyncio.shield(self._decided), self._tick_s)
             except TimeoutError:
-                behind = int((self._clock() - self._started) * 1000) - self.detector.at_ms
-                if behind > 200:  # a gap in the packets, not their jitter
-                    self._take(self.detector.elapsed(behind))
+                gap_ms = int((self._clock() - self._last_heard) * 1000)
+                if gap_ms >= GAP_S * 1000 and gap_ms > self._gap_fed_ms:
+                    self._take(self.detector.elapsed(gap_ms - self._gap_fed_ms))
+                    self._gap_fed_ms = gap_ms
         return self._decided.result()
 
     def _take(self, verdict: Verdict | None) -> None:

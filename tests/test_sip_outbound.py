@@ -48,11 +48,12 @@ async def test_an_answered_sip_call_hears_the_purpose_over_rtp_and_is_recorded(
     engine: AsyncEngine, clean_db: str, tmp_path: Path
 ) -> None:
     transport, rtp, rtp_port = await open_ear()
-    # sipp hangs up once the agent had time to say its first sentence.
+    # sipp hangs up once the agent had time to say its first sentence (after the callee's
+    # "Hello?" and the detector's 800 ms of silence after it).
     scenario = tmp_path / "uac_answer_long.xml"
     text = (SCENARIOS / "uac_answer.xml").read_text()
     scenario.write_text(
-        text.replace('<pause milliseconds="3000" />', '<pause milliseconds="7000" />')
+        text.replace('<pause milliseconds="3000" />', '<pause milliseconds="10000" />')
     )
     try:
         async with (

@@ -36,6 +36,7 @@ from app.errors import BadRequest
 from app.legs.session import CallSession
 from app.legs.twilio import twiml
 from app.legs.twilio.resume import stream_twiml
+from app.models import LegKind
 from app.ops.callback import voicemail_left
 from app.ops.outbound import ANSWERED_BY, bind_sid, note_on_placing, url_key
 from app.ops.twilio_rest import end_call
@@ -253,6 +254,9 @@ class OutboundLine:
     async def _hang_up(self, reason: str) -> None:
         twilio = self.runtime.twilio
         self.session.ended_by(reason)
+        if self.session.leg is not LegKind.TWILIO:
+            await self.bridge.end(reason)  # our own SIP leg: its BYE
+            return
         try:
             async with asyncio.timeout(HANGUP_TIMEOUT_S):
                 await end_call(twilio, self.session.call_sid)
