@@ -109,57 +109,41 @@ class CallRecorder:
 
     def caller_audio(self, payload: bytes | str, timestamp_ms: int | None) -> None:
         """One caller frame, as received (G.711 bytes, or the stream's base64 text)."""
-        now = self._clock()
-        if self._sealed:
-            return
-        if now - self.started <= self._max_s:
-            if isinstance(payload, str):
-                try:
-                    data = payload.encode("ascii")
-                except UnicodeEncodeError:  # not base64: no audio
-                    data = b""
-                size = len(data)
-            else:
-                data = payload
-                size = -len(data)
-            buf = self._spool.buf
-            buf += _pack(
-                CALLER,
-                now,
+        if not self._sealed:
+            stamp = (
                 timestamp_ms
                 if timestamp_ms is not None and 0 <= timestamp_ms < MAX_STAMP_MS
-                else NO_STAMP,
-                size,
+                else NO_STAMP
             )
-            buf += data
-            self.frames += 1
-            if len(buf) >= SPILL_BYTES:
-                self._spool.spill()
-        else:
-            self.truncated = True
+            self._record(CALLER, stamp, payload)
 
     def agent_audio(self, audio: bytes | str) -> None:
         """Agent audio handed to the leg to play (G.711 bytes, or the delta's base64 text)."""
-        now = self._clock()
         if audio and not self._sealed:
-            if now - self.started <= self._max_s:
-                if isinstance(audio, str):
-                    try:
-                        data = audio.encode("ascii")
-                    except UnicodeEncodeError:  # not base64: no audio (taken for a clear)
-                        data = b""
-                    size = len(data)
-                else:
-                    data = audio
-                    size = -len(data)
-                buf = self._spool.buf
-                buf += _pack(AGENT, now, NO_STAMP, size)
-                buf += data
-                self.frames += 1
-                if len(buf) >= SPILL_BYTES:
-                    self._spool.spill()
-            else:
-                self.truncated = True
+            self._record(AGENT, NO_STAMP, audio)
+
+    def _record(self, kind: int, stamp: float, payload: bytes | str) -> None:
+        """One record on the spool: base64 text kept as received (its size positive), G.711
+        bytes as they are (negative); text that is not ASCII is no audio."""
+        now = self._clock()
+        if now - self.started > self._max_s:
+            self.truncated = True
+            return
+        if isinstance(payload, str):
+            try:
+                data = payload.encode("ascii")
+            except UnicodeEncodeError:
+                data = b""
+            size = len(data)
+        else:
+            data = payload
+            size = -len(data)
+        buf = self._spool.buf
+        buf += _pack(kind, now, stamp, size)
+        buf += data
+        self.frames += 1
+        if len(buf) >= SPILL_BYTES:
+            self._spool.spill()
 
     def cleared(self) -> None:
         """The leg dropped all agent audio not yet played (barge-in)."""
