@@ -462,3 +462,69 @@ async def test_a_notification_the_holder_missed_is_repeated_by_the_job(
         await delivery.stop()
         await sms.aclose()
     assert api.created_messages() == []
+
+
+async def _waiting_jobs(engine: AsyncEngine, delivery_id: uuid.UUID) -> int:
+    async with engine.connect() as conn:
+        return int(
+            await conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
+                    "AND status = 'todo' AND args->>'delivery_id' = :d"
+                ),
+                {"d": str(delivery_id)},
+            )
+            or 0
+        )
+
+
+async def test_one_delivery_job_texts_every_outcome_whose_call_is_over_each_exactly_once(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    ended = [await booked(engine, await make_call(engine, ended=True)) for _ in range(3)]
+    live = await booked(engine, await make_call(engine))  # its holder decides it
+    first, *others = [await delivery_of(engine, op) for op in ended]
+    sms = sms_channel(engine, api)
+    try:
+        assert await driver(engine, sms).deliver(first.id) == "text"
+        await api.wait_for(lambda a: len(a.created_messages()) == 3)
+        # The others' own jobs were dropped with their decision; run late, they do nothing.
+        assert [await _waiting_jobs(engine, d.id) for d in others] == [0, 0]
+        for d in others:
+            assert await driver(engine, sms).deliver(d.id) is None
+    finally:
+        await sms.aclose()
+    assert len(api.requests_to("/Messages.json")) == 3
+    for op_id in ended:
+        assert moves(await trail(engine, op_id))[:2] == ["pending", "texting"]
+        assert decisions(await trail(engine, op_id)) == ["the call has ended: by SMS"]
+        assert [m.attempts for m in await sms_of(engine, op_id)] == [1]
+    assert await _state(engine, live) is D.PENDING
+    assert await _waiting_jobs(engine, (await delivery_of(engine, live)).id) == 1
+
+
+async def test_a_delivery_batch_leaves_out_one_another_transaction_holds_and_one_held_back(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    first, locked, later = [
+        await booked(engine, await make_call(engine, ended=True)) for _ in "abc"
+    ]
+    held = await delivery_of(engine, later)
+    async with engine.begin() as conn:
+        await deliveries.defer_until(conn, held.id, datetime.now(UTC) + timedelta(hours=1))
+    sms = sms_channel(engine, api)
+    try:
+        async with engine.begin() as conn:
+            # Another worker is deciding `locked` right now.
+            await deliveries.get(conn, (await delivery_of(engine, locked)).id, for_update=True)
+            assert await driver(engine, sms).deliver((await delivery_of(engine, first)).id)
+        await api.wait_for(lambda a: len(a.created_messages()) == 1)
+    finally:
+        await sms.aclose()
+    assert [await _state(engine, op) for op in (first, locked, later)] == [
+        D.TEXTING,
+        D.PENDING,
+        D.PENDING,
+    ]
+    assert await _waiting_jobs(engine, (await delivery_of(engine, locked)).id) == 1
+    assert await _waiting_jobs(engine, held.id) == 1

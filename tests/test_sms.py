@@ -53,10 +53,12 @@ async def service(engine: AsyncEngine, api: FakeTwilioApi) -> AsyncIterator[Serv
         yield svc
 
 
-async def _texted_delivery(engine: AsyncEngine, sms: SmsChannel) -> tuple[uuid.UUID, uuid.UUID]:
+async def _texted_delivery(
+    engine: AsyncEngine, sms: SmsChannel, caller: str = CALLER
+) -> tuple[uuid.UUID, uuid.UUID]:
     """An outcome whose call has ended, handed to SMS by the delivery job; (op, message)."""
     call_id = await make_call(engine, ended=True)
-    op_id = await booked(engine, call_id)
+    op_id = await booked(engine, call_id, caller=caller)
     driver = DeliveryDriver(engine, restaurant_catalog(), sms)
     async with engine.begin() as conn:
         delivery = await deliveries.get(conn, (await delivery_of(engine, op_id)).id)
@@ -325,3 +327,25 @@ async def test_a_messaging_service_sends_without_a_from_number(
     assert after is not None and after.status is M.QUEUED
     form = _creates(api)[0].form
     assert form["MessagingServiceSid"] == "MG" + "1" * 32 and "From" not in form
+
+
+async def test_sms_persisted_together_go_once_each_and_an_opt_out_since_then_is_honoured(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    numbers = [CALLER, "+15557770001", "+15557770002"]
+    sms = sms_channel(engine, api)
+    try:
+        made = [await _texted_delivery(engine, sms, caller=n) for n in numbers]
+        async with engine.begin() as conn:
+            await deliveries.set_opt_out(conn, numbers[1], opted_out=True, source="test")
+        persisted = [await _message(engine, message_id) for _, message_id in made]
+        await sms.send_many(persisted)
+        await sms.send_many(persisted)  # a second look at the same records sends nothing
+    finally:
+        await sms.aclose()
+    assert len(_creates(api)) == 2
+    assert sorted(m.to_number for m in api.created_messages()) == [numbers[0], numbers[2]]
+    after = [await _message(engine, message_id) for _, message_id in made]
+    assert [m.attempts for m in after] == [1, 0, 1]
+    assert after[1].status is M.FAILED
+    assert (await delivery_of(engine, made[1][0])).state is D.NOT_DELIVERABLE

@@ -194,6 +194,22 @@ async def enqueue(conn: AsyncConnection, delivery_id: uuid.UUID, at: datetime | 
     return await jobs.defer(conn, jobs.DELIVER_TASK, schedule_at=at, delivery_id=str(delivery_id))
 
 
+async def drop_waiting_jobs(conn: AsyncConnection, delivery_ids: list[uuid.UUID]) -> int:
+    """Delete the deliveries' jobs nobody has started, inside this transaction: whoever
+    calls this has just decided those deliveries, so the jobs would only find them done.
+    (A job already started finds that too; none is touched.)"""
+    if not delivery_ids:
+        return 0
+    result = await conn.execute(
+        sa.text(
+            "DELETE FROM procrastinate_jobs WHERE status = 'todo' AND task_name = :task "
+            "AND args->>'delivery_id' = ANY(:ids)"
+        ),
+        {"task": jobs.DELIVER_TASK, "ids": [str(i) for i in delivery_ids]},
+    )
+    return int(result.rowcount or 0)
+
+
 async def enqueue_sms(
     conn: AsyncConnection, message_id: uuid.UUID, at: datetime | None = None
 ) -> int:
@@ -677,6 +693,34 @@ async def claim_send(
         )
     ).first()
     return SmsRecord.from_row(row) if row is not None else None
+
+
+async def claim_sends(
+    conn: AsyncConnection, message_ids: list[uuid.UUID], *, check_after: timedelta
+) -> list[SmsRecord]:
+    """`claim_send` for many messages in one statement, leaving out any whose number opted
+    out (their sender records why, one by one). Returns the messages claimed."""
+    if not message_ids:
+        return []
+    opted_out = (
+        sa.select(sa.literal(1))
+        .select_from(opt_t)
+        .where(opt_t.c.phone == sms_t.c.to_number, opt_t.c.opted_out.is_(True))
+        .exists()
+    )
+    rows = await conn.execute(
+        sms_t.update()
+        .where(sms_t.c.id.in_(message_ids), sms_t.c.status == M.PENDING.value, ~opted_out)
+        .values(
+            status=M.REQUESTING.value,
+            attempts=sms_t.c.attempts + 1,
+            attempted_at=sa.func.now(),
+            updated_at=sa.func.now(),
+            next_check_at=sa.func.now() + check_after,
+        )
+        .returning(*sms_t.c)
+    )
+    return [SmsRecord.from_row(r) for r in rows]
 
 
 async def release_send(

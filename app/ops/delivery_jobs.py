@@ -4,6 +4,8 @@ Tasks (queue `deliveries`, see `tools.jobs`):
 - `deliver_outcome(delivery_id)`: decide a pending delivery. A call live on another process
   is nudged (NOTIFY) and looked at again later; a call whose holder stopped heartbeating is
   ended here (reason on its timeline); a call that is over gets its SMS, persisted and sent.
+  Having decided one out of the call, the job decides the others whose call is over too
+  (`decide_ready`, SMS channel only): one transaction for a batch, one claim for its SMS.
 - `drive_sms(message_id)`: send, reconcile after a lost answer, or poll one SMS.
 - `send_webhook(webhook_delivery_id)`: one POST of an integrator webhook.
 
@@ -25,10 +27,11 @@ from typing import Any
 
 import httpx
 import procrastinate
-from sqlalchemy.ext.asyncio import AsyncEngine
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.calls import liveness as call_liveness
-from app.calls.store import CallStatus
+from app.calls.store import CallStatus, calls
 from app.ops.callback import CallbackChannel, sms_refused
 from app.ops.delivery import (
     HOLD_RECHECK_S,
@@ -39,8 +42,10 @@ from app.ops.delivery import (
 )
 from app.ops.sms import SmsChannel
 from tools import deliveries, jobs, ledger, measures, webhooks
-from tools.deliveries import SmsRecord
+from tools.deliveries import DeliveryRecord, SmsRecord
+from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_states import DeliveryState
+from tools.ledger_models import operations_table as ops_t
 from tools.outage import DATABASE
 from tools.registry import Registry
 from tools.relevance import Action, CallState
@@ -62,7 +67,76 @@ class DeliveryConfig:
     # An outbound call's row is written before it is placed, then rings: this much longer.
     outbound_wait_s: float = 60.0
     nudge_s: float = 5.0  # a delivery waiting on another process's call: look again after
+    # A delivery job also decides others whose call is over (SMS only): this many to a
+    # transaction, for up to so many transactions.
+    batch: int = 50
+    batch_rounds: int = 1
     webhook_policy: webhooks.RetryPolicy = field(default_factory=webhooks.RetryPolicy)
+
+
+# The calls whose deliveries their holder decides (or will, once the stream starts).
+_OPEN_CALLS = (CallStatus.RINGING.value, CallStatus.IN_PROGRESS.value)
+
+
+async def ready_out_of_call(
+    conn: AsyncConnection, limit: int, *, exclude: uuid.UUID | None = None
+) -> list[tuple[DeliveryRecord, ledger.OperationRecord, CallState]]:
+    """Pending deliveries due now whose call is over, locked FOR UPDATE (those another
+    transaction holds are skipped), oldest first, with their operations: three statements
+    for the lot. A delivery of a call still open is not touched (its holder decides it)."""
+    open_call = (
+        sa.select(sa.literal(1))
+        .select_from(calls)
+        .where(calls.c.status.in_(_OPEN_CALLS), sa.cast(calls.c.id, sa.String) == dl_t.c.call_id)
+        .exists()
+    )
+    stmt = (
+        sa.select(dl_t)
+        .where(
+            dl_t.c.state == D.PENDING.value,
+            dl_t.c.call_id.is_not(None),
+            sa.or_(dl_t.c.next_attempt_at.is_(None), dl_t.c.next_attempt_at <= sa.func.now()),
+            ~open_call,
+        )
+        .order_by(dl_t.c.created_at)
+        .limit(limit)
+        .with_for_update(of=dl_t, skip_locked=True)
+    )
+    if exclude is not None:
+        stmt = stmt.where(dl_t.c.id != exclude)
+    found = [DeliveryRecord.from_row(r) for r in await conn.execute(stmt)]
+    if not found:
+        return []
+    ops = {
+        r.operation_id: ledger.OperationRecord.from_row(r)
+        for r in await conn.execute(
+            sa.select(ops_t).where(ops_t.c.operation_id.in_([d.operation_id for d in found]))
+        )
+    }
+    keys = {d.call_id: _uuid(d.call_id) for d in found}
+    rows = {
+        str(r.id): r
+        for r in await conn.execute(
+            sa.select(calls.c.id, calls.c.status).where(
+                calls.c.id.in_([k for k in keys.values() if k is not None])
+            )
+        )
+    }
+    ready = []
+    for delivery in found:
+        row = rows.get(str(keys[delivery.call_id]))
+        if row is not None and row.status in _OPEN_CALLS:
+            continue  # opened again since the lock's look: its holder decides it
+        call = CallState.ENDED if row is not None else CallState.UNKNOWN
+        ready.append((delivery, ops[delivery.operation_id], call))
+    return ready
+
+
+def _uuid(value: str | None) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 class DeliveryDriver:
@@ -122,19 +196,73 @@ class DeliveryDriver:
         )
 
     async def deliver(self, delivery_id: uuid.UUID) -> str | None:
-        """Decide one pending delivery out of the call (see the module docstring)."""
-        message: SmsRecord | None = None
-        message_id: uuid.UUID | None = None
+        """Decide one pending delivery out of the call (see the module docstring); then,
+        SMS only, the others ready beside it (`decide_ready`), its SMS sent meanwhile."""
+        action, message, message_id = await self._deliver_one(delivery_id)
+        # Only a decision made out of the call says others may be ready too: a job that found
+        # nothing to do, or a call live elsewhere, leaves the batch to the next decision.
+        alone = action is None or action == Action.WAIT.value
+        if self.callback is not None or self.config.batch < 1 or alone:
+            if message is not None:
+                # Persisted (its own job queued) before this send: a crash here loses nothing.
+                await self.sms.send_started(message)
+            elif message_id is not None:
+                await self.sms.drive(message_id)
+            return action
+        sends = [self.sms.send_started(message)] if message is not None else []
+        done = await asyncio.gather(
+            *sends, self.decide_ready(exclude=delivery_id), return_exceptions=True
+        )
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+        return action
+
+    async def decide_ready(self, *, exclude: uuid.UUID | None = None) -> int:
+        """Decide the pending deliveries whose call is over and that no other transaction
+        holds (their own jobs then find nothing to do), `batch` to a transaction, for up to
+        `batch_rounds` transactions; each transaction's SMS go out together once it has
+        committed, while the next decides. A failure leaves its batch pending: their jobs,
+        or the sweeper, take them. Returns the number of SMS handed to sending."""
+        sends: list[asyncio.Task[None]] = []
+        count = 0
+        try:
+            for _ in range(self.config.batch_rounds):
+                messages: list[SmsRecord] = []
+                async with self.engine.begin() as conn:
+                    ready = await ready_out_of_call(conn, self.config.batch, exclude=exclude)
+                    for delivery, op, call in ready:
+                        _action, message, _ = await self._decide(conn, delivery, op, call)
+                        if message is not None:
+                            messages.append(message)
+                    await deliveries.drop_waiting_jobs(conn, [d.id for d, _, _ in ready])
+                if messages:
+                    count += len(messages)
+                    sends.append(asyncio.create_task(self.sms.send_many(messages)))
+                if len(ready) < self.config.batch:
+                    break
+        except Exception as exc:
+            if not DATABASE.failed("delivery batch", exc):
+                log.exception("deciding ready deliveries failed; their own jobs will")
+        finally:
+            if sends:
+                await asyncio.gather(*sends)
+        return count
+
+    async def _deliver_one(
+        self, delivery_id: uuid.UUID
+    ) -> tuple[str | None, SmsRecord | None, uuid.UUID | None]:
+        """The job's own delivery: the action taken, the SMS to send, the message to drive."""
         async with self.engine.begin() as conn:
             # Locked: the replica holding the call is deciding it right now. If that fails,
             # the sweeper finds the delivery pending with no job and queues one again.
             delivery = await deliveries.get(conn, delivery_id, for_update=True, skip_locked=True)
             if delivery is None:
-                return None
+                return None, None, None
             if self.callback is not None and delivery.state is not D.PENDING:
-                return await self._follow_callback(conn, delivery)
+                return await self._follow_callback(conn, delivery), None, None
             if delivery.state is not D.PENDING:
-                return None
+                return None, None, None
             op = await ledger.get_operation(conn, delivery.operation_id)
             assert op is not None
             call, row = await call_state_of(
@@ -162,42 +290,50 @@ class DeliveryDriver:
                 await deliveries.enqueue(
                     conn, delivery.id, datetime.now(UTC) + timedelta(seconds=delay)
                 )
-                return Action.WAIT.value
-            found = await evaluate(
-                conn, self.registry, delivery, op, call, max_reoffers=self.config.max_reoffers
+                return Action.WAIT.value, None, None
+            return await self._decide(conn, delivery, op, call)
+
+    async def _decide(
+        self,
+        conn: Any,
+        delivery: deliveries.DeliveryRecord,
+        op: ledger.OperationRecord,
+        call: CallState,
+    ) -> tuple[str, SmsRecord | None, uuid.UUID | None]:
+        """Ask the gate about a pending delivery locked by this transaction, of a call not
+        live anywhere, and record what it says; the SMS to send or the message to drive."""
+        message: SmsRecord | None = None
+        message_id: uuid.UUID | None = None
+        found = await evaluate(
+            conn, self.registry, delivery, op, call, max_reoffers=self.config.max_reoffers
+        )
+        gate = found.gate
+        await record_decision(conn, delivery, gate, ACTOR)
+        if gate.action is Action.TEXT and (
+            self.callback is not None and await self.callback.wants_call(conn, delivery)
+        ):
+            step = await self.callback.start(conn, delivery, op, reason=gate.reason)
+            message_id = step.message.id if step.message is not None else None
+        elif gate.action is Action.TEXT:
+            # Locked at the top of this transaction; record_decision moved nothing.
+            message = await self.sms.start(
+                conn,
+                delivery,
+                op,
+                reason=gate.reason,
+                newer=found.newer,
+                undone=found.undone,
+                actor=ACTOR,
+                locked=True,
             )
-            gate = found.gate
-            await record_decision(conn, delivery, gate, ACTOR)
-            if gate.action is Action.TEXT and (
-                self.callback is not None and await self.callback.wants_call(conn, delivery)
-            ):
-                step = await self.callback.start(conn, delivery, op, reason=gate.reason)
-                message_id = step.message.id if step.message is not None else None
-            elif gate.action is Action.TEXT:
-                # Locked at the top of this transaction; record_decision moved nothing.
-                message = await self.sms.start(
-                    conn,
-                    delivery,
-                    op,
-                    reason=gate.reason,
-                    newer=found.newer,
-                    undone=found.undone,
-                    actor=ACTOR,
-                    locked=True,
-                )
-            elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
-                await settle_without_telling(conn, delivery, gate, ACTOR)
-            elif gate.action is Action.HOLD:
-                # The compensation's outcome re-drives it; until then nobody needs to look.
-                await deliveries.defer_until(
-                    conn, delivery.id, datetime.now(UTC) + timedelta(seconds=HOLD_RECHECK_S)
-                )
-        if message is not None:
-            # Persisted (and its own job queued) before this send: a crash here loses nothing.
-            await self.sms.send_started(message)
-        elif message_id is not None:
-            await self.sms.drive(message_id)
-        return gate.action.value
+        elif gate.action in (Action.NOT_NEEDED, Action.NOT_DELIVERABLE):
+            await settle_without_telling(conn, delivery, gate, ACTOR)
+        elif gate.action is Action.HOLD:
+            # The compensation's outcome re-drives it; until then nobody needs to look.
+            await deliveries.defer_until(
+                conn, delivery.id, datetime.now(UTC) + timedelta(seconds=HOLD_RECHECK_S)
+            )
+        return gate.action.value, message, message_id
 
     async def _follow_callback(self, conn: Any, delivery: deliveries.DeliveryRecord) -> str | None:
         """A delivery the callback channel carries (calling), or one whose SMS proved the

@@ -18,6 +18,7 @@ transaction that hands the delivery to SMS, with a job that drives it. Then:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -254,6 +255,36 @@ class SmsChannel:
             claimed = await deliveries.claim_send(conn, message.id, check_after=check)
         if claimed is None:
             return None  # another worker has it (or it moved on)
+        return await self._post(claimed)
+
+    async def send_many(self, messages: list[SmsRecord]) -> None:
+        """`send_started` for messages persisted together (a delivery job's batch): one
+        claim for all of them, then their create requests at once. A message the claim
+        leaves out (its number opted out, or it moved on) takes `send_started` alone."""
+        if len(messages) < 2:
+            for message in messages:
+                await self.send_started(message)
+            return
+        check = timedelta(seconds=self.config.send_timeout_s + 5)
+        async with self._engine.begin() as conn:
+            claimed = await deliveries.claim_sends(
+                conn, [m.id for m in messages], check_after=check
+            )
+        taken = {c.id for c in claimed}
+        rest = [m for m in messages if m.id not in taken]
+        results = await asyncio.gather(
+            *(self._post(c) for c in claimed),
+            *(self.send_started(m) for m in rest),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            # Each message keeps its own job (claimed and unanswered: it reconciles); the
+            # others' sends are not held back by one failure.
+            raise failed[0]
+
+    async def _post(self, claimed: SmsRecord) -> SmsRecord | None:
+        """The create request of a claimed message, and what its answer says."""
         kwargs: dict[str, Any] = {
             "to": claimed.to_number,
             "body": claimed.body,
