@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from app import embedded_db
@@ -73,12 +76,47 @@ def drop_database(server_url: str, dbname: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
 
 
+# A pooled connection idle longer than this is pinged before it is handed out.
+PING_AFTER_IDLE_S = 5.0
+
+
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
-    """An async SQLAlchemy engine over psycopg 3."""
+    """An async SQLAlchemy engine over psycopg 3.
+
+    Connections are pinged at checkout only once idle for `PING_AFTER_IDLE_S` (a stale one is
+    replaced, as `pool_pre_ping` would): a connection back in the pool a moment ago is as
+    alive as it was then, and pinging it cost a round trip on every checkout (a call's
+    set-up and end take a dozen). A server that went away meanwhile fails the first
+    statement instead; SQLAlchemy then sees the disconnect and invalidates the whole pool,
+    and our writers retry (the event writer, the worker, the sweeps)."""
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_async_engine(sqlalchemy_url(url), **kwargs)
+    ping_after_idle_s = kwargs.pop("ping_after_idle_s", PING_AFTER_IDLE_S)
+    if kwargs.get("pool_pre_ping") or ping_after_idle_s is None:
+        return create_async_engine(sqlalchemy_url(url), **kwargs)
+    engine = create_async_engine(sqlalchemy_url(url), **kwargs)
+    _ping_when_idle(engine, ping_after_idle_s)
+    return engine
+
+
+def _ping_when_idle(engine: AsyncEngine, idle_s: float) -> None:
+    dialect = engine.sync_engine.dialect
+    pool = engine.sync_engine.pool
+
+    @event.listens_for(pool, "checkin")
+    def _returned(dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(pool, "checkout")
+    def _maybe_ping(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is None or time.monotonic() - since < idle_s:
+            return  # new, or back in the pool a moment ago
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as exc:
+            # The pool discards this connection and checks out another (a new one).
+            raise DisconnectionError(f"stale pooled connection: {exc}") from exc
 
 
 def alembic_config(url: str) -> Any:

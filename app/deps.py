@@ -15,7 +15,7 @@ from app.settings import Settings
 from tools.reconcile import Compensation
 
 
-def get_runtime(conn: HTTPConnection) -> Runtime:
+async def get_runtime(conn: HTTPConnection) -> Runtime:
     runtime: Runtime = conn.app.state.runtime
     return runtime
 
@@ -23,23 +23,23 @@ def get_runtime(conn: HTTPConnection) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-def get_settings_dep(runtime: RuntimeDep) -> Settings:
+async def get_settings_dep(runtime: RuntimeDep) -> Settings:
     return runtime.settings
 
 
-def get_engine(runtime: RuntimeDep) -> AsyncEngine:
+async def get_engine(runtime: RuntimeDep) -> AsyncEngine:
     return runtime.engine
 
 
-def get_registry(runtime: RuntimeDep) -> CallRegistry:
+async def get_registry(runtime: RuntimeDep) -> CallRegistry:
     return runtime.registry
 
 
-def get_events(runtime: RuntimeDep) -> EventWriter:
+async def get_events(runtime: RuntimeDep) -> EventWriter:
     return runtime.events
 
 
-def get_compensation(runtime: RuntimeDep) -> Compensation | None:
+async def get_compensation(runtime: RuntimeDep) -> Compensation | None:
     """How this process undoes a committed operation (None without the tool pipeline)."""
     tools = runtime.tools
     if tools is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import sqlalchemy as sa
@@ -142,3 +143,53 @@ async def test_an_event_the_database_refuses_is_dropped_alone_and_the_writer_goe
     assert [r["seq"] for r in rows_a] == [1, 2]
     assert [r["kind"] for r in rows_b] == ["dtmf", "call_ended"]
     assert (writer.dropped, writer.poisoned, writer.written) == (1, 1, 4)
+
+
+async def test_events_moments_apart_share_one_transaction_and_a_flush_cuts_the_wait(
+    engine: AsyncEngine,
+) -> None:
+    call_id = await _call(engine, "CAlinger")
+    commits: list[object] = []
+
+    def committed(conn: object) -> None:
+        commits.append(conn)
+
+    sa.event.listen(engine.sync_engine, "commit", committed)
+    try:
+        # A linger far longer than the flush's wait: the flush can only succeed by cutting it.
+        writer = EventWriter(engine, linger_s=60)
+        writer.start()
+        writer.emit(CallEvent(call_id, CallEventKind.CALL_STARTED))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the writer takes the first event and waits for company
+        writer.emit(CallEvent(call_id, CallEventKind.STREAM_STARTED))
+        writer.emit(CallEvent(call_id, CallEventKind.REALTIME_CONNECTED))
+        assert await writer.flush(10)
+        assert len(commits) == 1  # the three events, one transaction
+        await writer.close()
+    finally:
+        sa.event.remove(engine.sync_engine, "commit", committed)
+    rows = await event_rows(engine, call_id)
+    assert [(r["seq"], r["kind"]) for r in rows] == [
+        (1, "call_started"),
+        (2, "stream_started"),
+        (3, "realtime_connected"),
+    ]
+
+
+async def test_a_call_said_new_that_has_events_already_still_numbers_after_them(
+    engine: AsyncEngine,
+) -> None:
+    call_id = await _call(engine, "CAnotnew")
+    other = EventWriter(engine)  # another process wrote the call's first events
+    other.start()
+    other.emit(CallEvent(call_id, CallEventKind.CALL_STARTED))
+    other.emit(CallEvent(call_id, CallEventKind.STREAM_STARTED))
+    await other.close()
+    writer = EventWriter(engine)
+    writer.new_call(call_id)  # wrongly: the seq taken makes it look the last one up
+    writer.start()
+    writer.emit(CallEvent(call_id, CallEventKind.DTMF, {"i": 1}))
+    await writer.close()
+    assert [r["seq"] for r in await event_rows(engine, call_id)] == [1, 2, 3]
+    assert writer.dropped == 0

@@ -630,9 +630,14 @@ class ToolPipeline:
 
     async def on_call_end(self, ctx: CallContext) -> None:
         async with self._engine.begin() as conn:
-            for op in await ledger.operations_for_call(
-                conn, ctx.call_id, [S.AWAITING_CONFIRMATION]
-            ):
+            # One read for both: what waited for a confirmation (cancelled now) and what is
+            # still in flight (handed on below).
+            open_ops = await ledger.operations_for_call(
+                conn, ctx.call_id, [S.AWAITING_CONFIRMATION, *IN_FLIGHT]
+            )
+            for op in open_ops:
+                if op.status is not S.AWAITING_CONFIRMATION:
+                    continue
                 await ledger.transition(
                     conn,
                     op.operation_id,
@@ -641,7 +646,7 @@ class ToolPipeline:
                     actor="policy",
                     reason="call ended before confirmation",
                 )
-            pending = await ledger.operations_for_call(conn, ctx.call_id, IN_FLIGHT)
+            pending = [op for op in open_ops if op.status in IN_FLIGHT]
         self._ids.drop(ctx.call_id)
         if pending and self.pending_results is not None:
             await self.pending_results(ctx, pending)

@@ -8,6 +8,8 @@ cancellation and compensation).
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import random
 from collections.abc import Callable, Iterator, Mapping
@@ -152,7 +154,7 @@ class ToolSpec:
             "type": "function",
             "name": self.name,
             "description": self.description,
-            "parameters": _clean_schema(self.args_model.model_json_schema()),
+            "parameters": _parameters(self.args_model),
         }
 
     def parse(self, raw: str) -> BaseModel:
@@ -208,6 +210,18 @@ def _unstorable(value: Any) -> bool:
     if isinstance(value, list):
         return any(_unstorable(v) for v in value)
     return False
+
+
+def _parameters(args_model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON schema as the model sees it: made once per class (pydantic builds it
+    anew on every call, and every call's session.update lists every tool); a copy each time,
+    so no caller can change another's."""
+    return copy.deepcopy(_cached_parameters(args_model))
+
+
+@functools.cache
+def _cached_parameters(args_model: type[BaseModel]) -> dict[str, Any]:
+    return _clean_schema(args_model.model_json_schema())
 
 
 def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 `emit` is a non-blocking put into a bounded queue. One writer task drains it in batches,
 numbers each call's events with a per-call `seq` in emit order, and inserts them in one
-transaction per batch. A database hiccup is retried with backoff (the queue absorbs the
-meantime); `flush` waits until everything emitted so far is written, which call end and
-shutdown use so nothing is lost.
+transaction per batch (one statement: the rows and the console's notification). At low load
+a batch waits up to `linger_s` for more events (a call's set-up emits several within
+moments), unless someone is waiting in `flush`. A database hiccup is retried with backoff
+(the queue absorbs the meantime); `flush` waits until everything emitted so far is written,
+which call end and shutdown use so nothing is lost.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ from tools.outage import DATABASE
 log = logging.getLogger(__name__)
 
 _STOP = object()
-# One notification per call per batch, in the batch's transaction (see app.console.live).
-_NOTIFY = sa.text("SELECT pg_notify('call_events', c) FROM unnest(CAST(:ids AS text[])) AS c")
+
+
+def _insert_and_notify(rows: list[dict[str, Any]]) -> sa.Select[Any]:
+    """The rows, and one notification per call in the same statement (delivered at commit:
+    console pages watching these calls, on any replica, look again; see app.console.live)."""
+    written = sa.insert(call_events).values(rows).returning(call_events.c.call_id).cte("written")
+    ids = sa.select(sa.cast(written.c.call_id, sa.Text).label("c")).distinct().subquery("ids")
+    return sa.select(sa.func.pg_notify("call_events", ids.c.c))
 
 
 class EventWriter:
@@ -44,12 +52,16 @@ class EventWriter:
         batch_size: int = 500,
         retry_initial_s: float = 0.1,
         retry_max_s: float = 2.0,
+        linger_s: float = 0.05,
     ) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=max_queue)
         self._batch_size = batch_size
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
+        self._linger_s = linger_s
+        self._flushing = 0  # callers waiting in `flush`: no lingering then
+        self._wake = asyncio.Event()  # cuts a linger short (a flush, the close)
         self._seq: dict[uuid.UUID, int] = {}  # last seq written per call
         self._task: asyncio.Task[None] | None = None
         self._emitted = 0
@@ -75,6 +87,14 @@ class EventWriter:
             return
         self._emitted += 1
 
+    def new_call(self, call_id: str) -> None:
+        """`call_id` was just created (its row inserted here): it has no events yet, so its
+        first batch need not look up the last `seq` written. Should another writer have
+        written one meanwhile, the insert's conflict makes this writer look it up after all."""
+        key = _as_uuid(call_id)
+        if key is not None:
+            self._seq.setdefault(key, 0)
+
     @property
     def queue_depth(self) -> int:
         """Events waiting to be written."""
@@ -90,6 +110,8 @@ class EventWriter:
     async def flush(self, wait_s: float = 10.0) -> bool:
         """Wait until every event emitted before this call is written; False on timeout."""
         target = self._emitted
+        self._flushing += 1
+        self._wake.set()
         try:
             async with asyncio.timeout(wait_s):
                 async with self._progress:
@@ -97,6 +119,8 @@ class EventWriter:
         except TimeoutError:
             log.warning("call events not flushed in %.1fs (%d queued)", wait_s, self.queue_depth)
             return False
+        finally:
+            self._flushing -= 1
         return True
 
     async def close(self, wait_s: float = 10.0) -> None:
@@ -105,6 +129,7 @@ class EventWriter:
             return
         await self.flush(wait_s)
         self._closing = True
+        self._wake.set()
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(_STOP)
         try:
@@ -129,6 +154,7 @@ class EventWriter:
                 return
             batch: list[CallEvent] = [item]
             stop = False
+            await self._linger()
             while len(batch) < self._batch_size:
                 try:
                     nxt = self._queue.get_nowait()
@@ -149,6 +175,16 @@ class EventWriter:
                 self._progress.notify_all()
             if stop:
                 return
+
+    async def _linger(self) -> None:
+        """Let a lone event wait a moment for company (one transaction for several), unless
+        a flush or the close wants it written now."""
+        if self._linger_s <= 0 or self._flushing or self._closing or not self._queue.empty():
+            return
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._linger_s):
+                await self._wake.wait()
 
     def _ours(self, batch: list[CallEvent]) -> list[CallEvent]:
         kept = [e for e in batch if _as_uuid(e.call_id) is not None]
@@ -250,9 +286,7 @@ class EventWriter:
                     }
                 )
             if rows:
-                await conn.execute(sa.insert(call_events), rows)
-                # Console pages watching these calls (on any replica) look again.
-                await conn.execute(_NOTIFY, {"ids": [str(k) for k in next_seq]})
+                await conn.execute(_insert_and_notify(rows))
         self._seq.update(next_seq)
         self.written += len(rows)
         for event in batch:

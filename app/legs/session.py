@@ -178,6 +178,7 @@ class CallSession:
         self.bridge: Bridge | None = None
         self.entry: LiveCallEntry | None = None
         self.admitted = False  # this session holds the call's row (admit, of_row)
+        self.existing: CallRow | None = None  # refused, and its row was there already
         self.live = False
         self.ended = False
         self._recorder: CallRecorder | None = None
@@ -203,11 +204,18 @@ class CallSession:
     # ---- 1. admit -----------------------------------------------------------------------
 
     async def admit(
-        self, started: dict[str, Any], *, rejected: dict[str, Any] | None = None
+        self,
+        started: dict[str, Any],
+        *,
+        rejected: dict[str, Any] | None = None,
+        reopen_busy: bool = True,
     ) -> Admission:
         """A slot, the row and `call_started` (with `started`, after the common fields);
-        `rejected`: what the leg adds to a busy call's `call_rejected`. Database errors
-        propagate (the slot given back): the leg answers them its own way."""
+        `rejected`: what the leg adds to a busy call's `call_rejected`; `reopen_busy`: a row
+        refused busy earlier rings again here (a SIP dispatcher's failover), else it is
+        `ENDED` (Twilio retrying a webhook we refused). Without a slot, `existing` is the
+        row found there, if any. Database errors propagate (the slot given back): the leg
+        answers them its own way."""
         runtime = self.runtime
         registry = runtime.registry
         fields: dict[str, Any] = {
@@ -231,7 +239,9 @@ class CallSession:
         except Exception:
             registry.release_reservation(self.call_sid)
             raise
-        if not created and row.status == CallStatus.BUSY:
+        if created:
+            runtime.events.new_call(row.id)  # a new row: its first event is seq 1
+        if not created and row.status == CallStatus.BUSY and reopen_busy:
             # Refused elsewhere (a replica full or stopping) and offered here by the
             # caller's proxy: it rings again, here; its timeline keeps the refusal.
             reopened = await call_store.transition(
@@ -276,6 +286,8 @@ class CallSession:
             return
         if created:
             runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, data))
+        else:
+            self.existing = row
 
     # ---- 2. the bridge ------------------------------------------------------------------
 

@@ -81,21 +81,21 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         Caller(call_sid, params.get("From") or None, params.get("To") or None),
     )
     # A call that has ended stays ended: a replayed webhook gets no stream (and no capacity).
+    # The row's insert finds it (one statement where a lookup first took two): a row there
+    # and over is `ENDED` (a busy one does not ring again), and without a slot the row found
+    # is `session.existing`.
     try:
-        known = await call_store.find_by_sid(runtime.engine, call_sid)
-    except DataError as exc:
-        raise BadRequest("unstorable CallSid") from exc
-    except DBAPIError as exc:
-        raise DatabaseUnavailable("calls lookup failed") from exc
-    if known is not None and known.status in call_store.TERMINAL:
-        return _ended(known.status)
-    try:
-        admission = await session.admit({"direction": params.get("Direction", "inbound")})
+        admission = await session.admit(
+            {"direction": params.get("Direction", "inbound")}, reopen_busy=False
+        )
     except DataError as exc:
         # Fields the columns cannot hold (over-long, NUL): the request is bad, not the database.
         raise BadRequest("unstorable call fields") from exc
     except DBAPIError as exc:
         raise DatabaseUnavailable("calls insert failed") from exc
+    known = session.existing
+    if known is not None and known.status in call_store.TERMINAL:
+        return _ended(known.status)
     if admission is Admission.DRAINING:
         log.warning("stopping: call %s hears busy", call_sid)
         return _xml(twiml.busy())
