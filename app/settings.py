@@ -203,6 +203,9 @@ class Settings(BaseSettings):
     # Answering-machine detection on outbound SIP calls (telephony/amd.py), since no carrier
     # tells us there who answered; off: whoever answers is taken for a person.
     sip_amd: bool = True
+    # Where outbound RTP is paced: a process of its own (its own GIL, so the bridges' event
+    # loop cannot make packets late) or a thread of the serving process.
+    sip_pacer: Literal["process", "thread"] = "process"
 
     tenant_id: str = Field(default="default", min_length=1)
     # Customer accounts (caller IDs, PINs) as JSON; unset means every caller is unknown.

@@ -230,9 +230,20 @@ async def talk(calls: list[Call], stop: asyncio.Event) -> None:
         await asyncio.sleep(max(0.0, start + n * 0.02 - loop.time()))
 
 
-async def run_sip(n: int, window: float, sip_port: int, pid: int) -> Result:
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process and its children (the pacer process of SIP_PACER=process)."""
+    total = cpu_seconds(pid)
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in children:
+            with contextlib.suppress(OSError, ValueError):
+                total += cpu_seconds(int(child))
+    return total
+
+
+async def run_sip(n: int, window: float, sip_port: int, pid: int, pacer: str) -> Result:
     loop = asyncio.get_running_loop()
-    result = Result("voice-agent SIP", n)
+    result = Result(f"voice-agent SIP (SIP_PACER={pacer})", n)
     uac_transport, uac = await loop.create_datagram_endpoint(
         lambda: Uac(("127.0.0.1", sip_port)), local_addr=("127.0.0.1", 0)
     )
@@ -246,13 +257,13 @@ async def run_sip(n: int, window: float, sip_port: int, pid: int) -> Result:
         await asyncio.wait([asyncio.create_task(c.answered.wait()) for c in calls], timeout=60)
         result.answered = sum(c.answered.is_set() for c in calls)
         await asyncio.sleep(1.0)  # greetings under way, first barge-ins
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        cpu0, t0 = tree_cpu_seconds(pid), time.monotonic()
         for call in calls:
             call.rx.recording = True
         await asyncio.sleep(window)
         for call in calls:
             call.rx.recording = False
-        cpu1, t1 = cpu_seconds(pid), time.monotonic()
+        cpu1, t1 = tree_cpu_seconds(pid), time.monotonic()
         result.cpu_per_call = (cpu1 - cpu0) / (t1 - t0) / n * 100
         analyse(result, calls)
     finally:
@@ -311,10 +322,11 @@ async def run_bare(n: int, window: float) -> Result:
 
 
 def start_server(
-    sip_port: int, http_port: int, sim_url: str, workdir: Path
+    sip_port: int, http_port: int, sim_url: str, workdir: Path, pacer: str
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
+        "SIP_PACER": pacer,
         "OPENAI_API_KEY": "sk-bench",
         "OPENAI_BASE_URL": sim_url,
         "SIP_BIND": f"127.0.0.1:{sip_port}",
@@ -368,25 +380,36 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,20,100")
     parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument(
+        "--pacers", default="process,thread",
+        help="SIP_PACER values to measure, each with a server of its own",
+    )  # fmt: skip
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    pacers = [p for p in args.pacers.split(",") if p]
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         sim = Simulator(workdir)
-        sip_port, http_port = free_port(), free_port(socket.SOCK_STREAM)
-        server = start_server(sip_port, http_port, sim.base_url, workdir)
+        servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
         try:
+            for pacer in pacers:
+                sip_port, http_port = free_port(), free_port(socket.SOCK_STREAM)
+                (workdir / pacer).mkdir()
+                proc = start_server(sip_port, http_port, sim.base_url, workdir / pacer, pacer)
+                servers[pacer] = (proc, sip_port)
             for n in levels:
                 results.append(await run_bare(n, args.window))
-                results.append(await run_sip(n, args.window, sip_port, server.pid))
-                await asyncio.sleep(2.0)  # calls wind down between levels
+                for pacer, (proc, sip_port) in servers.items():
+                    results.append(await run_sip(n, args.window, sip_port, proc.pid, pacer))
+                    await asyncio.sleep(2.0)  # calls wind down between runs
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            for proc, _ in servers.values():
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
             sim.stop()
     print(f"\nOutbound RTP pacing and CPU, window {args.window:g} s per level "
           f"(load: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)\n")  # fmt: skip

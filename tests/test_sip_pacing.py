@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from aiortc.rtp import RtpPacket
+from aiortc.rtp import RtcpPacket, RtcpSrPacket, RtpPacket
 
+from telephony.legs.sip.pacer import PacedStream, PacerClock
 from telephony.legs.sip.rtp import RtpClock, RtpStream, SentPlayback
 from telephony.legs.sip.sdp import PCMU, RemoteMedia
 from telephony.legs.sip.udp_send import KEEPS_GIL, GilSender, sender, sockaddr
@@ -49,17 +50,36 @@ def sockets() -> Iterator[list[socket.socket]]:
         sock.close()
 
 
+@pytest.fixture(params=["thread", "process"])
+def clock(request: pytest.FixtureRequest) -> Iterator[RtpClock]:
+    """The clock thread of the serving process, or the pacer process (SIP_PACER)."""
+    made = RtpClock() if request.param == "thread" else PacerClock()
+    yield made
+    if isinstance(made, PacerClock):
+        made.close()
+
+
 def paced(clock: RtpClock, peer: Peer, made: list[socket.socket], ptime: int = 20) -> RtpStream:
     """A stream sending from a real non-blocking socket of its own, as the SIP listener's."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
     made.append(sock)
-    rtp = RtpStream(PCMU, 101, SentPlayback(), clock, lambda a, _: None, lambda d: None,
-                    ptime_ms=ptime)  # fmt: skip
+    kind = PacedStream if isinstance(clock, PacerClock) else RtpStream
+    rtp = kind(PCMU, 101, SentPlayback(), clock, lambda a, _: None, lambda d: None,
+               ptime_ms=ptime)  # fmt: skip
     rtp.use_socket(sock)
+    if isinstance(clock, PacerClock):
+        assert isinstance(rtp, PacedStream) and rtp.remote_paced
     rtp.set_remote(RemoteMedia(PCMU, 101, peer.address, "sendrecv"), "sendrecv")
     return rtp
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
 
 
 def agent_frames(packets: list[RtpPacket]) -> list[bytes]:
@@ -67,9 +87,8 @@ def agent_frames(packets: list[RtpPacket]) -> list[bytes]:
 
 
 def test_the_clock_sends_every_calls_packets_in_order_at_its_packet_time(
-    sockets: list[socket.socket],
+    sockets: list[socket.socket], clock: RtpClock
 ) -> None:
-    clock = RtpClock()
     peers = {ptime: Peer(sockets) for ptime in (20, 30, 40)}
     streams = {ptime: paced(clock, peer, sockets, ptime) for ptime, peer in peers.items()}
     for ptime, rtp in streams.items():
@@ -92,16 +111,16 @@ def test_the_clock_sends_every_calls_packets_in_order_at_its_packet_time(
                 assert (b.sequence_number - a.sequence_number) & 0xFFFF == 1
                 assert (b.timestamp - a.timestamp) & 0xFFFFFFFF == 8 * ptime
             rtp = streams[ptime]
-            assert rtp.playback.heard_ms("item1") == 5 * ptime
+            # (From the pacer process, what left is told right after its tick.)
+            eventually(lambda rtp=rtp, ptime=ptime: rtp.playback.heard_ms("item1") == 5 * ptime)
     finally:
         for rtp in streams.values():
             rtp.close()
 
 
 def test_a_flush_drops_what_has_not_left_and_heard_is_what_the_caller_received(
-    sockets: list[socket.socket],
+    sockets: list[socket.socket], clock: RtpClock
 ) -> None:
-    clock = RtpClock()
     peer = Peer(sockets)
     rtp = paced(clock, peer, sockets)
     rtp.enqueue("item1", b"".join(bytes([1 + i % 100]) * 160 for i in range(150)))  # 3 s
@@ -176,3 +195,76 @@ def test_an_ipv4_peer_of_an_ipv6_socket_is_reached_through_its_mapped_address() 
     )
     assert sockaddr(socket.AF_INET6, "fe80::1%eth0", 5004) is None
     assert sockaddr(socket.AF_INET, "::1", 5004) is None
+
+
+def test_when_the_pacer_process_dies_its_calls_go_on_from_the_thread(
+    sockets: list[socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = PacerClock()
+    peer = Peer(sockets)
+    rtp = paced(clock, peer, sockets)
+    assert isinstance(rtp, PacedStream)
+    try:
+        rtp.enqueue("item1", bytes([5]) * 160 * 3)
+        rtp.start()
+        peer.until(lambda packets: len(packets) >= 6)
+        assert clock._proc is not None
+        clock._proc.kill()
+        eventually(lambda: not rtp.remote_paced)
+        assert "the RTP pacer process is gone" in caplog.text
+        before = len(peer.packets)
+        rtp.enqueue("item2", bytes([9]) * 160 * 2)
+        peer.until(lambda packets: agent_frames(packets).count(bytes([9]) * 160) == 2)
+        after = peer.packets[before:]
+        # The thread goes on with the same stream: the same SSRC, no sequence number twice.
+        assert {p.ssrc for p in peer.packets} == {rtp.ssrc}
+        seqs = [p.sequence_number for p in peer.packets]
+        assert len(set(seqs)) == len(seqs)
+        assert after and all(
+            (b.sequence_number - a.sequence_number) & 0xFFFF == 1
+            for a, b in itertools.pairwise(after)
+        )
+        eventually(lambda: rtp.playback.heard_ms("item2") == 40)
+    finally:
+        rtp.close()
+        clock.close()
+
+
+def test_digits_and_sender_reports_go_out_with_the_pacer_process(
+    sockets: list[socket.socket],
+) -> None:
+    clock = PacerClock()
+    peer = Peer(sockets)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    sockets.append(sock)
+    rtp = PacedStream(PCMU, 101, SentPlayback(), clock, lambda a, _: None, lambda d: None,
+                      rtcp_interval_s=1.0)  # fmt: skip
+    rtp.use_socket(sock)
+    rtp.set_remote(RemoteMedia(PCMU, 101, peer.address, "sendrecv", rtcp_mux=True), "sendrecv")
+    reports: list[RtcpSrPacket] = []
+    media: list[RtpPacket] = []
+    try:
+        rtp.start()
+        rtp.send_events([(1, 3, 2)])  # digit 1: three packets of tone, two of gap
+        deadline = time.monotonic() + 10
+        while not reports or rtp.events_sent < 1:
+            assert time.monotonic() < deadline
+            try:
+                data = peer.sock.recv(2048)
+            except TimeoutError:
+                continue
+            if 200 <= data[1] <= 204:
+                reports += [p for p in RtcpPacket.parse(data) if isinstance(p, RtcpSrPacket)]
+            else:
+                media.append(RtpPacket.parse(data))
+        events = [p for p in media if p.payload_type == 101]
+        assert events and events[0].payload[0] == 1 and events[0].marker == 1
+        # The parent's report speaks of the child's packets: its SSRC, a count of them.
+        report = reports[0]
+        assert report.ssrc == rtp.ssrc
+        assert 0 < report.sender_info.packet_count <= rtp.packets_sent
+    finally:
+        rtp.close()
+        clock.close()

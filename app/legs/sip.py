@@ -37,6 +37,7 @@ from telephony.legs.sip.dialog import CallKey
 from telephony.legs.sip.digest import DigestAuth, parse_users
 from telephony.legs.sip.errors import RtpPortsExhausted
 from telephony.legs.sip.leg import SipLeg
+from telephony.legs.sip.pacer import PacerClock
 from telephony.legs.sip.ports import RtpPorts
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtcpSocket, RtpClock
 from telephony.legs.sip.sdp import ANSWER_DIRECTION, PTIME_MS, LocalMedia
@@ -129,7 +130,7 @@ class SipService:
             idle_s=settings.sip_tcp_idle_s,
         )
         self.ports = RtpPorts(settings.sip_rtp_ports)
-        self.clock = RtpClock()
+        self.clock = PacerClock() if settings.sip_pacer == "process" else RtpClock()
         self.media_stats = MediaStats()
         media_allow = settings.sip_media_allow_from
         self.media_allow = (
@@ -173,6 +174,8 @@ class SipService:
             "RTP sends %s the GIL (telephony/legs/sip/udp_send.py)",
             "keep" if udp_send.KEEPS_GIL else "give up (not Linux or no libc)",
         )
+        if isinstance(self.clock, PacerClock):
+            self.clock.start_process()
         host, port = await self.transport.start()
         if port != self.core.config.port:
             # SIP_BIND port 0 (tests): Via and Contact must name the port we got.
@@ -198,6 +201,8 @@ class SipService:
         for task in self._tasks:
             task.cancel()
         await self.transport.stop()
+        if isinstance(self.clock, PacerClock):
+            await asyncio.to_thread(self.clock.close)
         sys.setswitchinterval(self._switch_interval)
 
     def live_calls(self) -> int:

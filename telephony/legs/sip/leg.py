@@ -12,6 +12,7 @@ from typing import Any
 
 from telephony import dtmf_out
 from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.sip.pacer import PacedStream, PacerClock
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
 from telephony.legs.sip.sdp import PTIME_MS, Codec, Direction, RemoteMedia
 from telephony.playback import PlaybackTracker
@@ -54,7 +55,8 @@ class SipLeg:
         # Hears the caller's audio (codec bytes) as it arrives, beside the bridge: the
         # answering-machine detector of an outbound call.
         self.listener: Callable[[bytes], None] | None = None
-        self.rtp = RtpStream(
+        stream = PacedStream if isinstance(clock, PacerClock) else RtpStream
+        self.rtp = stream(
             codec, dtmf_pt, self.playback, clock, self._on_audio, self._on_digit,
             policy=policy, stats=stats, on_foreign=on_foreign, ptime_ms=ptime_ms,
         )  # fmt: skip

@@ -271,8 +271,12 @@ class RtpClock:
     (queueing, flushing, renegotiating, closing).
     """
 
-    def __init__(self, period_s: float = PERIOD_S) -> None:
+    def __init__(
+        self, period_s: float = PERIOD_S, after_tick: Callable[[], None] | None = None
+    ) -> None:
         self.period_s = period_s
+        # Called on the clock's thread after each tick (the pacer process reports from it).
+        self._after_tick = after_tick
         self._coarse_s = period_s
         self._fine = 0  # streams that need the finer period
         self._streams: set[RtpStream] = set()
@@ -329,6 +333,14 @@ class RtpClock:
             busy = [stream for stream in streams if not self._tick(stream, period_ms, False)]
             for stream in busy:
                 self._tick(stream, period_ms, True)
+            if self._after_tick is not None:
+                try:
+                    self._after_tick()
+                except Exception:
+                    now = time.monotonic()
+                    if now - self._last_error > 60:
+                        self._last_error = now
+                        log.exception("RTP clock: the after-tick report failed")
             next_at += period_s
             now = time.monotonic()
             if next_at < now - MAX_CATCH_UP * period_s:
@@ -487,6 +499,10 @@ class RtpStream(asyncio.DatagramProtocol):
                     if rtt < 0x80000000:
                         report["rtt_ms"] = round(rtt / 65.536, 1)
                 self.remote_report = report
+
+    def _next_rtcp_due(self) -> int:
+        """Packets until the next report: the interval, randomized (RFC 3550 6.3.1)."""
+        return max(1, round(self._rtcp_ticks * _RNG.uniform(0.5, 1.5)))
 
     def _rtcp_target(self) -> tuple[str, int] | None:
         remote = self.remote
@@ -792,7 +808,7 @@ class RtpStream(asyncio.DatagramProtocol):
         self._rtcp_due -= 1
         if self._rtcp_due <= 0:
             # Reports go on, on hold too (a receiver report then), at a randomized pace.
-            self._rtcp_due = max(1, round(self._rtcp_ticks * _RNG.uniform(0.5, 1.5)))
+            self._rtcp_due = self._next_rtcp_due()
             self._send_rtcp()
         remote, sendto = self.remote, self._sendto
         if not self.sending or remote is None or sendto is None or self._closed:
