@@ -75,8 +75,8 @@ class Rx:
                 data, ancdata, _, _ = self.sock.recvmsg(2048, socket.CMSG_SPACE(16))
             except BlockingIOError:
                 return
-            if not self.recording or len(data) < 12:
-                continue
+            if not self.recording or len(data) < 12 or 200 <= data[1] <= 204:
+                continue  # (RTCP: a report meant for a port next to this one)
             stamp = time.time()
             for level, kind, value in ancdata:
                 if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(value) >= 16:
