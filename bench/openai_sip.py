@@ -11,6 +11,8 @@ Measures, over N calls through the interconnect stand-in (telephony/sim/intercon
 Baselines in the same run: a bare httpx POST of the same accept body to the same endpoint, and
 a bare `websockets` connect to the sideband plus one `response.create`.
 
+The CPU a held call costs (calls per core on this leg) is bench/openai_sip_held.py.
+
 Everything runs in this process over real sockets, on a scratch database in
 TEST_DATABASE_URL / DATABASE_URL (or embedded PostgreSQL).
 """

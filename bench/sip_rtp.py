@@ -7,8 +7,9 @@ speech every 3 s, so the agent is interrupted and answers all the time) and time
 RTP packet the server sends. Inter-packet intervals are measured at the receiver over a
 window after every call was answered; CPU is the server process's over that window.
 
-Usage: python bench/sip_rtp.py [--levels 1,20,100] [--window 10]. Uses DATABASE_URL /
-TEST_DATABASE_URL for the service, else an embedded PostgreSQL.
+Usage: python bench/sip_rtp.py [--levels 1,20,100] [--window 10]. The service gets a scratch
+database on the DATABASE_URL / TEST_DATABASE_URL server (dropped at the end), else an embedded
+PostgreSQL.
 """
 
 from __future__ import annotations
@@ -337,9 +338,8 @@ def start_server(
         "LOG_LEVEL": "WARNING",
         "DATA_DIR": str(workdir / "data"),
     }
-    db = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
-    if db:
-        env["DATABASE_URL"] = db
+    if SCRATCH_DB:
+        env["DATABASE_URL"] = SCRATCH_DB[0]
     cmd = [str(Path(PY).parent / "voice-agent"), "serve", "--no-worker", "--port", str(http_port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     deadline = time.monotonic() + 60
@@ -352,6 +352,11 @@ def start_server(
         except OSError:
             time.sleep(0.1)
     raise RuntimeError("voice-agent serve did not start")
+
+
+# A throwaway database on the DATABASE_URL / TEST_DATABASE_URL server, for this run only, as
+# bench/bridge.py does: the test suite resets the shared one under a running benchmark.
+SCRATCH_DB: list[str] = []
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -388,6 +393,12 @@ async def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     pacers = [p for p in args.pacers.split(",") if p]
     results: list[Result] = []
+    server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    dbname = f"bench_sip_rtp_{os.getpid()}"
+    if server_url:
+        from app.db import create_database
+
+        SCRATCH_DB.append(await asyncio.to_thread(create_database, server_url, dbname))
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         sim = Simulator(workdir)
@@ -411,6 +422,10 @@ async def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
             sim.stop()
+            if server_url:
+                from app.db import drop_database
+
+                await asyncio.to_thread(drop_database, server_url, dbname)
     print(f"\nOutbound RTP pacing and CPU, window {args.window:g} s per level "
           f"(load: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)\n")  # fmt: skip
     print(table(results))
