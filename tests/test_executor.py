@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 
 import pytest
 import sqlalchemy as sa
@@ -195,10 +196,14 @@ async def test_fail_before_commit_is_retried_with_backoff_until_committed(
     assert op.attempts == 3
     events = await events_of(engine, op_id)
     retries = [e for e in events if e.to_status is S.FAILED_RETRYABLE]
-    assert len(retries) == 2
-    for event in retries:
-        # Each retry was scheduled for later, not run at once.
-        assert event.data["retry_at"] > event.at.isoformat()
+    runs = [e for e in events if e.to_status is S.RUNNING]
+    assert len(retries) == 2 and len(runs) == 3
+    for failed_run, retry, next_run in zip(runs, retries, runs[1:], strict=False):
+        # Each retry was scheduled for later than its failed attempt began, and did not run
+        # before then (not at once). (Not against the failure's own row time: under load
+        # the row can be written after a short backoff has passed.)
+        retry_at = datetime.fromisoformat(retry.data["retry_at"])
+        assert failed_run.at < retry_at <= next_run.at
     assert (await sor.side_effects()).bookings_inserted == 1
 
 

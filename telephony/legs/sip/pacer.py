@@ -46,6 +46,8 @@ MAX_MESSAGE = 65536
 AUDIO_PIECE = 32000  # agent audio is sent in pieces of at most this many bytes (4 s of G.711)
 FULL_REPORT_S = 1.0  # every stream's counters, once a second
 FLUSH_TIMEOUT_S = 0.5
+# The child's command line (not `-m`: what it pickles must name this module, not __main__).
+CHILD = "import sys; from telephony.legs.sip.pacer import main; sys.exit(main(sys.argv[1:]))"
 SOCKET_BUFFER = 4 * 1024 * 1024
 
 
@@ -109,7 +111,7 @@ class PacerClock(RtpClock):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         try:
             self._proc = subprocess.Popen(
-                [self._python, "-m", "telephony.legs.sip.pacer", str(theirs.fileno())],
+                [self._python, "-c", CHILD, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
@@ -579,10 +581,3 @@ def main(argv: list[str]) -> int:
     gc.freeze()  # what was imported is never garbage: young collections stay small
     _Child(ctl).run()
     return 0
-
-
-if __name__ == "__main__":
-    # Run the module's own copy (not __main__'s), so what it pickles names this module.
-    from telephony.legs.sip.pacer import main as _main
-
-    sys.exit(_main(sys.argv[1:]))
