@@ -161,6 +161,36 @@ async def test_a_holder_ends_its_call_when_another_process_ended_the_row(
     assert events[-1]["data"]["reason"] == "the call was ended by another process"
 
 
+async def test_a_call_ending_here_whose_row_ended_before_the_beat_is_not_ended_elsewhere(
+    engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The race of a mass hang-up: the heartbeat took its list of live calls, then a caller hung
+    # up and its session ended the row before the heartbeat's update ran.
+    async with call_stack(
+        engine, scenario(), call_heartbeat_s=3600, call_dead_after_s=7200
+    ) as stack:
+        caller = stack.caller()
+        await caller.dial()
+        await hear_greeting(caller)
+        runtime = stack.service.runtime
+        [entry] = runtime.registry.live_entries()
+        entry.ending_here = True  # what CallSession.end marks before it ends the row
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    "UPDATE calls SET status = 'completed', ended_at = now() WHERE call_sid = :s"
+                ),
+                {"s": caller.call_sid},
+            )
+        gone = await CallHeartbeat(
+            engine, runtime.registry, holder=runtime.holder, interval_s=1
+        ).beat_once()
+        assert gone == []
+        assert "ended elsewhere" not in caplog.text
+        assert runtime.registry.get(caller.call_sid) is entry  # not ended by the heartbeat
+        await caller.hangup()
+
+
 async def test_a_status_callback_for_a_call_held_by_a_dead_process_hands_its_outcome_to_sms(
     engine: AsyncEngine, api: FakeTwilioApi
 ) -> None:

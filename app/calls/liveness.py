@@ -244,7 +244,10 @@ class CallHeartbeat:
             )
             alive = {str(r.id) for r in rows}
         self.beats += 1
-        gone = [e for i, e in by_id.items() if i not in alive]
+        # (A call ending here meanwhile, its row ended before the update ran, is not gone.)
+        gone = [
+            e for i, e in by_id.items() if i not in alive and not e.ending_here and not e.end_reason
+        ]
         for entry in gone:
             # Declared dead while this process was stalled (or ended by staff): stop here too.
             log.warning("call %s was ended elsewhere; ending it here", entry.call_id)

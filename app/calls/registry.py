@@ -55,6 +55,9 @@ class LiveCallEntry:
     warm: Any = None
     # An outbound call: what acts on who answered it (app.legs.twilio.outbound.OutboundLine).
     outbound: Any = None
+    # Its session is ending the row here (the caller hung up, say): a heartbeat that finds the
+    # row ended meanwhile is not told of an end elsewhere.
+    ending_here: bool = False
 
 
 class CallRegistry:

@@ -449,6 +449,8 @@ class CallSession:
             if self.row is None or not self.admitted:
                 return  # not this session's row: nothing to end, only the slot to give back
             call_id = self.row.id
+            if entry is not None:
+                entry.ending_here = True
             try:
                 if runtime.delivery is not None and self.bridge is not None:
                     # What the caller heard of an announcement is durable before the call's
