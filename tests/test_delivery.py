@@ -528,3 +528,84 @@ async def test_a_delivery_batch_leaves_out_one_another_transaction_holds_and_one
     ]
     assert await _waiting_jobs(engine, (await delivery_of(engine, locked)).id) == 1
     assert await _waiting_jobs(engine, held.id) == 1
+
+
+async def test_a_batch_reads_the_same_ledger_facts_as_each_outcome_alone(
+    engine: AsyncEngine,
+) -> None:
+    from tools.compensation import admit_compensation
+
+    # A booking a newer request of the same caller contradicts (an older one does not); one
+    # of a caller who opted out of SMS; one being undone; a plain one.
+    await admitted(engine, await make_call(engine, ended=True), conflict_key="slot")
+    contradicted = await booked(engine, await make_call(engine, ended=True), conflict_key="slot")
+    await admitted(engine, await make_call(engine, ended=True), conflict_key="slot")
+    opted = await booked(engine, await make_call(engine, ended=True), caller="+15550001111")
+    undone = await booked(engine, await make_call(engine, ended=True), caller="+15550002222")
+    plain = await booked(engine, await make_call(engine, ended=True), caller="+15550003333")
+    async with engine.begin() as conn:
+        await deliveries.set_opt_out(conn, "+15550001111", opted_out=True, source="test")
+        done = await ledger.get_operation(conn, undone)
+        assert done is not None
+        await admit_compensation(
+            conn,
+            done,
+            "cancel_booking",
+            {"booking_id": "BK7QX2MHN4"},
+            enqueue=_no_job,
+            actor="w",
+            reason="the caller cancelled",
+        )
+    async with engine.connect() as conn:
+        ops = [await ledger.get_operation(conn, i) for i in (contradicted, opted, undone, plain)]
+        together = await deliveries.ledger_contexts(conn, [op for op in ops if op is not None])
+        alone = {
+            op.operation_id: await deliveries.ledger_context(conn, op)
+            for op in ops
+            if op is not None
+        }
+    assert together == alone
+    assert [len(together[contradicted].conflicts), len(together[undone].compensations)] == [1, 1]
+    assert [together[i].opted_out for i in (contradicted, opted)] == [False, True]
+
+
+async def test_a_delivery_decided_in_a_batch_leaves_the_trail_sms_and_job_of_one_alone(
+    engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    one, two, three = [await booked(engine, await make_call(engine, ended=True)) for _ in "abc"]
+    sms = sms_channel(engine, api)
+    try:
+        assert await driver(engine, sms, batch=0).deliver((await delivery_of(engine, one)).id)
+        assert await driver(engine, sms).deliver((await delivery_of(engine, two)).id) == "text"
+        await api.wait_for(lambda a: len(a.created_messages()) == 3)
+    finally:
+        await sms.aclose()
+
+    def shape(events: list[deliveries.DeliveryEvent]) -> list[tuple[object, ...]]:
+        return [
+            (e.kind, e.from_state, e.to_state, e.actor, e.reason, sorted(e.data))
+            for e in events
+            if e.kind != "sms" or e.data.get("status") == "pending"
+        ]
+
+    alone, batched = await trail(engine, one), await trail(engine, two)
+    assert shape(batched) == shape(alone) == shape(await trail(engine, three))
+    assert [s[0] for s in shape(alone)][:4] == ["transition", "decision", "transition", "sms"]
+    for op_id in (one, two, three):
+        (message,) = await sms_of(engine, op_id)
+        assert (message.body, message.to_number, message.requested_by, message.attempts) == (
+            (await sms_of(engine, one))[0].body,
+            CALLER,
+            "delivery-worker",
+            1,
+        )
+        assert (await delivery_of(engine, op_id)).message_id == message.id
+        async with engine.connect() as conn:
+            jobs_of_it = await conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'drive_sms' "
+                    "AND args->>'message_id' = :m"
+                ),
+                {"m": str(message.id)},
+            )
+        assert jobs_of_it == 1

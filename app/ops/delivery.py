@@ -127,9 +127,11 @@ async def evaluate(
     max_reoffers: int = 2,
     agents: AgentSet | None = None,
     active_agent: str | None = None,
+    context: LedgerContext | None = None,
 ) -> DeliveryDecision:
-    """Gather the facts and ask the relevance gate (nothing is recorded here)."""
-    ctx = await deliveries.ledger_context(conn, op)
+    """Gather the facts and ask the relevance gate (nothing is recorded here). `context`:
+    the ledger's side, read already (`deliveries.ledger_contexts`, for a batch)."""
+    ctx = context if context is not None else await deliveries.ledger_context(conn, op)
     spec = registry.get(op.tool) if op.tool in registry else None
     newer: list[Newer] = []
     texts: list[str] = []

@@ -4,8 +4,8 @@ Tasks (queue `deliveries`, see `tools.jobs`):
 - `deliver_outcome(delivery_id)`: decide a pending delivery. A call live on another process
   is nudged (NOTIFY) and looked at again later; a call whose holder stopped heartbeating is
   ended here (reason on its timeline); a call that is over gets its SMS, persisted and sent.
-  Having decided one out of the call, the job decides the others whose call is over too
-  (`decide_ready`, SMS channel only): one transaction for a batch, one claim for its SMS.
+  SMS channel only: a delivery whose call is over is decided in a batch with the others
+  ready beside it (`decide_ready`): one transaction for a batch, one claim for its SMS.
 - `drive_sms(message_id)`: send, reconcile after a lost answer, or poll one SMS.
 - `send_webhook(webhook_delivery_id)`: one POST of an integrator webhook.
 
@@ -74,16 +74,21 @@ class DeliveryConfig:
     webhook_policy: webhooks.RetryPolicy = field(default_factory=webhooks.RetryPolicy)
 
 
+# An SMS decided in a batch, started with the others: (delivery, operation, reason, newer,
+# undone), as `SmsChannel.start_many` takes them.
+Texting = tuple[DeliveryRecord, ledger.OperationRecord, str, list[str], list[str]]
+
 # The calls whose deliveries their holder decides (or will, once the stream starts).
 _OPEN_CALLS = (CallStatus.RINGING.value, CallStatus.IN_PROGRESS.value)
 
 
 async def ready_out_of_call(
-    conn: AsyncConnection, limit: int, *, exclude: uuid.UUID | None = None
+    conn: AsyncConnection, limit: int, *, first: uuid.UUID | None = None
 ) -> list[tuple[DeliveryRecord, ledger.OperationRecord, CallState]]:
     """Pending deliveries due now whose call is over, locked FOR UPDATE (those another
-    transaction holds are skipped), oldest first, with their operations: three statements
-    for the lot. A delivery of a call still open is not touched (its holder decides it)."""
+    transaction holds are skipped), `first` if it is one of them, then oldest first, with
+    their operations: three statements for the lot. A delivery of a call still open is not
+    touched (its holder decides it)."""
     open_call = (
         sa.select(sa.literal(1))
         .select_from(calls)
@@ -98,12 +103,13 @@ async def ready_out_of_call(
             sa.or_(dl_t.c.next_attempt_at.is_(None), dl_t.c.next_attempt_at <= sa.func.now()),
             ~open_call,
         )
-        .order_by(dl_t.c.created_at)
+        .order_by(
+            sa.case((dl_t.c.id == first, 0), else_=1) if first is not None else sa.null(),
+            dl_t.c.created_at,
+        )
         .limit(limit)
         .with_for_update(of=dl_t, skip_locked=True)
     )
-    if exclude is not None:
-        stmt = stmt.where(dl_t.c.id != exclude)
     found = [DeliveryRecord.from_row(r) for r in await conn.execute(stmt)]
     if not found:
         return []
@@ -196,48 +202,63 @@ class DeliveryDriver:
         )
 
     async def deliver(self, delivery_id: uuid.UUID) -> str | None:
-        """Decide one pending delivery out of the call (see the module docstring); then,
-        SMS only, the others ready beside it (`decide_ready`), its SMS sent meanwhile."""
+        """Decide one pending delivery (see the module docstring). SMS only: in a batch with
+        the others ready beside it (`decide_ready`) when its call is over; alone otherwise
+        (a call live elsewhere or dead, or a delivery another transaction holds)."""
+        if self.callback is None and self.config.batch >= 1:
+            decided = await self._decide_ready(first=delivery_id)
+            if delivery_id in decided:
+                return decided[delivery_id]
         action, message, message_id = await self._deliver_one(delivery_id)
-        # Only a decision made out of the call says others may be ready too: a job that found
-        # nothing to do, or a call live elsewhere, leaves the batch to the next decision.
-        alone = action is None or action == Action.WAIT.value
-        if self.callback is not None or self.config.batch < 1 or alone:
-            if message is not None:
-                # Persisted (its own job queued) before this send: a crash here loses nothing.
-                await self.sms.send_started(message)
-            elif message_id is not None:
-                await self.sms.drive(message_id)
-            return action
-        sends = [self.sms.send_started(message)] if message is not None else []
-        done = await asyncio.gather(
-            *sends, self.decide_ready(exclude=delivery_id), return_exceptions=True
-        )
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
+        if message is not None:
+            # Persisted (its own job queued) before this send: a crash here loses nothing.
+            await self.sms.send_started(message)
+        elif message_id is not None:
+            await self.sms.drive(message_id)
         return action
 
-    async def decide_ready(self, *, exclude: uuid.UUID | None = None) -> int:
+    async def decide_ready(self) -> int:
         """Decide the pending deliveries whose call is over and that no other transaction
         holds (their own jobs then find nothing to do), `batch` to a transaction, for up to
         `batch_rounds` transactions; each transaction's SMS go out together once it has
         committed, while the next decides. A failure leaves its batch pending: their jobs,
-        or the sweeper, take them. Returns the number of SMS handed to sending."""
+        or the sweeper, take them. Returns the number of deliveries decided."""
+        return len(await self._decide_ready())
+
+    async def _decide_ready(self, *, first: uuid.UUID | None = None) -> dict[uuid.UUID, str]:
+        """`decide_ready`, `first` taken first when it is ready; the action taken for each
+        delivery decided (none of a batch that failed)."""
         sends: list[asyncio.Task[None]] = []
-        count = 0
+        decided: dict[uuid.UUID, str] = {}
         try:
             for _ in range(self.config.batch_rounds):
                 messages: list[SmsRecord] = []
+                actions: dict[uuid.UUID, str] = {}
                 async with self.engine.begin() as conn:
-                    ready = await ready_out_of_call(conn, self.config.batch, exclude=exclude)
-                    for delivery, op, call in ready:
-                        _action, message, _ = await self._decide(conn, delivery, op, call)
-                        if message is not None:
-                            messages.append(message)
-                    await deliveries.drop_waiting_jobs(conn, [d.id for d, _, _ in ready])
+                    ready = await ready_out_of_call(conn, self.config.batch, first=first)
+                    # Dropped first: their rows stay locked by this transaction until it ends,
+                    # so other workers' fetches skip them (SKIP LOCKED) instead of running
+                    # jobs that would find their delivery locked and nothing to do.
+                    await deliveries.drop_waiting_jobs(
+                        conn, [d.id for d, _, _ in ready if d.id != first]
+                    )
+                    # Their ledger facts are read, and their trail events and SMS written,
+                    # together (the same rows, in a few statements rather than several each).
+                    texting: list[Texting] = []
+                    async with deliveries.events_together(conn):
+                        contexts = await deliveries.ledger_contexts(conn, [o for _, o, _ in ready])
+                        for delivery, op, call in ready:
+                            actions[delivery.id], _, _ = await self._decide(
+                                conn,
+                                delivery,
+                                op,
+                                call,
+                                texting=texting,
+                                context=contexts[op.operation_id],
+                            )
+                        messages = await self.sms.start_many(conn, texting, actor=ACTOR)
+                decided.update(actions)
                 if messages:
-                    count += len(messages)
                     sends.append(asyncio.create_task(self.sms.send_many(messages)))
                 if len(ready) < self.config.batch:
                     break
@@ -247,7 +268,7 @@ class DeliveryDriver:
         finally:
             if sends:
                 await asyncio.gather(*sends)
-        return count
+        return decided
 
     async def _deliver_one(
         self, delivery_id: uuid.UUID
@@ -299,13 +320,23 @@ class DeliveryDriver:
         delivery: deliveries.DeliveryRecord,
         op: ledger.OperationRecord,
         call: CallState,
+        *,
+        texting: list[Texting] | None = None,
+        context: deliveries.LedgerContext | None = None,
     ) -> tuple[str, SmsRecord | None, uuid.UUID | None]:
         """Ask the gate about a pending delivery locked by this transaction, of a call not
-        live anywhere, and record what it says; the SMS to send or the message to drive."""
+        live anywhere, and record what it says; the SMS to send or the message to drive.
+        `texting`: an SMS decided is added there, for `SmsChannel.start_many`, not started."""
         message: SmsRecord | None = None
         message_id: uuid.UUID | None = None
         found = await evaluate(
-            conn, self.registry, delivery, op, call, max_reoffers=self.config.max_reoffers
+            conn,
+            self.registry,
+            delivery,
+            op,
+            call,
+            max_reoffers=self.config.max_reoffers,
+            context=context,
         )
         gate = found.gate
         await record_decision(conn, delivery, gate, ACTOR)
@@ -314,6 +345,8 @@ class DeliveryDriver:
         ):
             step = await self.callback.start(conn, delivery, op, reason=gate.reason)
             message_id = step.message.id if step.message is not None else None
+        elif gate.action is Action.TEXT and texting is not None:
+            texting.append((delivery, op, gate.reason, found.newer, found.undone))
         elif gate.action is Action.TEXT:
             # Locked at the top of this transaction; record_decision moved nothing.
             message = await self.sms.start(

@@ -184,6 +184,38 @@ class SmsChannel:
             check_at=self._safety_net(),
         )
 
+    async def start_many(
+        self,
+        conn: AsyncConnection,
+        items: list[tuple[DeliveryRecord, OperationRecord, str, list[str], list[str]]],
+        *,
+        actor: str | None = None,
+    ) -> list[SmsRecord]:
+        """`start` (locked) for a batch of decisions: each (delivery, operation, reason,
+        newer, undone) of a pending delivery this transaction read FOR UPDATE and has not
+        moved since; the same rows, events and jobs in a few statements for the lot."""
+        who = actor or self.actor
+        new = []
+        for delivery, op, reason, newer, undone in items:
+            assert delivery.caller is not None
+            new.append(
+                deliveries.NewSms(
+                    delivery=delivery,
+                    reason=reason,
+                    to_number=delivery.caller,
+                    body=self.body(op, newer, undone),
+                    reference=op.provider_ref,
+                )
+            )
+        return await deliveries.text_many(
+            conn,
+            new,
+            from_number=self.config.from_number,
+            messaging_service_sid=self.config.messaging_service_sid,
+            requested_by=who,
+            check_at=self._safety_net(),
+        )
+
     def _safety_net(self) -> datetime:
         """When a message's own job looks at it: whoever persisted it sends it at once, so
         the job only matters if that process died before sending."""
