@@ -59,8 +59,10 @@ class EchoResult:
 
     @property
     def cpu_ms_per_call_s(self) -> float:
-        live_s = max(1e-9, self.streaming * self.data["window_s"])
-        return self.data["server_cpu_s"] * 1000 / live_s
+        """Server CPU over the call-seconds carried in the window (with arrivals counted, their
+        set-up is in the CPU and each call's seconds start at its answer)."""
+        live_s = self.data.get("call_s") or self.streaming * self.data["window_s"]
+        return self.data["server_cpu_s"] * 1000 / max(1e-9, live_s)
 
     @property
     def sys_share(self) -> float:
@@ -216,6 +218,7 @@ def run_one(
     profile_dir: Path | None = None,
     barge_in: bool = False,
     quiet: tuple[float, float] | None = None,
+    arrivals_per_s: float | None = None,
 ) -> EchoResult:
     """One target at one call count: fresh echo fake, fresh server, one load run."""
     busy = wait_for_quiet(*quiet) if quiet else _busy_share(1.0)
@@ -249,6 +252,8 @@ def run_one(
         ]
         if deflate_offer:
             cmd.append("--deflate")
+        if arrivals_per_s:
+            cmd += ["--ramp-per-s", str(arrivals_per_s), "--count-arrivals"]
         window_file = workdir / f"window-{uuid.uuid4().hex}"
         cmd += ["--window-file", str(window_file)]
         spy: subprocess.Popen[bytes] | None = None
@@ -376,6 +381,7 @@ def run(
     profile_dir: Path | None = None,
     barge_in: bool = False,
     quiet: tuple[float, float] | None = None,
+    arrivals_per_s: float | None = None,
 ) -> list[EchoResult]:
     """Every target at every call count, `repeat` times, alternating targets per count."""
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
@@ -403,6 +409,7 @@ def run(
                             profile_dir,
                             barge_in,
                             quiet,
+                            arrivals_per_s,
                         )
                         print(
                             f"{target} x{calls}: {r.streaming} streaming, lost {r.data['lost']}"

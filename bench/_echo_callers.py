@@ -276,12 +276,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--deflate", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--window-file", help="created when the measuring window opens")
+    parser.add_argument(
+        "--count-arrivals",
+        action="store_true",
+        help="open the measuring window before the first call: its arrivals (webhook, socket, "
+        "set-up) are measured with the streaming",
+    )
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> dict:
     run = Run(args)
     ticker = asyncio.create_task(run.ticker())
+
+    async def open_window() -> tuple[float, float, float, float]:
+        user, system = cpu_times(args.server_pid)
+        echo = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
+        mine = time.process_time()
+        run.window.start = time.monotonic()
+        if args.window_file:
+            await asyncio.to_thread(Path(args.window_file).touch)
+        return user, system, echo, mine
+
+    if args.count_arrivals:
+        user0, sys0, echo0, self0 = await open_window()
     t_ramp = time.monotonic()
     starts = []
     for index in range(args.calls):
@@ -290,13 +308,9 @@ async def main(args: argparse.Namespace) -> dict:
     results = await asyncio.gather(*starts, return_exceptions=True)
     failed = [repr(r) for r in results if isinstance(r, BaseException)]
     ramp_s = time.monotonic() - t_ramp
-    await asyncio.sleep(args.settle)
-    user0, sys0 = cpu_times(args.server_pid)
-    echo0 = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
-    self0 = time.process_time()
-    run.window.start = time.monotonic()
-    if args.window_file:
-        await asyncio.to_thread(Path(args.window_file).touch)
+    if not args.count_arrivals:
+        await asyncio.sleep(args.settle)
+        user0, sys0, echo0, self0 = await open_window()
     await asyncio.sleep(args.seconds)
     run.window.end = time.monotonic()
     user1, sys1 = cpu_times(args.server_pid)
@@ -328,7 +342,13 @@ async def main(args: argparse.Namespace) -> dict:
         media_msgs += caller.media_msgs
         mark_msgs += caller.mark_msgs
     live = max(1, len(run.callers))
+    # Call-seconds inside the window (with --count-arrivals, each call from its answer on).
+    call_s = sum(
+        max(0.0, run.window.end - max(run.window.start, caller.t0)) for caller in run.callers
+    )
     summary = {
+        "call_s": call_s,
+        "arrivals_counted": bool(args.count_arrivals),
         "mode": args.mode,
         "calls": args.calls,
         "streaming": len(run.callers),

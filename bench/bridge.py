@@ -12,8 +12,9 @@ the simulator is matched to the exact frame the caller sent.
 
 Usage: python bench/bridge.py barge-in [--levels 1,50,200] [--targets ...]: this scripted
 harness; python bench/bridge.py echo [--calls 1,50,100] [--pin] ...: the full-duplex echo
-harness (bench/_echo.py); with no harness named, both. Uses DATABASE_URL / TEST_DATABASE_URL
-for the service, else an embedded PostgreSQL.
+harness (bench/_echo.py), with `--arrivals 10` the calls arriving at 10 a second inside
+the measured window (set-up counted); with no harness named, both. Uses DATABASE_URL /
+TEST_DATABASE_URL for the service, else an embedded PostgreSQL.
 """
 
 from __future__ import annotations
@@ -430,6 +431,13 @@ def main() -> None:
         help="before each run wait (up to --patience s) until the machine is under SHARE busy",
     )
     e.add_argument("--patience", type=float, default=180.0)
+    e.add_argument(
+        "--arrivals",
+        type=float,
+        metavar="PER_S",
+        help="calls arrive at this rate inside the measuring window (their set-up counted: "
+        "webhook, media socket, session); the window then runs --seconds past the last",
+    )
     args = parser.parse_args()
     # With no harness named, both run with their defaults.
     echo_args = args if args.harness == "echo" else e.parse_args([])
@@ -447,6 +455,7 @@ def main() -> None:
             echo_args.profile,
             echo_args.barge_in,
             (echo_args.quiet, echo_args.patience) if echo_args.quiet else None,
+            echo_args.arrivals,
         )
         print(_echo.table(echo_results))
     if args.harness in (None, "barge-in"):
