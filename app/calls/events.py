@@ -33,12 +33,31 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
-def _insert_and_notify(rows: list[dict[str, Any]]) -> sa.Select[Any]:
-    """The rows, and one notification per call in the same statement (delivered at commit:
-    console pages watching these calls, on any replica, look again; see app.console.live)."""
-    written = sa.insert(call_events).values(rows).returning(call_events.c.call_id).cte("written")
-    ids = sa.select(sa.cast(written.c.call_id, sa.Text).label("c")).distinct().subquery("ids")
-    return sa.select(sa.func.pg_notify("call_events", ids.c.c))
+# The rows, and one notification per call in the same statement (delivered at commit: console
+# pages watching these calls, on any replica, look again; see app.console.live). One fixed
+# statement whatever the batch (arrays unnested), so it is prepared and cached once: a VALUES
+# list of one row per event was compiled anew for every batch.
+_INSERT_AND_NOTIFY = sa.text(
+    "WITH written AS ("
+    " INSERT INTO call_events (call_id, seq, kind, data, mono_ns, at)"
+    " SELECT * FROM unnest(CAST(:call_ids AS uuid[]), CAST(:seqs AS bigint[]),"
+    " CAST(:kinds AS text[]), CAST(:datas AS jsonb[]), CAST(:monos AS bigint[]),"
+    " CAST(:ats AS timestamptz[]))"
+    " RETURNING call_id)"
+    " SELECT pg_notify('call_events', ids.c)"
+    " FROM (SELECT DISTINCT CAST(call_id AS text) AS c FROM written) AS ids"
+)
+
+
+def _insert_and_notify_params(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {
+        "call_ids": [r["call_id"] for r in rows],
+        "seqs": [r["seq"] for r in rows],
+        "kinds": [r["kind"] for r in rows],
+        "datas": [json.dumps(r["data"]) for r in rows],
+        "monos": [r["mono_ns"] for r in rows],
+        "ats": [r["at"] for r in rows],
+    }
 
 
 class EventWriter:
@@ -286,7 +305,7 @@ class EventWriter:
                     }
                 )
             if rows:
-                await conn.execute(_insert_and_notify(rows))
+                await conn.execute(_INSERT_AND_NOTIFY, _insert_and_notify_params(rows))
         self._seq.update(next_seq)
         self.written += len(rows)
         for event in batch:
