@@ -911,17 +911,22 @@ async def claim_send(
         await conn.execute(
             sms_t.update()
             .where(sms_t.c.id == message_id, sms_t.c.status == M.PENDING.value)
-            .values(
-                status=M.REQUESTING.value,
-                attempts=sms_t.c.attempts + 1,
-                attempted_at=sa.func.now(),
-                updated_at=sa.func.now(),
-                next_check_at=sa.func.now() + check_after,
-            )
+            .values(**_claimed(check_after))
             .returning(*sms_t.c)
         )
     ).first()
     return SmsRecord.from_row(row) if row is not None else None
+
+
+def _claimed(check_after: timedelta) -> dict[str, Any]:
+    """What a claim writes: pending -> requesting, one more attempt, checked after a while."""
+    return {
+        "status": M.REQUESTING.value,
+        "attempts": sms_t.c.attempts + 1,
+        "attempted_at": sa.func.now(),
+        "updated_at": sa.func.now(),
+        "next_check_at": sa.func.now() + check_after,
+    }
 
 
 async def claim_sends(
@@ -940,13 +945,7 @@ async def claim_sends(
     rows = await conn.execute(
         sms_t.update()
         .where(sms_t.c.id.in_(message_ids), sms_t.c.status == M.PENDING.value, ~opted_out)
-        .values(
-            status=M.REQUESTING.value,
-            attempts=sms_t.c.attempts + 1,
-            attempted_at=sa.func.now(),
-            updated_at=sa.func.now(),
-            next_check_at=sa.func.now() + check_after,
-        )
+        .values(**_claimed(check_after))
         .returning(*sms_t.c)
     )
     return [SmsRecord.from_row(r) for r in rows]
