@@ -117,6 +117,7 @@ class Call:
     to_tag: str = ""
     server_rtp: tuple[str, int] | None = None
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    answered_at: float = 0.0
     bye_done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -179,6 +180,8 @@ class Uac(asyncio.DatagramProtocol):
                 if line.startswith("m=audio "):
                     call.server_rtp = ("127.0.0.1", int(line.split()[1]))
             self.request(call, "ACK", 1)
+            if not call.answered.is_set():
+                call.answered_at = time.monotonic()
             call.answered.set()
         elif cseq and cseq.method == "BYE" and msg.status_code >= 200:
             call.bye_done.set()
@@ -192,6 +195,9 @@ class Result:
     intervals_ms: list[float] = field(default_factory=list)
     gaps: int = 0
     cpu_per_call: float = float("nan")
+    # CPU of a call's set-up and tear-down (INVITE to greeting under way, BYE to the call's
+    # end written), the steady cost of the seconds carried meanwhile taken out.
+    setup_ms: float = float("nan")
 
 
 def analyse(result: Result, calls: list[Call]) -> None:
@@ -251,6 +257,7 @@ async def run_sip(n: int, window: float, sip_port: int, pid: int, pacer: str) ->
     calls, receiver = open_calls(n)
     stop = asyncio.Event()
     talker = asyncio.create_task(talk(calls, stop))
+    cpu_start = tree_cpu_seconds(pid)
     try:
         for call in calls:
             uac.invite(call)
@@ -259,6 +266,8 @@ async def run_sip(n: int, window: float, sip_port: int, pid: int, pacer: str) ->
         result.answered = sum(c.answered.is_set() for c in calls)
         await asyncio.sleep(1.0)  # greetings under way, first barge-ins
         cpu0, t0 = tree_cpu_seconds(pid), time.monotonic()
+        setup_cpu = cpu0 - cpu_start
+        carried_s = sum(t0 - c.answered_at for c in calls if c.answered.is_set())
         for call in calls:
             call.rx.recording = True
         await asyncio.sleep(window)
@@ -270,6 +279,7 @@ async def run_sip(n: int, window: float, sip_port: int, pid: int, pacer: str) ->
     finally:
         stop.set()
         await talker
+        cpu_end0 = tree_cpu_seconds(pid)
         for call in calls:
             if call.answered.is_set():
                 uac.request(call, "BYE", 2)
@@ -278,6 +288,11 @@ async def run_sip(n: int, window: float, sip_port: int, pid: int, pacer: str) ->
             or [asyncio.sleep(0)],
             timeout=20,
         )
+        await asyncio.sleep(2.0)  # the calls' ends written, recordings rendered
+        teardown_cpu = tree_cpu_seconds(pid) - cpu_end0
+    if result.answered and not math.isnan(result.cpu_per_call):
+        steady_s = result.cpu_per_call / 100  # CPU seconds per call-second
+        result.setup_ms = (setup_cpu - steady_s * carried_s + teardown_cpu) / result.answered * 1000
         close_calls(calls, receiver)
         uac_transport.close()
     return result
@@ -366,8 +381,8 @@ def _fmt(value: float, digits: int = 2) -> str:
 def table(results: list[Result]) -> str:
     lines = [
         "| sender | calls | answered | interval mean ms | stdev ms | p99 ms | max ms | seq gaps "
-        "| CPU per call (% of a core) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU per call (% of a core) | set-up + tear-down CPU ms per call |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         iv = r.intervals_ms
@@ -376,7 +391,7 @@ def table(results: list[Result]) -> str:
         lines.append(
             f"| {r.target} | {r.calls} | {r.answered} | {_fmt(mean)} | {_fmt(stdev)} | "
             f"{_fmt(pct(iv, 99))} | {_fmt(max(iv) if iv else float('nan'))} | {r.gaps} | "
-            f"{_fmt(r.cpu_per_call)} |"
+            f"{_fmt(r.cpu_per_call)} | {_fmt(r.setup_ms, 1)} |"
         )
     return "\n".join(lines)
 
