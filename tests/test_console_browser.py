@@ -5,10 +5,15 @@ Screenshots of the calls list and a call page are saved under `artifacts/` (giti
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
+import secrets
+import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
 from app.cli.demo import _script as demo_script
+from app.db import create_database, drop_database, make_engine, upgrade
 from telephony.sim.scenario import load_scenario
 from tests.console_support import PASSWORD, add_staff, seed_call, seed_operation
 from tests.e2e_support import CONSOLE, call_stack, running_service, wait_until
@@ -90,58 +96,117 @@ async def sor(clean_db: str) -> AsyncIterator[SystemOfRecord]:
         await sor.stop()
 
 
-async def test_staff_find_a_simulated_call_see_its_lanes_and_play_its_recording(
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord, browser: Any
-) -> None:
-    scenario = load_scenario(None)  # the demo's call: a read, a barge-in, a booking, its outcome
-    async with call_stack(
-        engine, scenario, with_worker=True, database_url=clean_db, sor_base_url=sor.url
-    ) as stack:
-        caller = stack.caller(from_number="+15557650123")
-        await demo_script(caller, scenario, lambda _line: None)
-        await caller.aclose()
-        call_id = await stack.call_id(caller)
-        await stack.events(caller)
-        await wait_until(lambda: _has_recording(engine, call_id), 20, "the call's recording stored")
-        base = stack.service.url
-        await _more_calls(engine)
-        page = await log_in(browser, base, *CONSOLE, viewport={"width": 1400, "height": 1000})
-        ARTIFACTS.mkdir(exist_ok=True)
-        await page.screenshot(path=str(ARTIFACTS / "console-calls.png"), full_page=True)
-        # Find the call by the caller's number.
-        await page.fill("input[name=phone]", "765 0123")
-        await page.click("form.filters button[type=submit]")
-        await page.wait_for_selector(f"tr[data-call-id='{call_id}']")
-        rows = await page.locator("table.calls tbody tr").count()
-        await page.screenshot(path=str(ARTIFACTS / "console-calls-search.png"), full_page=True)
-        await page.click(f"tr[data-call-id='{call_id}'] a")
-        await page.wait_for_url(f"{base}/console/calls/{call_id}")
-        lanes = {
-            key: await page.locator(f".lane-{key} .item").all_inner_texts()
-            for key in ("caller", "agent", "tools", "operations", "sor", "delivery", "call")
-        }
-        cut = await page.locator(".lane-agent .item.cut .unheard").count()
-        transcript = await page.locator(".transcript li").all_inner_texts()
-        await page.screenshot(path=str(ARTIFACTS / "console-call.png"), full_page=True)
-        # Play the recording: the playhead moves along the timeline.
-        await js_true(page, "document.getElementById('recording').readyState >= 1")
-        duration = await page.evaluate("document.getElementById('recording').duration")
-        await page.evaluate("document.getElementById('recording').play()")
-        await js_true(page, "document.getElementById('recording').currentTime > 1.0")
-        head = page.locator(".playhead")
-        first = float(await head.get_attribute("data-t") or 0)
-        await js_true(
-            page, f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}"
+@dataclass(frozen=True)
+class DemoCall:
+    """The demo's call, ended and recorded, and the service that serves its console."""
+
+    base: str
+    database_url: str
+    call_id: str
+
+
+@pytest.fixture(scope="module")
+def demo_call(database_url: str) -> Iterator[DemoCall]:
+    """One simulated demo call (a read, a barge-in, a booking, its outcome), shared by the
+    tests that only look at it in the console: it is ~30 s of audio in real time. On a
+    database of its own (`clean_db` empties the session's before every test), its stack
+    served from a thread with its own event loop until the module's tests are done; nothing
+    the tests do changes the call. (Under xdist the two may still land on two workers, each
+    playing it once: `--dist loadgroup` would keep them together, but it groups nothing with
+    pytest 9.2, pytest-dev/pytest-xdist#1386.)"""
+    server = database_url  # create_database reaches the server through any of its URLs
+    name = f"va_demo_{os.getpid()}_{secrets.token_hex(3)}"
+    url = create_database(server, name)
+    try:
+        upgrade(url)
+        ready: Future[DemoCall] = Future()
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=asyncio.run, args=(_serve_demo_call(url, ready, stop),), daemon=True
         )
-        moved = float(await head.get_attribute("data-t") or 0)
-        visible = await head.is_visible()
-        await page.evaluate("document.getElementById('recording').pause()")
-        await page.screenshot(path=str(ARTIFACTS / "console-call-playing.png"), full_page=False)
-        phone = await log_in(browser, base, *CONSOLE, viewport={"width": 390, "height": 844})
-        await phone.goto(f"{base}/console/calls/{call_id}")
-        await phone.screenshot(path=str(ARTIFACTS / "console-call-phone.png"), full_page=True)
-        await phone.context.close()
-        await page.context.close()
+        thread.start()
+        try:
+            yield ready.result(timeout=180)
+        finally:
+            stop.set()
+            thread.join(60)
+    finally:
+        drop_database(server, name)
+
+
+async def _serve_demo_call(url: str, ready: Future[DemoCall], stop: threading.Event) -> None:
+    try:
+        engine = make_engine(url, pool_size=5, max_overflow=5)
+        sor = await start_sor(url, Faults(latency_s=1.0))
+        try:
+            scenario = load_scenario(None)
+            async with call_stack(
+                engine, scenario, with_worker=True, database_url=url, sor_base_url=sor.url
+            ) as stack:
+                caller = stack.caller(from_number="+15557650123")
+                await demo_script(caller, scenario, lambda _line: None)
+                await caller.aclose()
+                call_id = await stack.call_id(caller)
+                await stack.events(caller)
+                await wait_until(
+                    lambda: _has_recording(engine, call_id), 20, "the call's recording stored"
+                )
+                ready.set_result(DemoCall(stack.service.url, url, call_id))
+                await asyncio.to_thread(stop.wait)
+        finally:
+            await sor.stop()
+            await engine.dispose()
+    except BaseException as exc:  # the test waiting on `ready` reports it
+        if not ready.done():
+            ready.set_exception(exc)
+        else:
+            raise
+
+
+async def test_staff_find_a_simulated_call_see_its_lanes_and_play_its_recording(
+    demo_call: DemoCall, browser: Any
+) -> None:
+    base, call_id = demo_call.base, demo_call.call_id
+    engine = make_engine(demo_call.database_url)
+    try:
+        await _more_calls(engine)
+    finally:
+        await engine.dispose()
+    page = await log_in(browser, base, *CONSOLE, viewport={"width": 1400, "height": 1000})
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "console-calls.png"), full_page=True)
+    # Find the call by the caller's number.
+    await page.fill("input[name=phone]", "765 0123")
+    await page.click("form.filters button[type=submit]")
+    await page.wait_for_selector(f"tr[data-call-id='{call_id}']")
+    rows = await page.locator("table.calls tbody tr").count()
+    await page.screenshot(path=str(ARTIFACTS / "console-calls-search.png"), full_page=True)
+    await page.click(f"tr[data-call-id='{call_id}'] a")
+    await page.wait_for_url(f"{base}/console/calls/{call_id}")
+    lanes = {
+        key: await page.locator(f".lane-{key} .item").all_inner_texts()
+        for key in ("caller", "agent", "tools", "operations", "sor", "delivery", "call")
+    }
+    cut = await page.locator(".lane-agent .item.cut .unheard").count()
+    transcript = await page.locator(".transcript li").all_inner_texts()
+    await page.screenshot(path=str(ARTIFACTS / "console-call.png"), full_page=True)
+    # Play the recording: the playhead moves along the timeline.
+    await js_true(page, "document.getElementById('recording').readyState >= 1")
+    duration = await page.evaluate("document.getElementById('recording').duration")
+    await page.evaluate("document.getElementById('recording').play()")
+    await js_true(page, "document.getElementById('recording').currentTime > 1.0")
+    head = page.locator(".playhead")
+    first = float(await head.get_attribute("data-t") or 0)
+    await js_true(page, f"Number(document.querySelector('.playhead').dataset.t) > {first + 500}")
+    moved = float(await head.get_attribute("data-t") or 0)
+    visible = await head.is_visible()
+    await page.evaluate("document.getElementById('recording').pause()")
+    await page.screenshot(path=str(ARTIFACTS / "console-call-playing.png"), full_page=False)
+    phone = await log_in(browser, base, *CONSOLE, viewport={"width": 390, "height": 844})
+    await phone.goto(f"{base}/console/calls/{call_id}")
+    await phone.screenshot(path=str(ARTIFACTS / "console-call-phone.png"), full_page=True)
+    await phone.context.close()
+    await page.context.close()
 
     assert rows == 1
     assert any("Please check" in t or "table" in t.lower() for t in lanes["caller"]), lanes
@@ -438,47 +503,37 @@ DRAWN_MS = """(el) => {
 
 
 async def test_a_booking_call_draws_the_readback_after_the_request_at_the_times_the_api_reports(
-    engine: AsyncEngine, clean_db: str, sor: SystemOfRecord, browser: Any
+    demo_call: DemoCall, browser: Any
 ) -> None:
-    scenario = load_scenario(None)
-    async with call_stack(
-        engine, scenario, with_worker=True, database_url=clean_db, sor_base_url=sor.url
-    ) as stack:
-        caller = stack.caller(from_number="+15557650124")
-        await demo_script(caller, scenario, lambda _line: None)
-        await caller.aclose()
-        call_id = await stack.call_id(caller)
-        await stack.events(caller)
-        await wait_until(lambda: _has_recording(engine, call_id), 20, "the call's recording stored")
-        base = stack.service.url
-        page = await log_in(browser, base, *CONSOLE, viewport={"width": 1400, "height": 1000})
-        failed: list[str] = []
-        page.on(
-            "response",
-            lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
-        )
-        await page.goto(f"{base}/console/calls/{call_id}")
-        await js_true(page, "document.querySelector('#call-live[data-connected]')")
-        api = await (await page.request.get(f"{base}/api/calls/{call_id}/timeline")).json()
-        readback = page.locator(".lane-agent .item[title*=': Please confirm']").first
-        tool = page.locator(".lane-tools .item", has_text="book_table").first
-        request = page.locator(".lane-caller .item[title*=': Lovely, please book it']").first
-        drawn = {
-            "readback": await readback.evaluate(DRAWN_MS),
-            "tool": await tool.evaluate(DRAWN_MS),
-            "request": await request.evaluate(DRAWN_MS),
-        }
-        # A browser asks every page for its icon (/favicon.ico when the page names none).
-        icon = await page.locator("link[rel=icon]").get_attribute("href")
-        icon_status = (await page.request.get(f"{base}{icon}")).status
-        transcript = await page.locator(".transcript li .text").all_inner_texts()
-        t_labels = await page.locator(".transcript li .t").all_inner_texts()
-        # Every other console page: nothing it asks for is missing.
-        op_id = next(op["operation_id"] for op in api["operations"])
-        for path in ("/console/calls", "/console/operations", f"/console/operations/{op_id}"):
-            await page.goto(f"{base}{path}")
-            await page.wait_for_load_state("networkidle")
-        await page.context.close()
+    base, call_id = demo_call.base, demo_call.call_id
+    page = await log_in(browser, base, *CONSOLE, viewport={"width": 1400, "height": 1000})
+    failed: list[str] = []
+    page.on(
+        "response",
+        lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
+    )
+    await page.goto(f"{base}/console/calls/{call_id}")
+    await js_true(page, "document.querySelector('#call-live[data-connected]')")
+    api = await (await page.request.get(f"{base}/api/calls/{call_id}/timeline")).json()
+    readback = page.locator(".lane-agent .item[title*=': Please confirm']").first
+    tool = page.locator(".lane-tools .item", has_text="book_table").first
+    request = page.locator(".lane-caller .item[title*=': Lovely, please book it']").first
+    drawn = {
+        "readback": await readback.evaluate(DRAWN_MS),
+        "tool": await tool.evaluate(DRAWN_MS),
+        "request": await request.evaluate(DRAWN_MS),
+    }
+    # A browser asks every page for its icon (/favicon.ico when the page names none).
+    icon = await page.locator("link[rel=icon]").get_attribute("href")
+    icon_status = (await page.request.get(f"{base}{icon}")).status
+    transcript = await page.locator(".transcript li .text").all_inner_texts()
+    t_labels = await page.locator(".transcript li .t").all_inner_texts()
+    # Every other console page: nothing it asks for is missing.
+    op_id = next(op["operation_id"] for op in api["operations"])
+    for path in ("/console/calls", "/console/operations", f"/console/operations/{op_id}"):
+        await page.goto(f"{base}{path}")
+        await page.wait_for_load_state("networkidle")
+    await page.context.close()
 
     events = api["events"]
     said = next(

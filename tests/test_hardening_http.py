@@ -118,10 +118,11 @@ async def test_serve_at_capacity_writes_no_phone_number_to_its_log_stream(
     """The attack as reported: `voice-agent serve`, a signed webhook at capacity with a
     104-character To, then the whole log stream grepped."""
     stderr = tmp_path / "serve.log"
-    server = ServerProcess(
-        {"DATABASE_URL": clean_db, "MAX_LIVE_CALLS": "1", "LOG_LEVEL": "INFO"},
-        stderr_path=stderr,
-    )
+    # The held call never streams, so it is live until the drain limit: with none, the stop
+    # below ends it at once (and its shutdown lines are in the grepped stream too) instead of
+    # waiting out DRAIN_TIMEOUT_S's 30 s default into the SIGKILL.
+    env = {"DATABASE_URL": clean_db, "MAX_LIVE_CALLS": "1", "LOG_LEVEL": "INFO"}
+    server = ServerProcess({**env, "DRAIN_TIMEOUT_S": "0"}, stderr_path=stderr)
     await server.start()
     try:
         public = server.url + "/twilio/voice"
