@@ -270,33 +270,68 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
         if nothing_done
         else f"the operation ended {op.status.value}"
     )
-    row = (
-        await conn.execute(
-            pg_insert(dl_t)
-            .values(
-                id=uuid.uuid4(),
-                operation_id=op.operation_id,
-                tenant_id=op.tenant_id,
-                call_id=op.call_id,
-                caller=op.caller,
-                outcome=op.status.value,
-                channel="none",
-                state=state.value,
-                reason=reason,
-                finished_at=sa.func.now() if state in SETTLED else None,
-            )
-            .on_conflict_do_nothing(index_elements=["operation_id"])
-            .returning(*dl_t.c)
+    delivery_id = uuid.uuid4()
+    dl = (
+        pg_insert(dl_t)
+        .values(
+            id=delivery_id,
+            operation_id=op.operation_id,
+            tenant_id=op.tenant_id,
+            call_id=op.call_id,
+            caller=op.caller,
+            outcome=op.status.value,
+            channel="none",
+            state=state.value,
+            reason=reason,
+            finished_at=sa.func.now() if state in SETTLED else None,
         )
-    ).first()
-    if row is None:
-        return None
-    delivery = DeliveryRecord.from_row(row)
-    await record_event(
-        conn, delivery.id, kind="transition", actor="ledger", reason=reason, to_state=state
+        .on_conflict_do_nothing(index_elements=["operation_id"])
+        .returning(*dl_t.c)
     )
+    if _KEPT_EVENTS in conn.info:  # the trail event waits for `events_together`'s statement
+        row = (await conn.execute(dl)).first()
+        if row is None:
+            return None
+        delivery = DeliveryRecord.from_row(row)
+        await record_event(
+            conn, delivery.id, kind="transition", actor="ledger", reason=reason, to_state=state
+        )
+        if state is D.PENDING:
+            await notify_ready(conn, delivery)
+    else:
+        # One statement: the row, its first trail event and (when it wants deciding) the
+        # notification, all only when this insert made the row.
+        opened = dl.cte("dl")
+        trail = (
+            dev_t.insert()
+            .from_select(
+                ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
+                sa.select(
+                    opened.c.id,
+                    sa.null(),
+                    sa.literal(state.value, sa.String),
+                    sa.literal("transition", sa.String),
+                    sa.literal("ledger", sa.String),
+                    sa.literal(reason, sa.Text),
+                    sa.literal({}, dev_t.c.data.type),
+                ),
+            )
+            .cte("trail")
+        )
+        cols: list[Any] = [opened]
+        if state is D.PENDING:
+            notice = json.dumps({"delivery_id": str(delivery_id), "call_id": op.call_id})
+            cols.append(
+                sa.func.pg_notify(NOTIFY_CHANNEL, sa.bindparam("p", notice, sa.Text)).label(
+                    "notified"
+                )
+            )
+        stmt = sa.select(*cols).add_cte(trail)
+        row = (await conn.execute(stmt)).first()
+        if row is None:
+            return None
+        delivery = DeliveryRecord.from_row(row)
     if state is D.PENDING:
-        await notify_ready(conn, delivery)
         await enqueue(conn, delivery.id)
     if op.compensates_operation_id is not None:
         # The original's delivery may be held until its compensation settles: look again.

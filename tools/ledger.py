@@ -129,7 +129,8 @@ async def _insert_event(
     return int(row.id), row.at
 
 
-async def _notify(conn: AsyncConnection, op: OperationRecord) -> None:
+def _notice(op: OperationRecord) -> tuple[str, str]:
+    """The change's `pg_notify` (channel, payload), sent with its webhook outbox rows."""
     payload = canonical_json(
         {
             "operation_id": str(op.operation_id),
@@ -138,9 +139,7 @@ async def _notify(conn: AsyncConnection, op: OperationRecord) -> None:
             "tenant_id": op.tenant_id,
         }
     )
-    await conn.execute(
-        sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, sa.bindparam("p", payload, sa.Text)))
-    )
+    return NOTIFY_CHANNEL, payload
 
 
 async def admit_operation(
@@ -230,8 +229,7 @@ async def admit_operation(
         to_status=status,
         data=data,
     )
-    await _notify(conn, op)
-    await webhooks.record_change(conn, op, None, event_id, at)
+    await webhooks.record_change(conn, op, None, event_id, at, notify=_notice(op))
     if status is S.ADMITTED:
         assert enqueue is not None
         await enqueue(conn, op.operation_id)
@@ -263,63 +261,82 @@ async def transition(
     unknown = set(values) - SETTABLE_FIELDS
     if unknown:
         raise TypeError(f"transition cannot set {sorted(unknown)}")
-    current = (
-        await conn.execute(
-            sa.select(ops_t.c.status).where(ops_t.c.operation_id == operation_id).with_for_update()
-        )
-    ).first()
-    if current is None:
-        raise OperationNotFound(f"no operation {operation_id}")
-    prev = OperationStatus(current.status)
-    if prev not in froms:
-        return None
     now = sa.func.now()
     setv: dict[str, Any] = {"status": to.value, "updated_at": now, **values}
     if to is S.COMMITTED:
         setv["committed_at"] = now
     if to in TERMINAL:
         setv["finished_at"] = now
-    row = (
-        await conn.execute(
-            ops_t.update()
-            .where(ops_t.c.operation_id == operation_id, ops_t.c.status == prev.value)
-            .values(**setv)
-            .returning(*ops_t.c)
-        )
-    ).first()
-    if row is None:  # pragma: no cover - the row lock makes this unreachable
-        return None
-    op = OperationRecord.from_row(row)
-    event_id, at = await _insert_event(
-        conn,
-        operation_id,
-        kind="transition",
-        actor=actor,
-        reason=reason,
-        from_status=prev,
-        to_status=to,
-        data=data,
+    # One statement: lock the row and read its status (as the SELECT ... FOR UPDATE did),
+    # update it only from an expected status, append the transition's event, and (for a
+    # commit) read when it was admitted for the measure.
+    old = (
+        sa.select(ops_t.c.operation_id, ops_t.c.status)
+        .where(ops_t.c.operation_id == operation_id)
+        .with_for_update()
+        .cte("old")
     )
-    await _notify(conn, op)
-    await webhooks.record_change(conn, op, prev, event_id, at)
+    upd = (
+        ops_t.update()
+        .where(
+            ops_t.c.operation_id == old.c.operation_id,
+            old.c.status.in_([f.value for f in froms]),
+        )
+        .values(**setv)
+        .returning(*ops_t.c, old.c.status.label("prev_status"))
+        .cte("upd")
+    )
+    ev = (
+        events_t.insert()
+        .from_select(
+            ["operation_id", "from_status", "to_status", "kind", "actor", "reason", "data"],
+            sa.select(
+                upd.c.operation_id,
+                upd.c.prev_status,
+                sa.literal(to.value, sa.String),
+                sa.literal("transition", sa.String),
+                sa.literal(actor, sa.String),
+                sa.literal(reason, sa.Text),
+                sa.literal(dict(data or {}), events_t.c.data.type),
+            ),
+        )
+        .returning(events_t.c.id, events_t.c.at)
+        .cte("ev")
+    )
+    cols: list[Any] = [upd, ev.c.id.label("event_id"), ev.c.at.label("event_at")]
+    if to is S.COMMITTED:
+        # The event this statement appends is not visible here, nor is it an admission.
+        cols.append(
+            sa.select(sa.func.min(events_t.c.at))
+            .where(
+                events_t.c.operation_id == operation_id,
+                events_t.c.to_status == S.ADMITTED.value,
+            )
+            .scalar_subquery()
+            .label("admitted_at")
+        )
+    row = (await conn.execute(sa.select(*cols).select_from(upd.join(ev, sa.true())))).first()
+    if row is None:
+        exists = await conn.scalar(
+            sa.select(sa.literal(1)).where(ops_t.c.operation_id == operation_id)
+        )
+        if exists is None:
+            raise OperationNotFound(f"no operation {operation_id}")
+        return None  # a lost race: the status is no longer one of `from_status`
+    prev = OperationStatus(row.prev_status)
+    op = OperationRecord.from_row(row)
+    event_id, at = int(row.event_id), row.event_at
+    await webhooks.record_change(conn, op, prev, event_id, at, notify=_notice(op))
     if to in TERMINAL:
         # The outcome's delivery is durable work from the moment the outcome exists.
         await deliveries.open_for(conn, op)
-    await _measure(conn, op, prev, to)
+    _measure(op, to, row.admitted_at if to is S.COMMITTED else None)
     return op
 
 
-async def _measure(
-    conn: AsyncConnection, op: OperationRecord, prev: OperationStatus, to: OperationStatus
-) -> None:
+def _measure(op: OperationRecord, to: OperationStatus, admitted_at: datetime | None) -> None:
     """The engine's measures of one transition (tools.measures)."""
     if to is S.COMMITTED:
-        admitted_at = await conn.scalar(
-            sa.select(sa.func.min(events_t.c.at)).where(
-                events_t.c.operation_id == op.operation_id,
-                events_t.c.to_status == S.ADMITTED.value,
-            )
-        )
         measures.committed(admitted_at or op.created_at, op.committed_at)
     elif to is S.FAILED_RETRYABLE:
         measures.TOOL_RETRIES.labels(measures.MUTATION).inc()

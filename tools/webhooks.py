@@ -274,30 +274,49 @@ async def record_change(
     from_status: OperationStatus | None,
     event_id: int,
     at: datetime,
+    *,
+    notify: tuple[str, str] | None = None,
 ) -> list[uuid.UUID]:
-    """One outbox row (and its job) per active subscription, in the change's transaction."""
+    """One outbox row (and its job) per active subscription, in the change's transaction.
+
+    `notify` (channel, payload) sends the change's `pg_notify` in the same statement: one
+    round trip for both, the notification exactly once whatever the number of rows.
+    """
     body = payload(op, from_status, event_id, at)
-    rows = await conn.execute(
-        sa.text(
-            "INSERT INTO webhook_deliveries (id, subscription_id, operation_id, "
-            "operation_event_id, event_type, payload, state, next_attempt_at) "
-            "SELECT gen_random_uuid(), s.id, :op, :ev, :type, CAST(:payload AS jsonb), "
-            "'pending', now() FROM webhook_subscriptions s "
-            "WHERE s.active AND s.tenant_id = :tenant "
-            "ON CONFLICT (subscription_id, operation_event_id) DO NOTHING RETURNING id"
-        ),
-        {
-            "op": op.operation_id,
-            "ev": event_id,
-            "type": EVENT_TYPE,
-            "payload": json.dumps(body, default=str),
-            "tenant": op.tenant_id,
-        },
-    )
-    ids = [r.id for r in rows.all()]
+    params: dict[str, Any] = {
+        "op": op.operation_id,
+        "ev": event_id,
+        "type": EVENT_TYPE,
+        "payload": json.dumps(body, default=str),
+        "tenant": op.tenant_id,
+    }
+    if notify is None:
+        rows = await conn.execute(_RECORD_CHANGE, params)
+        ids = [r.id for r in rows.all()]
+    else:
+        params["channel"], params["notice"] = notify
+        row = (await conn.execute(_RECORD_CHANGE_AND_NOTIFY, params)).one()
+        ids = list(row.ids or [])
     for delivery_id in ids:
         await jobs.defer(conn, jobs.WEBHOOK_TASK, webhook_delivery_id=str(delivery_id))
     return ids
+
+
+_INSERT_CHANGE = (
+    "INSERT INTO webhook_deliveries (id, subscription_id, operation_id, "
+    "operation_event_id, event_type, payload, state, next_attempt_at) "
+    "SELECT gen_random_uuid(), s.id, :op, :ev, :type, CAST(:payload AS jsonb), "
+    "'pending', now() FROM webhook_subscriptions s "
+    "WHERE s.active AND s.tenant_id = :tenant "
+    "ON CONFLICT (subscription_id, operation_event_id) DO NOTHING RETURNING id"
+)
+_RECORD_CHANGE = sa.text(_INSERT_CHANGE)
+# One row always: the notification once, the outbox rows' ids as an array.
+_RECORD_CHANGE_AND_NOTIFY = sa.text(
+    f"WITH ins AS ({_INSERT_CHANGE}) "
+    "SELECT pg_notify(CAST(:channel AS text), CAST(:notice AS text)) AS notified, "
+    "ARRAY(SELECT id FROM ins) AS ids"
+)
 
 
 @dataclass(frozen=True, slots=True)
