@@ -416,6 +416,7 @@ async def test_on_client_delegation_our_backend_agent_picks_the_function_and_the
         op = await wait_for_operation(engine, call_id, "committed")
         await hear(caller, before + REQUESTED_MS)
         await caller.hangup()
+        await stack.events(caller)  # the call wound down here, its events written
         calls = await tool_calls_of(engine, call_id)
         spoken = await heard_text(engine, call_id)
         booked = await backend.booked()
