@@ -524,16 +524,16 @@ class _Child:
                 stream._enqueue(item_id, audio)
         elif kind == "flush":
             _, token, slot = message
-            with stream.lock:
-                queued = stream.queued_frames + (1 if stream._tail else 0)
-                stream._queue.clear()
-                stream._tail = b""
-                stream._tail_item = None
+            told: list[Sent] = []
+
+            def last_sent() -> None:  # under the stream's lock, as the queue is dropped
                 with self.lock:
                     self.dirty.discard(slot)
                     self.pending.pop(slot, None)
-                sent = self.sent(slot, stream, heard)
-            self.answer(token, replace(sent, queued_frames=queued))
+                told.append(self.sent(slot, stream, heard))
+
+            dropped = stream.flush(then=last_sent)
+            self.answer(token, replace(told[0], queued_frames=dropped))
         elif kind == "digits":
             stream.send_events(message[2])
         elif kind == "close":
