@@ -273,25 +273,11 @@ class Executor:
     ) -> OperationRecord | None:
         """Apply one attempt's outcome to the ledger (conditional on it still being ours)."""
         op_id = running.operation_id
+        data: dict[str, Any] = {"attempt": running.attempts}
         async with self.engine.begin() as conn:
-            current = await ledger.get_operation(conn, op_id, for_update=True)
-            assert current is not None
-            if current.attempts != running.attempts or current.status not in (
-                S.RUNNING,
-                S.UNKNOWN,
-            ):
-                # A newer attempt or another actor settled it; our answer is history.
-                await ledger.record_event(
-                    conn,
-                    op_id,
-                    kind="note",
-                    actor=self.actor,
-                    reason=f"late outcome of attempt {running.attempts} ignored",
-                    data={"outcome": result.outcome.value, "error": result.error},
-                )
-                return current
-            data: dict[str, Any] = {"attempt": running.attempts}
             if result.outcome is Outcome.committed:
+                # The usual answer in one statement: the transition itself checks that the
+                # operation is still on this attempt (and locks it either way).
                 done = await ledger.transition(
                     conn,
                     op_id,
@@ -300,13 +286,23 @@ class Executor:
                     actor=self.actor,
                     reason="the provider confirmed it",
                     data=data,
+                    attempt=running.attempts,
                     result=result.result,
                     provider_ref=result.reference,
                     error=None,
                 )
-                if done is not None and done.cancel_requested:
+                if done is None:
+                    return await self._ignored(conn, running, result)
+                if done.cancel_requested:
                     await self.compensate(conn, done, reason="cancel requested while running")
                 return done
+            current = await ledger.get_operation(conn, op_id, for_update=True)
+            assert current is not None
+            if current.attempts != running.attempts or current.status not in (
+                S.RUNNING,
+                S.UNKNOWN,
+            ):
+                return await self._ignored(conn, running, result, current)
             if result.outcome is Outcome.pending:
                 await ledger.record_event(
                     conn,
@@ -352,6 +348,29 @@ class Executor:
             return current
         # Often the answer was merely lost: ask the provider now, not after a sweep.
         return await self.reconciler.reconcile(op_id)
+
+    async def _ignored(
+        self,
+        conn: AsyncConnection,
+        running: OperationRecord,
+        result: ActionResult,
+        current: OperationRecord | None = None,
+    ) -> OperationRecord:
+        """A newer attempt or another actor settled it; our answer is history (noted).
+        Returns the operation as it is (`current` when the caller read it, locked)."""
+        op_id = running.operation_id
+        await ledger.record_event(
+            conn,
+            op_id,
+            kind="note",
+            actor=self.actor,
+            reason=f"late outcome of attempt {running.attempts} ignored",
+            data={"outcome": result.outcome.value, "error": result.error},
+        )
+        if current is None:
+            current = await ledger.get_operation(conn, op_id)
+            assert current is not None
+        return current
 
     async def retry_or_fail(
         self,

@@ -245,12 +245,15 @@ async def transition(
     actor: str,
     reason: str,
     data: Mapping[str, Any] | None = None,
+    attempt: int | None = None,
     **values: Any,
 ) -> OperationRecord | None:
-    """Move an operation `from_status -> to_status` if it is still in `from_status`.
+    """Move an operation `from_status -> to_status` if it is still in `from_status` (and,
+    with `attempt`, still on that attempt: a worker's outcome applies to its own attempt only).
 
     Illegal edges raise `IllegalTransition` (before touching the database). A lost race
-    (the status is no longer one of `from_status`) returns None and changes nothing. On
+    (the status is no longer one of `from_status`, or a newer attempt began) returns None
+    and changes nothing; the row stays locked to the end of the transaction either way. On
     success the row, an `operation_events` row, a `pg_notify`, the integrator webhook
     outbox rows and, for a terminal status, the outcome's delivery (with its job) go out in
     this transaction, and the updated record is returned. `values` may set
@@ -271,17 +274,17 @@ async def transition(
     # update it only from an expected status, append the transition's event, and (for a
     # commit) read when it was admitted for the measure.
     old = (
-        sa.select(ops_t.c.operation_id, ops_t.c.status)
+        sa.select(ops_t.c.operation_id, ops_t.c.status, ops_t.c.attempts)
         .where(ops_t.c.operation_id == operation_id)
         .with_for_update()
         .cte("old")
     )
+    guard: list[sa.ColumnElement[bool]] = [old.c.status.in_([f.value for f in froms])]
+    if attempt is not None:
+        guard.append(old.c.attempts == attempt)
     upd = (
         ops_t.update()
-        .where(
-            ops_t.c.operation_id == old.c.operation_id,
-            old.c.status.in_([f.value for f in froms]),
-        )
+        .where(ops_t.c.operation_id == old.c.operation_id, *guard)
         .values(**setv)
         .returning(*ops_t.c, old.c.status.label("prev_status"))
         .cte("upd")
