@@ -11,6 +11,8 @@ Targets:
   relay          plain websockets relay, websockets' defaults (permessage-deflate negotiated)
   relay-plain    the same relay with compression off on both sockets
   relay-uvloop   relay-plain on uvloop
+  relay-picows   the same relay on picows (Cython WebSocket frames) and uvloop
+                 (bench/picows_relay.py; needs `pip install picows`)
   service        `voice-agent serve` with its defaults
   service-<N>ms  the service sending agent audio in N ms chunks (TWILIO_MEDIA_CHUNK_MS)
   service-asyncio  the service on the standard asyncio loop (EVENT_LOOP=asyncio)
@@ -141,7 +143,9 @@ def _start_server(
         "LOG_LEVEL": "WARNING",
         "DATA_DIR": str(workdir / "data"),
     }
-    if target.startswith("relay"):
+    if target == "relay-picows":
+        cmd = [PY, str(ROOT / "bench" / "picows_relay.py"), str(port)]
+    elif target.startswith("relay"):
         cmd = [PY, str(ROOT / "bench" / "ws_relay.py"), str(port)]
         if target in ("relay-plain", "relay-uvloop"):
             cmd.append("--no-deflate")
