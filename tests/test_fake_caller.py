@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -246,6 +247,31 @@ async def test_caller_streams_silence_between_scripted_audio_like_a_phone_line()
         await srv.peer.wait_event("media", count=5)
     media = [m for m in srv.peer.parsed() if isinstance(m, Media)]
     assert all(m.media.audio() == audio.silence(20) for m in media)
+
+
+async def test_speech_queued_back_to_back_stays_continuous_when_the_loop_stalls() -> None:
+    """Behind its clock after a stall, the stream catches up in a burst; a caller still talking
+    queues its next words before any catch-up silence (a pause would end its turn)."""
+    async with (
+        stream_server() as srv,
+        FakeTwilioCaller(auth_token=TOKEN) as caller,
+    ):
+        await caller.open_stream(srv.url)
+
+        async def talk() -> None:
+            for _ in range(4):
+                await caller.play_speech(100)
+
+        talking = asyncio.create_task(talk())
+        # 50 ms into the first words the whole loop blocks for 300 ms (a loaded machine).
+        asyncio.get_running_loop().call_later(0.05, time.sleep, 0.3)
+        await talking
+        await caller.hangup()
+        await srv.peer.wait_event("stop")
+    frames = [m.media.audio() for m in srv.peer.parsed() if isinstance(m, Media)]
+    spoken = [i for i, f in enumerate(frames) if f != audio.silence(20)]
+    assert len(spoken) == 20  # 4 x 100 ms
+    assert spoken == list(range(spoken[0], spoken[0] + 20)), "silence inside the speech"
 
 
 async def test_playout_echoes_marks_at_playback_pace_and_clear_flushes_the_rest() -> None:

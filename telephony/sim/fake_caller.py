@@ -991,6 +991,12 @@ class FakeTwilioCaller:
                 delay = start + n * frame_s - self._now()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                elif not self._outbox:
+                    # Behind the clock (after a stall) frames go out back to back with no
+                    # yield: let a script woken by its last frame queue its next words first,
+                    # or the catch-up is a pause it never made in the middle of its speech
+                    # (500 ms of it ends a VAD turn).
+                    await asyncio.sleep(0)
                 if self.state is not CallerState.STREAMING:
                     break
                 frame, done = self._outbox.popleft() if self._outbox else (silence, None)
