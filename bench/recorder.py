@@ -270,6 +270,55 @@ def render_row(minutes: float) -> tuple[float, float]:
     return took * 1000, len(wav) / 1e6
 
 
+def stall_row(
+    minutes: float, switch_s: float, renders: int = 5
+) -> tuple[float, float, float, float]:
+    """The event loop (uvloop, as `serve` runs) ticking every millisecond while a call of
+    `minutes` renders in a thread (`asyncio.to_thread`, as at a call's end), `renders` times
+    one after another, with the GIL's switch interval `switch_s`: (tick lateness p99 and max
+    in ms while rendering; the same with nothing rendering, the baseline)."""
+    import asyncio
+
+    import uvloop
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+
+    call = Call(Ours, 1, minutes * 60)
+    call.run_until(float("inf"))
+    call.rec.rec.stop()
+
+    async def measure(render: bool) -> list[float]:
+        late: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            while not done:
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.001)
+                late.append((time.perf_counter() - t0 - 0.001) * 1000)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        late.clear()
+        for _ in range(renders):
+            if render:
+                await asyncio.to_thread(call.rec.rec.render)
+            else:
+                await asyncio.sleep(0.08)
+        done = True
+        await task
+        return late
+
+    try:
+        busy = uvloop.run(measure(True))
+        idle = uvloop.run(measure(False))
+    finally:
+        sys.setswitchinterval(before)
+    call.rec.finish()
+    return pct(busy, 99), max(busy), pct(idle, 99), max(idle)
+
+
 class Pauses:
     """Every collection's duration, by generation, from gc.callbacks."""
 
@@ -379,6 +428,25 @@ def main() -> None:
         ms, wav_mb = render_row(minutes)
         rrows.append((f"{minutes} min", f"{ms:.0f}", f"{ms / minutes:.1f}", f"{wav_mb:.1f}"))
     table("Render (CallRecorder.render)", ("call", "ms", "ms per call-minute", "WAV MB"), rrows)
+    from app.server import SWITCH_INTERVAL_S
+
+    srows = []
+    for minutes in (3, 10):
+        for switch_s, who in ((0.005, "CPython's default"), (SWITCH_INTERVAL_S, "serve's")):
+            p99, worst, base_p99, base_worst = stall_row(minutes, switch_s)
+            srows.append(
+                (
+                    f"{minutes} min",
+                    f"{switch_s * 1000:g} ms ({who})",
+                    f"{p99:.2f} / {worst:.2f}",
+                    f"{base_p99:.2f} / {base_worst:.2f}",
+                )
+            )
+    table(
+        "The event loop while a call renders in a thread: a 1 ms timer's lateness, ms",
+        ("call", "GIL switch interval", "rendering: p99 / max", "nothing rendering: p99 / max"),
+        srows,
+    )
     crows = []
     for impl in IMPLS:
         r = churn_row(impl, args.calls, churn_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import sys
 import warnings
 import wave
@@ -337,6 +338,32 @@ def wav_to_pcm16(wav_bytes: bytes, rate: int = TELEPHONY_RATE) -> bytes:
     if wav.rate != rate:
         pcm, _ = audioop.ratecv(pcm, 2, 1, wav.rate, rate, None)
     return _little(pcm)
+
+
+def wav_header(pcm_bytes: int, rate: int = TELEPHONY_RATE, channels: int = 1) -> bytes:
+    """The 44-byte header `pcm16_to_wav` writes before `pcm_bytes` of 16-bit PCM (RIFF, a
+    `fmt ` chunk for PCM, the `data` chunk's size): for writing a WAV in pieces."""
+    if pcm_bytes % (2 * channels):
+        raise AudioFormatError(
+            f"16-bit PCM of {channels} channel(s) comes in whole frames, not {pcm_bytes} bytes"
+        )
+    block = 2 * channels
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF",
+        36 + pcm_bytes,
+        b"WAVE",
+        b"fmt ",
+        16,
+        1,  # PCM
+        channels,
+        rate,
+        rate * block,
+        block,
+        16,
+        b"data",
+        pcm_bytes,
+    )
 
 
 def pcm16_to_wav(pcm: bytes, rate: int = TELEPHONY_RATE, channels: int = 1) -> bytes:

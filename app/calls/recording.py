@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from telephony.audio import Codec, decode, pcm16_to_wav, silence_byte
+from telephony.audio import Codec, decode, silence_byte, wav_header
 from telephony.legs.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
 from telephony.playback import PlaybackTracker
 
@@ -55,7 +55,9 @@ MAX_SKEW_MS = 2000
 END_MARGIN_MS = 1000
 # Twilio's `timestamp` is any integer string; beyond float precision it places nothing.
 MAX_STAMP_MS = 1 << 53
-WINDOW_SAMPLES = 30 * RATE  # laid out and decoded 30 s at a time
+# Laid out and decoded 10 s at a time: each step holds the GIL about a millisecond, so a render
+# in its thread delays the event loop's thread by no more than that at a time.
+WINDOW_SAMPLES = 10 * RATE
 # What a recorder holds in memory before it writes it to the call's spool file.
 SPILL_BYTES = 32 * 1024
 # A record in the spool: kind, at (s, the recorder's clock), the caller frame's timestamp (ms,
@@ -71,14 +73,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Recording:
-    """A rendered recording."""
+    """A rendered recording: the WAV in `parts` (its header, then the PCM a window at a time),
+    stored piece by piece, never joined into one buffer on the way."""
 
-    wav: bytes
+    parts: tuple[bytes, ...]
     duration_ms: int
     started_at: datetime
     truncated: bool
     sample_rate: int = RATE
     channels: int = 2
+
+    @property
+    def size(self) -> int:
+        """The WAV's length in bytes."""
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def wav(self) -> bytes:
+        """The whole WAV in one buffer (a copy: for tests and tools, not the store)."""
+        return b"".join(self.parts)
 
 
 class CallRecorder:
@@ -238,7 +251,7 @@ class CallRecorder:
         codec: Codec = "pcma" if self.audio_format == "audio/pcma" else "pcmu"
         silence = silence_byte(codec)
         caller_bins, agent_bins = _bins(caller, samples), _bins(agent, samples)
-        pcm: list[bytes] = []
+        pcm: list[bytes] = [b""]  # the header's place
         for index, first in enumerate(range(0, samples, WINDOW_SAMPLES)):
             size = min(WINDOW_SAMPLES, samples - first)
             stereo = bytearray(2 * size)
@@ -247,8 +260,9 @@ class CallRecorder:
             # G.711 decodes sample by sample, so the interleaved bytes decode to stereo PCM.
             pcm.append(decode(bytes(stereo), codec))
             self.largest_window_bytes = max(self.largest_window_bytes, len(stereo))
+        pcm[0] = wav_header(sum(len(p) for p in pcm), RATE, channels=2)
         return Recording(
-            wav=pcm16_to_wav(b"".join(pcm), RATE, channels=2),
+            parts=tuple(pcm),
             duration_ms=samples // SAMPLES_PER_MS,
             started_at=self.started_at,
             truncated=self.truncated,

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -36,8 +37,9 @@ class RecordingStore(Protocol):
 
     name: str
 
-    async def put(self, call_id: str, data: bytes) -> str:
-        """Store `data`; returns its locator."""
+    async def put(self, call_id: str, data: bytes | Sequence[bytes]) -> str:
+        """Store `data` (one buffer, or pieces stored one after another); returns its
+        locator."""
         ...
 
     async def read(self, locator: str, start: int, length: int) -> bytes: ...
@@ -54,17 +56,17 @@ class LargeObjectStore:
         self._engine = engine
         self._chunk = chunk_bytes
 
-    async def put(self, call_id: str, data: bytes) -> str:
+    async def put(self, call_id: str, data: bytes | Sequence[bytes]) -> str:
+        chunks = _chunks([data] if isinstance(data, bytes) else data, self._chunk)
         async with self._engine.begin() as conn:
             oid = int(
-                await conn.scalar(
-                    sa.text("SELECT lo_from_bytea(0, :d)"), {"d": data[: self._chunk]}
-                )
+                await conn.scalar(sa.text("SELECT lo_from_bytea(0, :d)"), {"d": next(chunks)})
             )
-            for offset in range(self._chunk, len(data), self._chunk):
+            offset = 0
+            for chunk in chunks:
+                offset += self._chunk
                 await conn.execute(
-                    sa.text("SELECT lo_put(:o, :off, :d)"),
-                    {"o": oid, "off": offset, "d": data[offset : offset + self._chunk]},
+                    sa.text("SELECT lo_put(:o, :off, :d)"), {"o": oid, "off": offset, "d": chunk}
                 )
         return str(oid)
 
@@ -81,6 +83,25 @@ class LargeObjectStore:
             await conn.execute(sa.text("SELECT lo_unlink(:o)"), {"o": int(locator)})
 
 
+def _chunks(parts: Sequence[bytes], size: int) -> Iterator[bytes]:
+    """`parts`, end to end, in chunks of `size` bytes (the last may be shorter; one empty
+    chunk when there is nothing at all)."""
+    pending = bytearray()
+    sent = False
+    for part in parts:
+        view = memoryview(part)
+        while len(pending) + len(view) >= size:
+            take = size - len(pending)
+            pending += view[:take]
+            view = view[take:]
+            yield bytes(pending)
+            pending.clear()
+            sent = True
+        pending += view
+    if pending or not sent:
+        yield bytes(pending)
+
+
 class FileStore:
     """Recordings as `<call id>.wav` files in one directory."""
 
@@ -95,13 +116,16 @@ class FileStore:
             raise ValueError("a locator names a file in the store's directory")
         return path
 
-    async def put(self, call_id: str, data: bytes) -> str:
+    async def put(self, call_id: str, data: bytes | Sequence[bytes]) -> str:
         name = f"{uuid.UUID(call_id)}.wav"
+        parts = [data] if isinstance(data, bytes) else data
 
         def write() -> None:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.directory / f".{name}.tmp"
-            tmp.write_bytes(data)
+            with tmp.open("wb") as f:
+                for part in parts:
+                    f.write(part)
             os.replace(tmp, self.directory / name)
 
         await asyncio.to_thread(write)
@@ -199,7 +223,7 @@ class Recordings:
             recorder.discard()
 
     async def save(self, call_id: str, recording: Recording) -> RecordingInfo:
-        locator = await self.store.put(call_id, recording.wav)
+        locator = await self.store.put(call_id, recording.parts)
         stmt = (
             pg_insert(recordings_t)
             .values(
@@ -207,7 +231,7 @@ class Recordings:
                 store=self.store.name,
                 locator=locator,
                 content_type=CONTENT_TYPE,
-                bytes=len(recording.wav),
+                bytes=recording.size,
                 duration_ms=recording.duration_ms,
                 sample_rate=recording.sample_rate,
                 channels=recording.channels,
