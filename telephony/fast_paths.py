@@ -15,6 +15,7 @@ import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,13 @@ def realtime_fast_paths() -> list[FastPath]:
     from openai.resources.realtime.realtime import AsyncRealtimeConnection
 
     from telephony import ws_frames
-    from telephony.realtime_wire import LaneConnection, between_frames, nowait_sender, raw_sender
+    from telephony.realtime_wire import (
+        EventTexts,
+        LaneConnection,
+        between_frames,
+        nowait_sender,
+        raw_sender,
+    )
 
     try:
         protocol = open_client_protocol()
@@ -90,6 +97,7 @@ def realtime_fast_paths() -> list[FastPath]:
             FastPath("realtime socket own-frame reader", False, why),
             FastPath("realtime direct send", False, why),
             FastPath("realtime nowait sender", False, why),
+            _session_update_reuse(EventTexts),
         ]
     # websockets' C extension masks client frames; without it a pure-Python loop does.
     c_masks = isinstance(ws_frames.apply_mask, types.BuiltinFunctionType)
@@ -111,4 +119,13 @@ def realtime_fast_paths() -> list[FastPath]:
             nowait,
             "" if nowait else "needs the direct send and the lane connection",
         ),
+        _session_update_reuse(EventTexts),
     ]
+
+
+def _session_update_reuse(texts: Any) -> FastPath:
+    """realtime_wire.EventTexts: the SDK's transform, run once per distinct session.update."""
+    active = bool(texts.available())
+    return FastPath(
+        "realtime session.update reuse", active, "" if active else "the SDK's transform moved"
+    )

@@ -8,6 +8,7 @@ The off cases take a library apart (never our code) and check the report and the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ NAMES = [
     "realtime socket own-frame reader",
     "realtime direct send",
     "realtime nowait sender",
+    "realtime session.update reuse",
 ]
 
 
@@ -99,3 +101,40 @@ async def test_serve_says_which_fast_paths_are_on(clean_db: str, tmp_path: Path)
     assert len(lines) == 1, lines
     for name in NAMES:
         assert f"{name} on" in lines[0]
+
+
+class _Written:
+    """The websocket under an SDK Realtime connection: keeps what is written."""
+
+    def __init__(self) -> None:
+        self.frames: list[str] = []
+
+    async def send(self, data: str) -> None:
+        self.frames.append(data)
+
+
+async def test_a_session_update_goes_out_as_the_sdks_send_writes_it_and_its_text_is_reused() -> (
+    None
+):
+    from openai.resources.realtime.realtime import AsyncRealtimeConnection
+
+    from telephony.realtime_wire import EventTexts
+    from telephony.session_config import BridgeConfig, session_update
+    from tools.restaurant.catalog import restaurant_catalog
+
+    session = session_update(BridgeConfig(), "audio/pcmu", restaurant_catalog().definitions())
+    by_sdk, by_us = _Written(), _Written()
+    await AsyncRealtimeConnection(by_sdk).session.update(event_id="e1", session=session)  # type: ignore[arg-type]
+    texts = EventTexts(size=1)
+    conn = AsyncRealtimeConnection(by_us)  # type: ignore[arg-type]
+    event = {"type": "session.update", "session": session, "event_id": "e1"}
+    await texts.send(conn, event)
+    await texts.send(conn, event)
+    other = {**event, "event_id": "e2"}  # another event: its own text, the oldest forgotten
+    await texts.send(conn, other)
+    await texts.send(conn, event)
+    assert EventTexts.available()
+    assert by_us.frames[:2] == by_sdk.frames * 2
+    assert json.loads(by_us.frames[2]) == {**json.loads(by_sdk.frames[0]), "event_id": "e2"}
+    assert by_us.frames[3] == by_sdk.frames[0]
+    assert texts.reused == 1

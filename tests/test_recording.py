@@ -297,6 +297,49 @@ async def test_stores_keep_recordings_and_read_them_back_by_byte_range(
     await store.delete(locator)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1000])
+async def test_a_saved_recording_is_one_large_object_and_a_second_save_keeps_the_first(
+    engine: AsyncEngine, tmp_path: Path, chunk_bytes: int
+) -> None:
+    """Whether the object and its row go in one statement (fits one chunk) or not."""
+    from datetime import UTC, datetime
+
+    import sqlalchemy as sa
+
+    from app.calls import store as call_store
+    from app.calls.recording import Recording
+    from app.calls.recording_store import Recordings
+    from app.settings import Settings
+
+    row, _ = await call_store.create_call(
+        engine, call_sid="CArecsave", tenant_id="default", from_number=None, to_number=None
+    )
+    recordings = Recordings(engine, Settings(data_dir=tmp_path))
+    recordings.store = recordings.stores["postgres"] = LargeObjectStore(engine, chunk_bytes)
+    wav = bytes(range(256)) * 20  # 5120 bytes
+    first = Recording((wav[:44], wav[44:]), 320, datetime.now(UTC), False)
+    second = Recording((b"RIFF", wav), 321, datetime.now(UTC), True)
+
+    async def objects() -> int:
+        async with engine.connect() as conn:
+            return int(await conn.scalar(sa.text("SELECT count(*) FROM pg_largeobject_metadata")))
+
+    before = await objects()
+    info = await recordings.save(row.id, first)
+    assert (info.call_id, info.store, info.bytes, info.duration_ms) == (
+        row.id,
+        "postgres",
+        5120,
+        320,
+    )
+    assert await recordings.read(info, 0, 6000) == wav
+    assert await objects() == before + 1
+    again = await recordings.save(row.id, second)
+    assert again == info  # the first is kept and the second's object is gone
+    assert await objects() == before + 1
+    assert await get_recording(engine, row.id) == info
+
+
 async def test_the_file_store_reads_only_its_own_directory(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "recordings")
     with pytest.raises(ValueError):

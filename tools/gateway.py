@@ -33,6 +33,7 @@ from telephony.tool_gateway import (
 )
 from tools import faults, ledger, measures, tracing
 from tools.agents import Agent, AgentSet
+from tools.autocommit import autocommit
 from tools.compensation import admit_compensation
 from tools.conflicts import (
     conflict_key,
@@ -629,12 +630,24 @@ class ToolPipeline:
                 state.lock()
 
     async def on_call_end(self, ctx: CallContext) -> None:
+        open_statuses = [S.AWAITING_CONFIRMATION, *IN_FLIGHT]
+        # One read for both: what waited for a confirmation (cancelled now) and what is still
+        # in flight (handed on below). Most calls leave neither: the read alone, no
+        # transaction; one that left a confirmation waiting reads again in the cancelling one.
+        async with autocommit(self._engine) as conn:
+            open_ops = await ledger.operations_for_call(conn, ctx.call_id, open_statuses)
+        if any(op.status is S.AWAITING_CONFIRMATION for op in open_ops):
+            open_ops = await self._cancel_unconfirmed(ctx, open_statuses)
+        pending = [op for op in open_ops if op.status in IN_FLIGHT]
+        self._ids.drop(ctx.call_id)
+        if pending and self.pending_results is not None:
+            await self.pending_results(ctx, pending)
+
+    async def _cancel_unconfirmed(
+        self, ctx: CallContext, open_statuses: list[S]
+    ) -> list[OperationRecord]:
         async with self._engine.begin() as conn:
-            # One read for both: what waited for a confirmation (cancelled now) and what is
-            # still in flight (handed on below).
-            open_ops = await ledger.operations_for_call(
-                conn, ctx.call_id, [S.AWAITING_CONFIRMATION, *IN_FLIGHT]
-            )
+            open_ops = await ledger.operations_for_call(conn, ctx.call_id, open_statuses)
             for op in open_ops:
                 if op.status is not S.AWAITING_CONFIRMATION:
                     continue
@@ -646,10 +659,7 @@ class ToolPipeline:
                     actor="policy",
                     reason="call ended before confirmation",
                 )
-            pending = [op for op in open_ops if op.status in IN_FLIGHT]
-        self._ids.drop(ctx.call_id)
-        if pending and self.pending_results is not None:
-            await self.pending_results(ctx, pending)
+        return open_ops
 
     # --- dispatch ------------------------------------------------------------------------
 

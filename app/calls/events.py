@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.calls import measures
 from app.calls.store import call_events
 from telephony.call_events import CallEvent, CallEventKind
+from tools.autocommit import autocommit
 from tools.outage import DATABASE
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,9 @@ class EventWriter:
     async def _write(self, batch: list[CallEvent]) -> None:
         rows: list[dict[str, Any]] = []
         next_seq: dict[uuid.UUID, int] = {}
-        async with self._engine.begin() as conn:
+        # The rows and their notification are one statement: it commits alone (a `max(seq)`
+        # read first, for a call this writer does not know, locks nothing either way).
+        async with autocommit(self._engine) as conn:
             for event in batch:
                 key = uuid.UUID(event.call_id)
                 if key not in next_seq:

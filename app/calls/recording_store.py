@@ -26,10 +26,25 @@ from app.calls.recording import CONTENT_TYPE, CallRecorder, Recording
 from app.console_models import call_recordings_table as recordings_t
 from app.settings import Settings
 from telephony.legs.leg import AudioFormat
+from tools.autocommit import autocommit
 
 log = logging.getLogger(__name__)
 
 RENDER_TIMEOUT_S = 30.0
+
+# A recording that fits one large-object write, stored with its row in one statement (no
+# transaction around it, tools.autocommit): the object, and the row unless the call has one
+# already (`call_id` is NULL then, and `new_oid` is the object to unlink).
+_PUT_AND_RECORD = sa.text(
+    "WITH lo AS (SELECT lo_from_bytea(0, :d) AS oid),"
+    " ins AS ("
+    " INSERT INTO call_recordings (call_id, store, locator, content_type, bytes, duration_ms,"
+    " sample_rate, channels, started_at, truncated)"
+    " SELECT :call_id, :store, CAST(lo.oid AS text), :content_type, :bytes, :duration_ms,"
+    " :sample_rate, :channels, :started_at, :truncated FROM lo"
+    " ON CONFLICT (call_id) DO NOTHING RETURNING *)"
+    " SELECT ins.*, lo.oid AS new_oid FROM lo LEFT JOIN ins ON true"
+)
 
 
 class RecordingStore(Protocol):
@@ -55,6 +70,11 @@ class LargeObjectStore:
     def __init__(self, engine: AsyncEngine, chunk_bytes: int = 1 << 20) -> None:
         self._engine = engine
         self._chunk = chunk_bytes
+
+    def fits_one_statement(self, size: int) -> bool:
+        """Whether `size` bytes are written by one `lo_from_bytea` (`Recordings.save` then
+        writes the object and its row in one statement)."""
+        return size <= self._chunk
 
     async def put(self, call_id: str, data: bytes | Sequence[bytes]) -> str:
         chunks = _chunks([data] if isinstance(data, bytes) else data, self._chunk)
@@ -223,7 +243,10 @@ class Recordings:
             recorder.discard()
 
     async def save(self, call_id: str, recording: Recording) -> RecordingInfo:
-        locator = await self.store.put(call_id, recording.parts)
+        store = self.store
+        if isinstance(store, LargeObjectStore) and store.fits_one_statement(recording.size):
+            return await self._save_in_one_statement(call_id, recording, store)
+        locator = await store.put(call_id, recording.parts)
         stmt = (
             pg_insert(recordings_t)
             .values(
@@ -246,6 +269,31 @@ class Recordings:
         if row is None:
             # The call has a recording already (one media session per call): keep that one.
             await self.store.delete(locator)
+            existing = await get_recording(self.engine, call_id)
+            assert existing is not None
+            return existing
+        return RecordingInfo.from_row(row)
+
+    async def _save_in_one_statement(
+        self, call_id: str, recording: Recording, store: LargeObjectStore
+    ) -> RecordingInfo:
+        params = {
+            "d": recording.wav,  # one chunk at most: joined here as the chunked path would
+            "call_id": uuid.UUID(call_id),
+            "store": store.name,
+            "content_type": CONTENT_TYPE,
+            "bytes": recording.size,
+            "duration_ms": recording.duration_ms,
+            "sample_rate": recording.sample_rate,
+            "channels": recording.channels,
+            "started_at": recording.started_at,
+            "truncated": recording.truncated,
+        }
+        async with autocommit(self.engine) as conn:
+            row = (await conn.execute(_PUT_AND_RECORD, params)).one()
+        if row._mapping["call_id"] is None:
+            # The call has a recording already (one media session per call): keep that one.
+            await store.delete(str(row._mapping["new_oid"]))
             existing = await get_recording(self.engine, call_id)
             assert existing is not None
             return existing

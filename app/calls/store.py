@@ -15,6 +15,7 @@ from sqlmodel import SQLModel
 
 import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 from tools import deliveries
+from tools.autocommit import autocommit
 
 calls = SQLModel.metadata.tables["calls"]
 call_events = SQLModel.metadata.tables["call_events"]
@@ -172,7 +173,8 @@ async def create_call(
         .on_conflict_do_nothing(index_elements=["call_sid"])
         .returning(*calls.c)
     )
-    async with engine.begin() as conn:
+    # One statement: it commits alone (a conflict means the row was there, committed).
+    async with autocommit(engine) as conn:
         inserted = (await conn.execute(stmt)).mappings().first()
         if inserted is not None:
             return CallRow.from_mapping(inserted), True
@@ -234,9 +236,14 @@ async def transition(
         .values(**values)
         .returning(*calls.c)
     )
+    if target not in TERMINAL:
+        # One statement: no transaction around it (tools.autocommit).
+        async with autocommit(engine) as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+        return CallRow.from_mapping(row) if row else None
     async with engine.begin() as conn:
         row = (await conn.execute(stmt)).mappings().first()
-        if row is not None and target in TERMINAL:
+        if row is not None:
             await deliveries.redrive_for_call(
                 conn,
                 call_id,

@@ -38,6 +38,7 @@ from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import (
     APPEND_HEAD,
     APPEND_TAIL,
+    EVENT_TEXTS,
     LaneConnection,
     append_frame,
     audio_delta,
@@ -250,17 +251,18 @@ class RealtimeLink:
         if self._sideband_call_sid is not None:
             return
         history = list(self._history) if resumed else []
-        await conn.session.update(
-            event_id=SESSION_UPDATE_EVENT_ID,
-            session=session_update(
-                self._config,
-                self._audio_format,
-                self._tools(),
-                history,
-                self._persona(),
-                self._voice(),
-            ),
+        session = session_update(
+            self._config,
+            self._audio_format,
+            self._tools(),
+            history,
+            self._persona(),
+            self._voice(),
         )
+        # What `conn.session.update(...)` sends, its wire form reused from the last call
+        # (realtime_wire.EventTexts).
+        event = {"type": "session.update", "session": session, "event_id": SESSION_UPDATE_EVENT_ID}
+        await EVENT_TEXTS.send(conn, event)
         await self._await_session_updated(conn)
 
     async def _attach_sideband(self, sideband_call_sid: str) -> AsyncRealtimeConnection:
