@@ -6,7 +6,14 @@ driver-level statements Procrastinate's defer runs on the same connection) for
 `--subscriptions` active webhook subscriptions (so its outbox rows go out). Prints the
 statements and their count; no assertions.
 
-    .venv/bin/python bench/commit_statements.py [--subscriptions 1] [--repeat 5]
+Then the CPU this process spends (`time.process_time`: SQLAlchemy, the driver, the loop) on
+each of an operation's three transactions, over `--cpu` operations: its admission (row,
+event, outbox row, notification), `admitted -> running`, and `running -> committed` (with
+the delivery it opens). Baseline: a transaction of one `SELECT 1` on the same engine, the
+floor of a round trip through the pool and driver. To compare two commits, run this on each
+in turn, several times (the machine is shared).
+
+    .venv/bin/python bench/commit_statements.py [--subscriptions 1] [--repeat 5] [--cpu 300]
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ async def _enqueue(conn: AsyncConnection, operation_id: uuid.UUID) -> None:
     """The bench measures the commit, not admission's queue."""
 
 
-async def main(subscriptions: int, repeat: int) -> None:
+async def main(subscriptions: int, repeat: int, cpu: int) -> None:
     server = resolve_database_url(
         os.environ.get("TEST_DATABASE_URL") or os.environ.get("DATABASE_URL"),
         Path(tempfile.gettempdir()) / "voice-agent-bench-pg",
@@ -105,9 +112,73 @@ async def main(subscriptions: int, repeat: int) -> None:
             f"{counts[0]} round trips; wall ms over {repeat}: "
             f"min {min(elapsed):.2f} median {sorted(elapsed)[len(elapsed) // 2]:.2f}"
         )
+        if cpu:
+            await _cpu_table(engine, cpu)
         await engine.dispose()
     finally:
         drop_database(server, name)
+
+
+async def _cpu_table(engine: Any, n: int) -> None:
+    """CPU ms per transaction of each kind, over `n` operations (after a warm-up)."""
+    spent = {"admission": 0.0, "admitted -> running": 0.0, "running -> committed": 0.0}
+    floor = 0.0
+    for i in range(-20, n):  # the first 20 warm the statement cache and the pool
+        warm = i >= 0
+        t0 = time.process_time()
+        async with engine.begin() as conn:
+            adm = await ledger.admit_operation(
+                conn,
+                tenant_id="bench",
+                tool="book_table",
+                args={"i": i},
+                idempotency_key=f"cpu{i}",
+                call_id=f"cpu-call-{i}",
+                caller="+15550001",
+                enqueue=_enqueue,
+            )
+        t1 = time.process_time()
+        op_id = adm.operation.operation_id
+        async with engine.begin() as conn:
+            await ledger.transition(
+                conn, op_id, S.ADMITTED, S.RUNNING, actor="bench", reason="attempt 1", attempts=1
+            )
+        t2 = time.process_time()
+        async with engine.begin() as conn:
+            await ledger.transition(
+                conn,
+                op_id,
+                (S.RUNNING, S.UNKNOWN),
+                S.COMMITTED,
+                actor="bench",
+                reason="the provider confirmed it",
+                data={"attempt": 1},
+                result={"ok": True},
+                provider_ref=f"ref{i}",
+                error=None,
+            )
+        t3 = time.process_time()
+        async with engine.begin() as conn:
+            await conn.execute(_SELECT_1)
+        t4 = time.process_time()
+        if warm:
+            spent["admission"] += t1 - t0
+            spent["admitted -> running"] += t2 - t1
+            spent["running -> committed"] += t3 - t2
+            floor += t4 - t3
+    print(f"\nCPU ms per transaction, this process, mean over {n} operations")
+    print(f"{'transaction':<22} {'CPU ms':>7} {'over baseline':>14}")
+    print(f"{'-' * 22} {'-' * 7} {'-' * 14}")
+    base = floor / n * 1000
+    for name, total in spent.items():
+        ms = total / n * 1000
+        print(f"{name:<22} {ms:>7.3f} {ms - base:>14.3f}")
+    print(f"{'baseline: SELECT 1':<22} {base:>7.3f}")
+    whole = sum(spent.values()) / n * 1000
+    print(f"{'an operation (all 3)':<22} {whole:>7.3f} {whole - 3 * base:>14.3f}")
+
+
+_SELECT_1 = sa.text("SELECT 1")
 
 
 async def _driver_statements(engine: Any) -> int:
@@ -120,5 +191,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--subscriptions", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--cpu", type=int, default=300, help="operations for the CPU table")
     args = parser.parse_args()
-    asyncio.run(main(args.subscriptions, args.repeat))
+    asyncio.run(main(args.subscriptions, args.repeat, args.cpu))

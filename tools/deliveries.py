@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
@@ -182,8 +183,13 @@ async def record_event(
     if kept is not None:
         kept.append(row)
         return
-    await conn.execute(dev_t.insert().values(**row))
+    await conn.execute(_INSERT_EVENT, row)
 
+
+# Statements built once, their values passed as parameters: SQLAlchemy then finds the
+# compiled form from the statement's memoized cache key, where a statement built per call
+# was built, keyed and coerced anew each time.
+_INSERT_EVENT = dev_t.insert()
 
 # conn.info key: the trail events `events_together` keeps for one statement at its end.
 _KEPT_EVENTS = "voice_agent.delivery_events_kept"
@@ -271,25 +277,17 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
         else f"the operation ended {op.status.value}"
     )
     delivery_id = uuid.uuid4()
-    dl = (
-        pg_insert(dl_t)
-        .values(
-            id=delivery_id,
-            operation_id=op.operation_id,
-            tenant_id=op.tenant_id,
-            call_id=op.call_id,
-            caller=op.caller,
-            outcome=op.status.value,
-            channel="none",
-            state=state.value,
-            reason=reason,
-            finished_at=sa.func.now() if state in SETTLED else None,
-        )
-        .on_conflict_do_nothing(index_elements=["operation_id"])
-        .returning(*dl_t.c)
-    )
+    params: dict[str, Any] = {
+        "b_id": delivery_id,
+        "b_operation_id": op.operation_id,
+        "b_tenant_id": op.tenant_id,
+        "b_call_id": op.call_id,
+        "b_caller": op.caller,
+        "b_outcome": op.status.value,
+        "b_reason": reason,
+    }
     if _KEPT_EVENTS in conn.info:  # the trail event waits for `events_together`'s statement
-        row = (await conn.execute(dl)).first()
+        row = (await conn.execute(_open_statement(state, together=False), params)).first()
         if row is None:
             return None
         delivery = DeliveryRecord.from_row(row)
@@ -301,33 +299,10 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
     else:
         # One statement: the row, its first trail event and (when it wants deciding) the
         # notification, all only when this insert made the row.
-        opened = dl.cte("dl")
-        trail = (
-            dev_t.insert()
-            .from_select(
-                ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
-                sa.select(
-                    opened.c.id,
-                    sa.null(),
-                    sa.literal(state.value, sa.String),
-                    sa.literal("transition", sa.String),
-                    sa.literal("ledger", sa.String),
-                    sa.literal(reason, sa.Text),
-                    sa.literal({}, dev_t.c.data.type),
-                ),
-            )
-            .cte("trail")
-        )
-        cols: list[Any] = [opened]
         if state is D.PENDING:
-            notice = json.dumps({"delivery_id": str(delivery_id), "call_id": op.call_id})
-            cols.append(
-                sa.func.pg_notify(NOTIFY_CHANNEL, sa.bindparam("p", notice, sa.Text)).label(
-                    "notified"
-                )
-            )
-        stmt = sa.select(*cols).add_cte(trail)
-        row = (await conn.execute(stmt)).first()
+            notice = {"delivery_id": str(delivery_id), "call_id": op.call_id}
+            params["b_notice"] = json.dumps(notice)
+        row = (await conn.execute(_open_statement(state, together=True), params)).first()
         if row is None:
             return None
         delivery = DeliveryRecord.from_row(row)
@@ -343,6 +318,54 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
             await notify_ready(conn, original)
             await enqueue(conn, original.id)
     return delivery
+
+
+@lru_cache(maxsize=8)
+def _open_statement(state: DeliveryState, *, together: bool) -> Any:
+    """`open_for`'s insert of a delivery in `state` (values as `b_<column>` parameters);
+    `together`: with its first trail event and, for a pending one, the `pg_notify` of
+    parameter `b_notice`, in one statement."""
+    dl = (
+        pg_insert(dl_t)
+        .values(
+            id=sa.bindparam("b_id", type_=dl_t.c.id.type),
+            operation_id=sa.bindparam("b_operation_id", type_=dl_t.c.operation_id.type),
+            tenant_id=sa.bindparam("b_tenant_id", type_=dl_t.c.tenant_id.type),
+            call_id=sa.bindparam("b_call_id", type_=dl_t.c.call_id.type),
+            caller=sa.bindparam("b_caller", type_=dl_t.c.caller.type),
+            outcome=sa.bindparam("b_outcome", type_=dl_t.c.outcome.type),
+            channel="none",
+            state=state.value,
+            reason=sa.bindparam("b_reason", type_=dl_t.c.reason.type),
+            finished_at=sa.func.now() if state in SETTLED else None,
+        )
+        .on_conflict_do_nothing(index_elements=["operation_id"])
+        .returning(*dl_t.c)
+    )
+    if not together:
+        return dl
+    opened = dl.cte("dl")
+    trail = (
+        dev_t.insert()
+        .from_select(
+            ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
+            sa.select(
+                opened.c.id,
+                sa.null(),
+                sa.literal(state.value, sa.String),
+                sa.literal("transition", sa.String),
+                sa.literal("ledger", sa.String),
+                sa.bindparam("b_reason", type_=sa.Text),
+                sa.literal({}, dev_t.c.data.type),
+            ),
+        )
+        .cte("trail")
+    )
+    cols: list[Any] = [opened]
+    if state is D.PENDING:
+        notice = sa.bindparam("b_notice", type_=sa.Text)
+        cols.append(sa.func.pg_notify(NOTIFY_CHANNEL, notice).label("notified"))
+    return sa.select(*cols).add_cte(trail)
 
 
 async def get(
@@ -923,11 +946,13 @@ async def text_many(
 async def get_sms(
     conn: AsyncConnection, message_id: uuid.UUID, *, for_update: bool = False
 ) -> SmsRecord | None:
-    stmt = sa.select(sms_t).where(sms_t.c.id == message_id)
-    if for_update:
-        stmt = stmt.with_for_update()
-    row = (await conn.execute(stmt)).first()
+    stmt = _GET_SMS_FOR_UPDATE if for_update else _GET_SMS
+    row = (await conn.execute(stmt, {"message_id": message_id})).first()
     return SmsRecord.from_row(row) if row is not None else None
+
+
+_GET_SMS = sa.select(sms_t).where(sms_t.c.id == sa.bindparam("message_id", type_=sms_t.c.id.type))
+_GET_SMS_FOR_UPDATE = _GET_SMS.with_for_update()
 
 
 async def sms_for_delivery(conn: AsyncConnection, delivery_id: uuid.UUID) -> list[SmsRecord]:
@@ -1064,29 +1089,27 @@ async def record_sms(
     current = locked if locked is not None else await get_sms(conn, message_id, for_update=True)
     if current is None:
         return None
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # set to a parameter
+    stamped: list[str] = []  # set to now()
     if message_sid and current.message_sid is None:
         values["message_sid"] = message_sid
-        values["accepted_at"] = sa.func.now()
+        stamped.append("accepted_at")
     changed = sms_advances(current.status, status)
     if changed:
-        values.update(status=status.value, status_at=sa.func.now(), next_check_at=next_check_at)
+        values.update(status=status.value, next_check_at=next_check_at)
+        stamped.append("status_at")
         if error_code is not None:
             values["error_code"] = error_code
         if error is not None:
             values["error"] = error[:500]
         if status in SMS_FINAL:
-            values["finished_at"] = sa.func.now()
+            stamped.append("finished_at")
     if not values:
         return SmsUpdate(current, False, None)
-    row = (
-        await conn.execute(
-            sms_t.update()
-            .where(sms_t.c.id == message_id)
-            .values(updated_at=sa.func.now(), **values)
-            .returning(*sms_t.c)
-        )
-    ).first()
+    params = {f"b_{k}": v for k, v in values.items()}
+    params["b_id"] = message_id
+    stmt = _record_sms_statement(tuple(values), tuple(stamped))
+    row = (await conn.execute(stmt, params)).first()
     assert row is not None
     message = SmsRecord.from_row(row)
     delivery: DeliveryRecord | None = None
@@ -1109,6 +1132,23 @@ async def record_sms(
         )
         delivery = await _settle_by_sms(conn, message, status, actor, not_deliverable)
     return SmsUpdate(message, changed, delivery)
+
+
+@lru_cache(maxsize=64)
+def _record_sms_statement(names: tuple[str, ...], stamped: tuple[str, ...]) -> Any:
+    """`record_sms`'s update of a message (parameter `b_id`): `names` set to parameters
+    `b_<name>`, `stamped` and `updated_at` to now(), in this order."""
+    setv: dict[str, Any] = {"updated_at": sa.func.now()}
+    for name in names:
+        setv[name] = sa.bindparam(f"b_{name}", type_=sms_t.c[name].type)
+    for name in stamped:
+        setv[name] = sa.func.now()
+    return (
+        sms_t.update()
+        .where(sms_t.c.id == sa.bindparam("b_id", type_=sms_t.c.id.type))
+        .values(**setv)
+        .returning(*sms_t.c)
+    )
 
 
 async def _settle_by_sms(
