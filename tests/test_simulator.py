@@ -969,3 +969,38 @@ def test_on_output_cases_name_existing_steps_and_need_a_reply() -> None:
         )
     with pytest.raises(ValueError, match="unique"):
         Scenario.model_validate({"steps": [{"id": "a", "reply": "x"}, {"id": "a", "reply": "y"}]})
+
+
+async def test_a_note_step_before_any_note_speaks_the_fallback_and_waits_for_the_note(
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """A `{note}` step taken with no system message yet would say "{note}" aloud: the model
+    answers with the fallback instead, and says the note once it is told one."""
+    sim = await _start(
+        stack,
+        {
+            "steps": [{"reply": {"text": "{note}", "audio_ms": 600}}],
+            "fallback": {"text": "Anything else?", "audio_ms": 400},
+        },
+    )
+    conn = await _connect(stack, sim)
+    await _configure(conn)
+
+    async def said() -> str:
+        await conn.response.create()
+        events = await _recv_until(conn, "response.done")
+        done = next(e for e in events if e.type == "response.output_audio_transcript.done")
+        return str(done.transcript)
+
+    assert await said() == "Anything else?"
+    note = "Your table for four tomorrow at eight is confirmed."
+    await conn.conversation.item.create(
+        item={
+            "type": "message",
+            "role": "system",
+            "content": [{"type": "input_text", "text": note}],
+        }
+    )
+    await _recv_until(conn, "conversation.item.done")
+    assert await said() == note
+    assert await said() == "Anything else?"  # the steps ran out

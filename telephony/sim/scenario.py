@@ -24,7 +24,9 @@ A scenario is JSON::
 - Reply texts may use `{output}` (the latest `function_call_output`, verbatim) or
   `{output[key]}` (a field of it when it is JSON); missing fields render empty. `{note}` is
   the text of the latest system message the client added (how a late result is announced),
-  so the scripted model says what it was asked to say.
+  so the scripted model says what it was asked to say. A step whose reply says `{note}` waits
+  for one: a response before any system message arrived speaks `fallback` and leaves the
+  step next (a model told nothing has nothing to tell).
 - String arguments may use `{today}` and `{tomorrow}` (ISO dates, UTC), so a scenario does not
   age into the past.
 - When the steps run out, every response speaks `fallback`.
@@ -204,6 +206,11 @@ class Step(BaseModel):
         if self.reply is not None:
             return self.reply
         return self.function_call.preamble if self.function_call else None
+
+    def says_note(self) -> bool:
+        """Whether this step speaks the client's latest system message (`{note}`)."""
+        spoken = self.spoken()
+        return spoken is not None and "{note}" in spoken.text
 
 
 class Scenario(BaseModel):

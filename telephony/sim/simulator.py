@@ -1270,6 +1270,11 @@ class SimulatedSession:
             return _ResponsePlan(fallback, fallback.text, None)
         index = self._next_step
         step = steps[index]
+        if self._latest_note is None and step.says_note():
+            # Nothing to tell yet (another turn came first): a model asked to say an
+            # update says it once told; until then it answers as it would anything else.
+            fallback = self._scenario.fallback
+            return _ResponsePlan(fallback, fallback.text, None)
         self._next_step += 1
         spoken = step.spoken()
         # A real model answers what the output said: a refusal is not a success line.
