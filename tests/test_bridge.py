@@ -489,7 +489,9 @@ async def test_barge_in_clears_first_then_truncates_at_heard_audio_then_cancels(
 
     await conn.speech_started("user_2", 900)
     truncate = await conn.wait_for("conversation.item.truncate")
-    await conn.wait_for("response.cancel")
+    cancel = await conn.wait_for("response.cancel")
+    # It names the response it stops: one that began meanwhile is not stopped in its place.
+    assert cancel["response_id"] == "resp_1"
     # The model keeps streaming until it sees the cancel: none of that may reach the caller.
     await conn.audio("resp_1", "agent_1", 300)
     await conn.response_done("resp_1", status="cancelled")

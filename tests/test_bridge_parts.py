@@ -50,8 +50,8 @@ class FakeSession:
         self.sent.append(("truncate", item_id, audio_end_ms))
         return True
 
-    async def cancel_response(self) -> bool:
-        self.sent.append(("cancel",))
+    async def cancel_response(self, response_id: str) -> bool:
+        self.sent.append(("cancel", response_id))
         return True
 
     async def clear_output(self) -> bool:
@@ -191,7 +191,7 @@ async def test_local_playout_cuts_in_at_the_audio_heard_and_mutes_the_rest() -> 
     turns.speech_started("in_1")
     await playout.speech_started(session, 0.0)
     assert leg.clears == 1
-    assert session.sent == [("truncate", "item_1", 400), ("cancel",)]
+    assert session.sent == [("truncate", "item_1", 400), ("cancel", "resp_1")]
     assert playout.take_delta(session, "resp_1", "item_1", audio_ms(20)) == -1
     (barge,) = recorder.of(CallEventKind.BARGE_IN)
     assert (barge["audio_end_ms"], barge["received_ms"], barge["turn_id"]) == (400, 1000, 1)
@@ -212,7 +212,7 @@ async def test_server_playout_cancels_and_clears_the_servers_buffer_without_trun
     playout.output_started("resp_1")
     turns.speech_started("in_1")
     await playout.speech_started(session, 0.0)
-    assert session.sent == [("cancel",), ("clear_output",)]
+    assert session.sent == [("cancel", "resp_1"), ("clear_output",)]
     (barge,) = recorder.of(CallEventKind.BARGE_IN)
     assert barge["truncated"] is False and barge["output_cleared"] is True
     assert playout.is_muted("resp_1")

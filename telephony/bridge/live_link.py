@@ -199,7 +199,7 @@ class LiveSession:
     async def truncate(self, item_id: str, audio_end_ms: int) -> bool:
         return False  # the model decides where it stopped; nothing to tell it
 
-    async def cancel_response(self) -> bool:
+    async def cancel_response(self, response_id: str) -> bool:
         return False
 
     async def clear_output(self) -> bool:

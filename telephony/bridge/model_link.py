@@ -42,7 +42,10 @@ class ModelSession(Protocol):
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> bool: ...
 
-    async def cancel_response(self) -> bool: ...
+    async def cancel_response(self, response_id: str) -> bool:
+        """Stop the response `response_id` (named, so a response that began meanwhile is not
+        the one stopped)."""
+        ...
 
     async def clear_output(self) -> bool:
         """Stop the server's own playout (server playout only)."""

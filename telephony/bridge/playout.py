@@ -303,9 +303,10 @@ class LocalPlayout(Playout):
                 self.record(other_id, other)
         cancelled = False
         slot = session.slot
-        if slot.state is ResponseState.ACTIVE and slot.active_response_id:
-            self.muted.add(slot.active_response_id)
-            cancelled = await session.cancel_response()
+        response_id = slot.active_response_id
+        if slot.state is ResponseState.ACTIVE and response_id:
+            self.muted.add(response_id)
+            cancelled = await session.cancel_response(response_id)
         self._audio_changed(None)
         self._port.emit(
             CallEventKind.BARGE_IN,
@@ -395,7 +396,7 @@ class ServerPlayout(Playout):
         response_id = slot.active_response_id
         if slot.state is ResponseState.ACTIVE and response_id:
             self.muted.add(response_id)
-            cancelled = await session.cancel_response()
+            cancelled = await session.cancel_response(response_id)
         playback = self.leg.playback
         item_id = playback.current_item()
         cleared = await session.clear_output()

@@ -138,8 +138,8 @@ class RealtimeSession:
             )
         )
 
-    async def cancel_response(self) -> bool:
-        return await self._send(self.conn.response.cancel())
+    async def cancel_response(self, response_id: str) -> bool:
+        return await self._send(self.conn.response.cancel(response_id=response_id))
 
     async def clear_output(self) -> bool:
         return await self._send(self.conn.output_audio_buffer.clear())
