@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql import functions
 
 from tools import jobs, tracing
 from tools.delivery_models import deliveries_table as dl_t
@@ -376,11 +377,18 @@ async def get(
     skip_locked: bool = False,
 ) -> DeliveryRecord | None:
     """The delivery (None when missing, or locked by another transaction and `skip_locked`)."""
-    stmt = sa.select(dl_t).where(dl_t.c.id == delivery_id)
-    if for_update:
-        stmt = stmt.with_for_update(skip_locked=skip_locked)
-    row = (await conn.execute(stmt)).first()
+    stmt = _GET[(bool(for_update), bool(for_update and skip_locked))]
+    row = (await conn.execute(stmt, {"b_id": delivery_id})).first()
     return DeliveryRecord.from_row(row) if row is not None else None
+
+
+# `get`'s select by (for_update, skip_locked), the id as parameter `b_id`; built once.
+_GET_ONE = sa.select(dl_t).where(dl_t.c.id == sa.bindparam("b_id", type_=dl_t.c.id.type))
+_GET = {
+    (False, False): _GET_ONE,
+    (True, False): _GET_ONE.with_for_update(skip_locked=False),
+    (True, True): _GET_ONE.with_for_update(skip_locked=True),
+}
 
 
 async def for_operation(conn: AsyncConnection, operation_id: uuid.UUID) -> DeliveryRecord | None:
@@ -429,14 +437,21 @@ async def move(
     current = locked if locked is not None else await get(conn, delivery_id, for_update=True)
     if current is None or current.state not in froms:
         return None
-    setv: dict[str, Any] = {"state": to.value, "updated_at": sa.func.now(), "reason": reason}
+    setv: dict[str, Any] = {"state": to.value, "reason": reason}
     setv.update(values)
-    setv["finished_at"] = sa.func.now() if to in SETTLED else None
-    row = (
-        await conn.execute(
-            dl_t.update().where(dl_t.c.id == delivery_id).values(**setv).returning(*dl_t.c)
-        )
-    ).first()
+    # Plain values go in as parameters of a statement built once per shape; now() stays SQL.
+    # Any other SQL expression (no caller passes one) gets a statement of its own.
+    stamped = tuple(sorted(k for k, v in setv.items() if isinstance(v, functions.now)))
+    if any(isinstance(v, sa.ClauseElement) for k, v in setv.items() if k not in stamped):
+        setv.update(updated_at=sa.func.now(), finished_at=sa.func.now() if to in SETTLED else None)
+        stmt: Any = dl_t.update().where(dl_t.c.id == delivery_id).values(**setv)
+        stmt, params = stmt.returning(*dl_t.c), {}
+    else:
+        names = tuple(sorted(k for k in setv if k not in stamped))
+        stmt = _move_statement(names, stamped, to in SETTLED)
+        params = {f"set_{k}": setv[k] for k in names}
+        params["b_id"] = delivery_id
+    row = (await conn.execute(stmt, params)).first()
     assert row is not None  # the row is locked
     await record_event(
         conn,
@@ -452,6 +467,29 @@ async def move(
     if tracing.recording():
         await _trace_move(conn, moved, current.state, actor, reason, data)
     return moved
+
+
+@lru_cache(maxsize=64)
+def _move_statement(names: tuple[str, ...], stamped: tuple[str, ...], settled: bool) -> Any:
+    """`move`'s update of a delivery (parameter `b_id`): `names` set to parameters
+    `set_<name>`, `stamped` and `updated_at` to now(), `finished_at` to now() when `settled`
+    or else NULL (parameter `set_finished_at`, passed as None or left out: NULL)."""
+    setv: dict[str, Any] = {"updated_at": sa.func.now()}
+    for name in names:
+        setv[name] = sa.bindparam(f"set_{name}", type_=dl_t.c[name].type)
+    for name in stamped:
+        setv[name] = sa.func.now()
+    setv["finished_at"] = (
+        sa.func.now()
+        if settled
+        else sa.bindparam("set_finished_at", None, type_=dl_t.c.finished_at.type)
+    )
+    return (
+        dl_t.update()
+        .where(dl_t.c.id == sa.bindparam("b_id", type_=dl_t.c.id.type))
+        .values(**setv)
+        .returning(*dl_t.c)
+    )
 
 
 async def trace_carrier(conn: AsyncConnection, operation_id: uuid.UUID) -> dict[str, Any] | None:

@@ -8,10 +8,13 @@ connection: the Procrastinate app here is never opened and holds no pool.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import Any
 
 import procrastinate
+from procrastinate.jobs import DEFAULT_PRIORITY
+from psycopg.types.json import Jsonb
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 # Delivery work has its own queue, so a deployment can size (or pause) it apart from
@@ -23,6 +26,19 @@ WEBHOOK_TASK = "send_webhook"  # POST one integrator webhook delivery
 
 _deferrer = procrastinate.App(connector=procrastinate.PsycopgConnector())
 
+log = logging.getLogger(__name__)
+
+# One job, the row Procrastinate's `defer_async` writes (its `defer_jobs` query: the same
+# function, the same composite, priority DEFAULT_PRIORITY, no lock or queueing lock), with the
+# values as plain parameters. Run straight on the driver connection it skips what Procrastinate
+# does around the statement per call (a JobDeferrer configured, the job copied twice, two log
+# records of the job's dict built, a cursor wrapped in its exception mapping, the job list
+# dumped as an array of records): 0.46 -> 0.27 ms CPU a defer.
+_DEFER_ONE = (
+    "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY["
+    f"(%s, %s, {DEFAULT_PRIORITY:d}, NULL, NULL, %s, %s)::procrastinate_job_to_defer_v1]))"
+)
+
 
 async def defer(
     conn: AsyncConnection,
@@ -33,11 +49,13 @@ async def defer(
     **kwargs: Any,
 ) -> int:
     """Defer `task(**kwargs)` on `conn`'s connection, inside its transaction; the job id."""
-    raw = await conn.get_raw_connection()
-    deferrer = _deferrer.configure_task(
-        task, queue=queue, connection=raw.driver_connection, schedule_at=schedule_at
-    )
-    return await deferrer.defer_async(**kwargs)
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None  # the transaction's connection is open
+    cursor = await driver.execute(_DEFER_ONE, (queue, task, Jsonb(kwargs), schedule_at))
+    row = await cursor.fetchone()
+    job_id = int(row[0])
+    log.info("Deferred 1 job: %s[%d] on %s", task, job_id, queue)
+    return job_id
 
 
 async def defer_many(
