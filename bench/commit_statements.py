@@ -67,17 +67,7 @@ async def main(subscriptions: int, repeat: int, cpu: int) -> None:
         elapsed: list[float] = []
         for i in range(repeat):
             async with engine.begin() as conn:
-                adm = await ledger.admit_operation(
-                    conn,
-                    tenant_id="bench",
-                    tool="book_table",
-                    args={"i": i},
-                    idempotency_key=f"k{i}",
-                    call_id=f"call-{i}",
-                    caller="+15550001",
-                    enqueue=_enqueue,
-                )
-                op_id = adm.operation.operation_id
+                op_id = await _admit(conn, i, "")
                 await ledger.transition(
                     conn, op_id, S.ADMITTED, S.RUNNING, actor="bench", reason="attempt 1"
                 )
@@ -119,6 +109,21 @@ async def main(subscriptions: int, repeat: int, cpu: int) -> None:
         drop_database(server, name)
 
 
+async def _admit(conn: AsyncConnection, i: int, prefix: str) -> uuid.UUID:
+    """Admit the bench's `i`-th operation (a booking with a call, keys under `prefix`)."""
+    adm = await ledger.admit_operation(
+        conn,
+        tenant_id="bench",
+        tool="book_table",
+        args={"i": i},
+        idempotency_key=f"{prefix}k{i}",
+        call_id=f"{prefix}call-{i}",
+        caller="+15550001",
+        enqueue=_enqueue,
+    )
+    return adm.operation.operation_id
+
+
 async def _cpu_table(engine: Any, n: int) -> None:
     """CPU ms per transaction of each kind, over `n` operations (after a warm-up)."""
     spent = {"admission": 0.0, "admitted -> running": 0.0, "running -> committed": 0.0}
@@ -127,18 +132,8 @@ async def _cpu_table(engine: Any, n: int) -> None:
         warm = i >= 0
         t0 = time.process_time()
         async with engine.begin() as conn:
-            adm = await ledger.admit_operation(
-                conn,
-                tenant_id="bench",
-                tool="book_table",
-                args={"i": i},
-                idempotency_key=f"cpu{i}",
-                call_id=f"cpu-call-{i}",
-                caller="+15550001",
-                enqueue=_enqueue,
-            )
+            op_id = await _admit(conn, i, "cpu-")
         t1 = time.process_time()
-        op_id = adm.operation.operation_id
         async with engine.begin() as conn:
             await ledger.transition(
                 conn, op_id, S.ADMITTED, S.RUNNING, actor="bench", reason="attempt 1", attempts=1

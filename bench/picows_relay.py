@@ -20,9 +20,10 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, cast
 
 import uvloop
+import ws_relay  # bench/ is on sys.path when run as a script
 from picows import (
     WSFrame,
     WSListener,
@@ -33,27 +34,18 @@ from picows import (
     ws_create_server,
 )
 
-SESSION = json.dumps(
-    {
-        "type": "session.update",
-        "session": {
-            "type": "realtime",
-            "audio": {
-                "input": {
-                    "format": {"type": "audio/pcmu"},
-                    "turn_detection": {"type": "semantic_vad"},
-                },
-                "output": {"format": {"type": "audio/pcmu"}},
-            },
-        },
-    }
-).encode()
+SESSION = json.dumps(ws_relay.SESSION).encode()  # the same session as the websockets relay
 CREATE = json.dumps({"type": "response.create"}).encode()
+realtime_url = ws_relay.realtime_url
 
 
-def realtime_url() -> str:
-    base = os.environ["OPENAI_BASE_URL"].rstrip("/")
-    return base.replace("http://", "ws://", 1) + "/realtime?model=gpt-realtime"
+def text_event(transport: WSTransport, frame: WSFrame) -> dict[str, Any] | None:
+    """A text frame's JSON; None for anything else (a close ends the connection)."""
+    if frame.msg_type is WSMsgType.TEXT:
+        return cast(dict[str, Any], json.loads(frame.get_payload_as_bytes()))
+    if frame.msg_type is WSMsgType.CLOSE:
+        transport.disconnect()
+    return None
 
 
 class RealtimeSide(WSListener):  # type: ignore[misc]
@@ -63,11 +55,9 @@ class RealtimeSide(WSListener):  # type: ignore[misc]
         self.caller = caller
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        if frame.msg_type is not WSMsgType.TEXT:
-            if frame.msg_type is WSMsgType.CLOSE:
-                transport.disconnect()
+        event = text_event(transport, frame)
+        if event is None:
             return
-        event = json.loads(frame.get_payload_as_bytes())
         kind = event["type"]
         out = self.caller.transport
         if out is None:
@@ -101,11 +91,9 @@ class CallerSide(WSListener):  # type: ignore[misc]
         self.transport = transport
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        if frame.msg_type is not WSMsgType.TEXT:
-            if frame.msg_type is WSMsgType.CLOSE:
-                transport.disconnect()
+        msg = text_event(transport, frame)
+        if msg is None:
             return
-        msg = json.loads(frame.get_payload_as_bytes())
         event = msg["event"]
         if event == "media":
             append = json.dumps(
