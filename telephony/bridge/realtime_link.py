@@ -260,9 +260,13 @@ class RealtimeLink:
             self._voice(),
         )
         # What `conn.session.update(...)` sends, its wire form reused from the last call
-        # (realtime_wire.EventTexts).
+        # (realtime_wire.EventTexts); not a resumed call's, which carries what was said (kept
+        # by no one past the call, and the same for no other call).
         event = {"type": "session.update", "session": session, "event_id": SESSION_UPDATE_EVENT_ID}
-        await EVENT_TEXTS.send(conn, event)
+        if history:
+            await conn.session.update(event_id=SESSION_UPDATE_EVENT_ID, session=session)
+        else:
+            await EVENT_TEXTS.send(conn, event)
         await self._await_session_updated(conn)
 
     async def _attach_sideband(self, sideband_call_sid: str) -> AsyncRealtimeConnection:
