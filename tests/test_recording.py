@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import os
+import threading
+import time
 import uuid
 import wave
 from array import array
@@ -17,6 +19,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
+from app.calls import recording
 from app.calls.recording import SPILL_BYTES, WINDOW_SAMPLES, CallRecorder, RecordingLeg
 from app.calls.recording_store import FileStore, LargeObjectStore, get_recording
 from telephony import audio
@@ -184,6 +187,7 @@ def feed_a_minute(rec: CallRecorder, clock: FakeClock, *, check_held: bool = Fal
         if n % 1000 == 999:
             rec.cleared()
         if check_held:
+            assert rec._spool.settle(timeout=10)  # the writer's thread has written its spills
             assert rec.held_bytes < SPILL_BYTES + 1200  # at most one record past the limit
     return bytes(sent)
 
@@ -220,6 +224,62 @@ def test_a_spool_file_that_cannot_be_made_leaves_the_audio_in_memory_and_the_rec
         rec.discard()
     spilled, unspilled = recordings
     assert spilled.wav == unspilled.wav and spilled.duration_ms == 60_000
+
+
+def test_a_slow_disk_holds_up_the_spool_writer_not_the_recorder_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event loop records; the writes wait in the spool writer's thread."""
+    disk_free = threading.Event()
+    writes: list[str] = []
+
+    def slow_pwrite(fd: int, data: memoryview, offset: int) -> int:
+        writes.append(threading.current_thread().name)
+        disk_free.wait(10)
+        return os.pwrite(fd, data, offset)
+
+    monkeypatch.setattr(recording, "_pwrite", slow_pwrite)
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=tmp_path)
+    started = time.monotonic()
+    sent = feed_a_minute(rec, clock)  # every spill handed over while the disk takes nothing
+    fed_in = time.monotonic() - started
+    assert fed_in < 5  # not one 10 s wait on the recording thread
+    assert rec.held_bytes > 2 * SPILL_BYTES  # what waits for the disk is in memory meanwhile
+    assert writes and threading.current_thread().name not in writes
+    disk_free.set()
+    assert rec._spool.settle(timeout=10)
+    assert rec.held_bytes < SPILL_BYTES + 1200
+    caller, _ = channels(rec.render().wav)
+    assert caller[: len(sent)] == array("h", audio.mulaw_to_pcm16(sent))
+    rec.discard()
+    assert spool_files(tmp_path) == 0
+
+
+def test_a_spool_file_that_fails_midway_keeps_the_rest_in_memory_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+
+    def filling_pwrite(fd: int, data: memoryview, offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise OSError(28, "No space left on device")
+        return os.pwrite(fd, data, offset)
+
+    clock = FakeClock()
+    whole = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=tmp_path)
+    feed_a_minute(whole, clock)
+    expected = whole.render().wav
+    whole.discard()
+    monkeypatch.setattr(recording, "_pwrite", filling_pwrite)
+    clock = FakeClock()
+    rec = CallRecorder("audio/pcmu", max_ms=3_600_000, clock=clock, spool_dir=tmp_path)
+    feed_a_minute(rec, clock)
+    assert rec.render().wav == expected and calls > 3
+    rec.discard()
+    assert spool_files(tmp_path) == 0
 
 
 def test_a_discard_during_a_render_waits_for_it(tmp_path: Path) -> None:

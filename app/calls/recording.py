@@ -32,6 +32,7 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import struct
 import tempfile
 import threading
@@ -167,7 +168,7 @@ class CallRecorder:
     @property
     def held_bytes(self) -> int:
         """What the recorder holds in memory now (the rest of the call is in its spool file)."""
-        return len(self._spool.buf)
+        return self._spool.held_bytes
 
     # Rendering: pure, CPU-bound, run in a thread. The spool's frames are decoded once, in C,
     # into one buffer of G.711 (the recording itself, a byte a sample); the tracks are laid out
@@ -327,66 +328,143 @@ def _lay(g711: bytearray, pieces: Iterable[Piece], first: int, size: int, silenc
     return bytes(track)
 
 
+class _SpoolWriter:
+    """The process's one thread that writes spools to their files, in the order handed over,
+    so a disk that is slow to take a write (its cache full of dirty pages, a busy device)
+    holds up no call's audio on the event loop: the write releases the GIL as it waits."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[_Spool, bytearray]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, spool: _Spool, data: bytearray) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():  # first use, or a forked child
+            with self._start_lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(
+                        target=self._run, name="call-recording-spool", daemon=True
+                    )
+                    self._thread.start()
+        self._queue.put((spool, data))
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            spool, data = get()
+            spool.write_out(data)
+            del spool, data
+
+
+_writer = _SpoolWriter()
+_pwrite = os.pwrite  # the spool's one write (tests stand in a slow or full disk here)
+
+
 class _Spool:
     """A call's records, back to back, append-only: up to `SPILL_BYTES` of them in memory
-    (`buf`, where the recorder appends), the rest written as it comes to an unlinked temporary
-    file (in TMPDIR, or `directory`) that is gone once the spool is discarded or collected, or
-    the process ends. Should the file fail (no space), the records stay in memory: the
-    recording is still saved."""
+    (`buf`, where the recorder appends), the rest handed to the spool writer's thread, which
+    writes them to an unlinked temporary file (in TMPDIR, or `directory`, made at the first
+    spill) that is gone once the spool is discarded or collected, or the process ends. Should
+    the file fail (no space), the records stay in memory, in order: the recording is still
+    saved."""
 
     def __init__(self, directory: str | os.PathLike[str] | None) -> None:
         self._directory = directory
         self.buf = bytearray()
         self._written = 0  # bytes in the file: the spool's first ones
+        self._kept: list[bytearray] = []  # handed over after the file failed: next in order
         self._fd: int | None = None
         self._close: weakref.finalize[[int], _Spool] | None = None
         self._failed = False
-        self._lock = threading.Lock()  # a render's read against a discard
+        # Guards the counts below: a spill's write in the writer's thread, a render's read in
+        # another, a discard on the event loop's.
+        self._cond = threading.Condition(threading.Lock())
+        self._pending = 0  # spills handed to the writer, not yet written
+        self.pending_bytes = 0
         self._reading = 0
         self._discarded = False
 
     def spill(self) -> None:
-        """Write what is in memory to the file (made at the first spill)."""
+        """Hand what is in memory to the writer's thread (kept in memory if the file failed)."""
         if self._failed:
             return
-        try:
-            if self._fd is None:
-                fd, path = tempfile.mkstemp(prefix="call-recording-", dir=self._directory)
-                self._close = weakref.finalize(self, os.close, fd)
-                self._fd = fd
-                os.unlink(path)
-            self._write(self._fd)
-        except OSError as e:
-            self._failed = True
-            log.warning("call recording: the audio stays in memory, its spool file failed: %s", e)
+        data, self.buf = self.buf, bytearray()
+        with self._cond:
+            self._pending += 1
+            self.pending_bytes += len(data)
+        _writer.submit(self, data)
 
-    def _write(self, fd: int) -> None:
-        with memoryview(self.buf) as view:
+    def write_out(self, data: bytearray) -> None:
+        """In the writer's thread: append `data` to the file (or keep it, if the file failed)."""
+        try:
+            if self._discarded:
+                pass  # nobody will read it; the file is closed once this is counted
+            elif self._failed:
+                self._kept.append(data)
+            else:
+                try:
+                    if self._fd is None:
+                        fd, path = tempfile.mkstemp(prefix="call-recording-", dir=self._directory)
+                        self._close = weakref.finalize(self, os.close, fd)
+                        self._fd = fd
+                        os.unlink(path)
+                    self._write(self._fd, data)
+                except Exception as e:  # OSError (no space, no directory), or anything else
+                    self._failed = True
+                    self._kept.append(data)
+                    log.warning(
+                        "call recording: the audio stays in memory, its spool file failed: %s", e
+                    )
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self.pending_bytes -= len(data)
+                release = self._discarded and not self._pending and not self._reading
+                self._cond.notify_all()
+            if release:
+                self._release()
+
+    def _write(self, fd: int, data: bytearray) -> None:
+        with memoryview(data) as view:
             done = 0
             while done < len(view):
-                done += os.pwrite(fd, view[done:], self._written + done)
-        self._written += len(self.buf)
-        self.buf = bytearray()
+                done += _pwrite(fd, view[done:], self._written + done)
+        self._written += len(data)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes in memory: the buffer, spills not yet written, and what the file did not take."""
+        return len(self.buf) + self.pending_bytes + sum(len(part) for part in self._kept)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until every spill handed over is written (or kept); False if it timed out."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[memoryview]:
-        """All of the spool; nothing may be appended meanwhile."""
-        with self._lock:
+        """All of the spool; nothing may be appended meanwhile. Waits for the writer's thread to
+        write what it was handed (call it from a thread of its own, as a render is)."""
+        with self._cond:
             if self._discarded:
                 raise RuntimeError("the recording was discarded")
             self._reading += 1
+            self._cond.wait_for(lambda: not self._pending)
         try:
             fd = self._fd
             if fd is not None and self.buf and not self._failed:
                 try:
-                    self._write(fd)
+                    self._write(fd, self.buf)
+                    self.buf = bytearray()
                 except OSError:
                     self._failed = True
+            rest = b"".join([*self._kept, self.buf]) if self._kept else self.buf
             if fd is None or not self._written:
-                with memoryview(self.buf) as view:
+                with memoryview(rest) as view:
                     yield view
-            elif self.buf:  # the file stopped taking it: both parts, in memory
-                with memoryview(os.pread(fd, self._written, 0) + self.buf) as view:
+            elif rest:  # the file stopped taking it: both parts, in memory
+                with memoryview(os.pread(fd, self._written, 0) + rest) as view:
                     yield view
             else:
                 with (
@@ -395,23 +473,24 @@ class _Spool:
                 ):
                     yield view
         finally:
-            with self._lock:
+            with self._cond:
                 self._reading -= 1
-                release = self._discarded and not self._reading
+                release = self._discarded and not self._reading and not self._pending
             if release:
                 self._release()
 
     def discard(self) -> None:
-        with self._lock:
+        with self._cond:
             self._discarded = True
-            if self._reading:
-                return  # the read in progress releases it
+            if self._reading or self._pending:
+                return  # the read or the write in progress releases it
         self._release()
 
     def _release(self) -> None:
         if self._close is not None:
             self._close()  # closes the file, once
         self.buf = bytearray()
+        self._kept = []
 
 
 class RecordingLeg:
