@@ -31,6 +31,7 @@ from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
 from app.http.guard import HttpLimits, base_protocol, guarded_protocol
 from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
+from app.loop_watch import LoopWatch
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
@@ -90,6 +91,7 @@ class ServiceServer(uvicorn.Server):
         self.signals_received = 0
         self._drain_deadline: float | None = None
         self.drain_expired = False
+        self.watch = LoopWatch()  # the loop's lateness and the collector's pauses, on /metrics
 
     def _runtime(self) -> Any:
         return getattr(getattr(self.config.app, "state", None), "runtime", None)
@@ -135,6 +137,7 @@ class ServiceServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("%s", summary(fast_paths(self.config)))
+        self.watch.start()
         await super().startup(sockets)
         if self._freeze_heap:
             # What is loaded by now (modules, models, the app) lives as long as the process. A
@@ -195,6 +198,7 @@ class ServiceServer(uvicorn.Server):
             # go by SMS as for any ended call.
             await runtime.registry.end_all("server shutdown", SHUTDOWN_CALLS_WAIT_S, hand_over=True)
         await super().shutdown(sockets)
+        self.watch.stop()
 
 
 def fast_paths(config: uvicorn.Config) -> list[FastPath]:

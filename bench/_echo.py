@@ -223,6 +223,7 @@ def run_one(
     barge_in: bool = False,
     quiet: tuple[float, float] | None = None,
     arrivals_per_s: float | None = None,
+    churn_s: float = 0.0,
 ) -> EchoResult:
     """One target at one call count: fresh echo fake, fresh server, one load run."""
     busy = wait_for_quiet(*quiet) if quiet else _busy_share(1.0)
@@ -258,6 +259,8 @@ def run_one(
             cmd.append("--deflate")
         if arrivals_per_s:
             cmd += ["--ramp-per-s", str(arrivals_per_s), "--count-arrivals"]
+        if churn_s:
+            cmd += ["--churn-s", str(churn_s)]
         window_file = workdir / f"window-{uuid.uuid4().hex}"
         cmd += ["--window-file", str(window_file)]
         spy: subprocess.Popen[bytes] | None = None
@@ -335,15 +338,32 @@ def _abs3(values: list[float]) -> str:
     return f"{pct(absolute, 50):.1f} / {pct(absolute, 99):.1f} / {worst:+.1f}"
 
 
+def _watch(w: dict | None) -> str:
+    """The service's own loop watch over the window (its /metrics, app/loop_watch.py)."""
+    if not w:
+        return "- | -"
+
+    def ms(bound: float) -> str:
+        return f"{bound * 1000:g}" if bound != float("inf") else "inf"
+
+    return (
+        f"{w['gc_over_10ms']:.0f} / {w['gc_pauses']:.0f} ({ms(w['gc_longest_le_s'])}) "
+        f"| {ms(w['lag_p99_le_s'])} / {ms(w['lag_max_le_s'])} ({w['lag_over_40ms']:.0f} "
+        f"of {w['lag_samples']:.0f})"
+    )
+
+
 def table(results: list[EchoResult]) -> str:
     lines = [
         "| target | calls | pinned | streaming | frames sent | lost | RTT p50 ms | p99 ms | max ms "
         "| server CPU ms per call-s (kernel part) | vs relay | vs relay-plain "
         "| media msgs/s per call "
         "| marks/s per call | barge-ins | speech_started->clear at caller p50 / p99 ms "
-        "| truncate - heard abs p50 / p99 / worst ms | load gen CPU % | echo CPU % "
+        "| truncate - heard abs p50 / p99 / worst ms | calls ended in window "
+        "| GC pauses > 10 ms / all (longest <= ms) | loop late p99 / max <= ms (> 40 ms) "
+        "| load gen CPU % | echo CPU % "
         "| load at start (1/5/15 min; machine busy just before) |",
-        "|" + "---|" * 20,
+        "|" + "---|" * 23,
     ]
     base: dict[tuple[str, int, bool], list[EchoResult]] = {}
     for r in results:
@@ -367,6 +387,7 @@ def table(results: list[EchoResult]) -> str:
             f"| {ratio(r, 'relay')} | {ratio(r, 'relay-plain')} "
             f"| {d['media_per_call_s']:.1f} | {d['marks_per_call_s']:.1f} "
             f"| {len(r.clear_ms) or '-'} | {_pair(r.clear_ms)} | {_abs3(r.truncate_error_ms)} "
+            f"| {d.get('ended_in_window', 0)} | {_watch(d.get('watch'))} "
             f"| {d['loadgen_cpu_s'] / window * 100:.0f} | {d['echo_cpu_s'] / window * 100:.0f} "
             f"| {r.load} |"
         )
@@ -386,6 +407,7 @@ def run(
     barge_in: bool = False,
     quiet: tuple[float, float] | None = None,
     arrivals_per_s: float | None = None,
+    churn_s: float = 0.0,
 ) -> list[EchoResult]:
     """Every target at every call count, `repeat` times, alternating targets per count."""
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
@@ -414,6 +436,7 @@ def run(
                             barge_in,
                             quiet,
                             arrivals_per_s,
+                            churn_s,
                         )
                         print(
                             f"{target} x{calls}: {r.streaming} streaming, lost {r.data['lost']}"

@@ -19,8 +19,11 @@ import base64
 import heapq
 import json
 import os
+import random
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -77,6 +80,7 @@ class Caller:
         self.queued_bytes = 0  # agent audio received since the stream began or the last clear
         self.clears: list[tuple[float, float]] = []  # (when, ms of the item heard by then)
         self.t0 = 0.0
+        self.ended = float("inf")  # when the caller hung up (--churn-s), else never
         self.twilio_seq = 2
 
     def header(self, seq: int) -> bytes:
@@ -201,6 +205,10 @@ class Run:
         self.late_ticks = 0
         self.max_tick_lag = 0.0
         self.running = True
+        self.live: dict[Caller, float] = {}  # caller -> when it hangs up (--churn-s)
+        self.next_index = args.calls
+        self.churn_failed: list[str] = []
+        self._lifetimes = random.Random(29)
 
     def schedule_mark(self, due: float, caller: Caller, name: str) -> None:
         self._mark_seq += 1
@@ -261,6 +269,38 @@ class Run:
         caller.t0 = time.monotonic()
         self.callers.append(caller)
         self.slots[index % SLOTS].append(caller)
+        if self.args.churn_s:
+            lifetime = self.args.churn_s * self._lifetimes.uniform(0.5, 1.5)
+            self.live[caller] = caller.t0 + lifetime
+
+    async def churner(self) -> None:
+        """--churn-s: each call hangs up when its lifetime is over and another is dialled in
+        its place, so as many stay live while calls end and arrive all the time."""
+        dialling: set[asyncio.Task[None]] = set()
+        while self.running:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            for caller, ends in list(self.live.items()):
+                if ends > now or not self.running:
+                    continue
+                del self.live[caller]
+                self.slots[caller.index % SLOTS].remove(caller)
+                caller.ended = now
+                caller.stop()
+                index, self.next_index = self.next_index, self.next_index + 1
+                task = asyncio.create_task(self.start_call(index % 65536))
+                dialling.add(task)
+                task.add_done_callback(self._dialled(dialling))
+        for task in dialling:
+            task.cancel()
+
+    def _dialled(self, dialling: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+        def done(task: asyncio.Task[None]) -> None:
+            dialling.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self.churn_failed.append(repr(task.exception()))
+
+        return done
 
 
 def parse_args() -> argparse.Namespace:
@@ -277,6 +317,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", required=True)
     parser.add_argument("--window-file", help="created when the measuring window opens")
     parser.add_argument(
+        "--churn-s",
+        type=float,
+        default=0.0,
+        help="each call lasts this long on average (0.5-1.5x), then hangs up and another is "
+        "dialled in its place",
+    )
+    parser.add_argument(
         "--count-arrivals",
         action="store_true",
         help="open the measuring window before the first call: its arrivals (webhook, socket, "
@@ -285,11 +332,80 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def scrape(server: str) -> dict[str, float]:
+    """The service's own loop watch (app/loop_watch.py) from its /metrics: every sample of
+    the event loop's lateness and GC pause histograms, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("voice_agent_event_loop_lag_seconds", "voice_agent_gc_pause_seconds"):
+            for sample in family.samples:
+                key = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}|{key}"] = sample.value
+    return out
+
+
+def watched(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """In the window: GC pauses (all, over 10 ms, the longest's bucket bound) and the loop's
+    lateness (samples, over 20 and 40 ms, the p99's and the worst's bucket bounds)."""
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    gc_all = sum(grew(f"voice_agent_gc_pause_seconds_count|generation={g}") for g in range(3))
+    gc_10 = sum(
+        grew(f"voice_agent_gc_pause_seconds_bucket|generation={g},le=0.01") for g in range(3)
+    )
+    lag = "voice_agent_event_loop_lag_seconds_bucket|le="
+    bounds = sorted(
+        (float(k.rpartition("=")[2]), k) for k in after if k.startswith(lag) and "+Inf" not in k
+    )
+    gc_bounds = sorted(
+        {float(k.rpartition("=")[2]) for k in after if "gc_pause_seconds_bucket" in k}
+        - {float("inf")}
+    )
+    lag_n = grew("voice_agent_event_loop_lag_seconds_count|")
+
+    def lag_bound(share: float) -> float:
+        for bound, key in bounds:
+            if grew(key) >= share * lag_n:
+                return bound
+        return float("inf")
+
+    def gc_longest() -> float:
+        for bound in gc_bounds:
+            under = sum(
+                grew(f"voice_agent_gc_pause_seconds_bucket|generation={g},le={bound}")
+                for g in range(3)
+            )
+            if under >= gc_all:
+                return bound
+        return float("inf")
+
+    return {
+        "gc_pauses": gc_all,
+        "gc_over_10ms": gc_all - gc_10,
+        "gc_longest_le_s": gc_longest() if gc_all else 0.0,
+        "lag_samples": lag_n,
+        "lag_over_20ms": lag_n - grew(lag + "0.02"),
+        "lag_over_40ms": lag_n - grew(lag + "0.04"),
+        "lag_p99_le_s": lag_bound(0.99) if lag_n else 0.0,
+        "lag_max_le_s": lag_bound(1.0) if lag_n else 0.0,
+    }
+
+
 async def main(args: argparse.Namespace) -> dict:
     run = Run(args)
     ticker = asyncio.create_task(run.ticker())
+    churner = asyncio.create_task(run.churner())
+    scraped: list[dict[str, float]] = []
 
     async def open_window() -> tuple[float, float, float, float]:
+        if args.mode == "service":
+            scraped.append(await asyncio.to_thread(scrape, args.server))
         user, system = cpu_times(args.server_pid)
         echo = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
         mine = time.process_time()
@@ -317,17 +433,22 @@ async def main(args: argparse.Namespace) -> dict:
     echo1 = cpu_seconds(args.echo_pid) if args.echo_pid else 0.0
     self1 = time.process_time()
     window_s = run.window.end - run.window.start
+    if args.mode == "service":
+        scraped.append(await asyncio.to_thread(scrape, args.server))
     await asyncio.sleep(2.0)  # stragglers still count as received, only later
     run.running = False
     await ticker
-    for caller in run.callers:
+    await churner
+    for caller in run.live if args.churn_s else run.callers:
         caller.stop()
     await asyncio.sleep(0.2)
     rtts: list[float] = []
     sent = lost = cut = 0
     media_msgs = mark_msgs = 0
     for caller in run.callers:
-        in_window = [seq for seq, t in enumerate(caller.sent) if run.window.inside(t)]
+        # A frame sent in the last second before its caller hung up may not have come back.
+        until = caller.ended - 1.0
+        in_window = [seq for seq, t in enumerate(caller.sent) if run.window.inside(t) and t < until]
         sent += len(in_window)
         for seq in in_window:
             if seq in caller.got:
@@ -341,18 +462,21 @@ async def main(args: argparse.Namespace) -> dict:
         rtts.extend(v * 1000 for v in caller.got.values())
         media_msgs += caller.media_msgs
         mark_msgs += caller.mark_msgs
-    live = max(1, len(run.callers))
+    live = max(1, len(run.live) if args.churn_s else len(run.callers))
     # Call-seconds inside the window (with --count-arrivals, each call from its answer on).
     call_s = sum(
-        max(0.0, run.window.end - max(run.window.start, caller.t0)) for caller in run.callers
+        max(0.0, min(run.window.end, caller.ended) - max(run.window.start, caller.t0))
+        for caller in run.callers
     )
     summary = {
         "call_s": call_s,
         "arrivals_counted": bool(args.count_arrivals),
         "mode": args.mode,
         "calls": args.calls,
-        "streaming": len(run.callers),
-        "failed": failed[:5],
+        "streaming": len(run.live) if args.churn_s else len(run.callers),
+        "failed": (failed + run.churn_failed)[:5],
+        "ended_in_window": sum(run.window.inside(c.ended) for c in run.callers),
+        "watch": watched(*scraped) if len(scraped) == 2 else None,
         "ramp_s": ramp_s,
         "window_s": window_s,
         "sent": sent,

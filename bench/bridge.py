@@ -438,6 +438,14 @@ def main() -> None:
         help="calls arrive at this rate inside the measuring window (their set-up counted: "
         "webhook, media socket, session); the window then runs --seconds past the last",
     )
+    e.add_argument(
+        "--churn",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each call lasts S seconds on average (0.5-1.5x), then hangs up and another "
+        "arrives in its place (set-up and tear-down inside the window)",
+    )
     args = parser.parse_args()
     # With no harness named, both run with their defaults.
     echo_args = args if args.harness == "echo" else e.parse_args([])
@@ -456,6 +464,7 @@ def main() -> None:
             echo_args.barge_in,
             (echo_args.quiet, echo_args.patience) if echo_args.quiet else None,
             echo_args.arrivals,
+            echo_args.churn,
         )
         print(_echo.table(echo_results))
     if args.harness in (None, "barge-in"):

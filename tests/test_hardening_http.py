@@ -434,3 +434,6 @@ async def test_metrics_bind_moves_metrics_off_the_public_port(clean_db: str) -> 
     assert public.status_code == 404
     assert private.status_code == 200 and "voice_agent_live_calls" in private.text
     assert metric_samples(private.text)["voice_agent_streams_rejected_total"] == 0
+    # The loop watch: serve's start-up collection (before the heap is frozen) is one pause.
+    assert metric_samples(private.text)['voice_agent_gc_pause_seconds_count{generation="2"}'] >= 1
+    assert "# TYPE voice_agent_event_loop_lag_seconds histogram" in private.text

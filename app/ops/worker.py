@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import make_engine, resolve_database_url
+from app.loop_watch import LoopWatch
 from app.ops.callback import CallbackChannel, CallbackConfig
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
 from app.ops.outbound import OutboundRouter, SipPlacer, outbound_worker, sip_queue_wait
@@ -367,6 +368,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     metrics_server = None
+    watch = LoopWatch().start()
     if settings.metrics_bind:
         # This process's engine measures (commits, retries, timeouts...), as serve exports its.
         host, _, port = settings.metrics_bind.rpartition(":")
@@ -386,6 +388,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await worker.stop()
         await catalog.aclose()
         await engine.dispose()
+        watch.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
     if died:
