@@ -5,8 +5,10 @@ Per 20 ms of a call the bridge sends one `input_audio_buffer.append` and receive
 wire: the append frame is built by concatenation around the leg's base64 payload (no JSON
 encoder, no SDK transform, no decode and re-encode), and an audio delta is recognised from
 the raw frame before the SDK's pydantic parse (about 57 us per delta on our machines, 21% of
-the server's CPU at 40 calls). Every other server event still goes through the SDK's models
-(`AsyncRealtimeConnection.parse_event`).
+the server's CPU at 40 calls). The set-up's `session.created` and `session.updated` are read
+the same way, for their type and the session's id (`session_event_fields`). Every other server
+event still goes through the SDK's models (`AsyncRealtimeConnection.parse_event`), and every
+client event we send is the SDK's.
 
 Under the SDK's connection sits `LaneConnection`, websockets' client connection with a lane:
 while the bridge's reader waits and nothing is queued before it, an audio delta is played in
@@ -52,6 +54,7 @@ from telephony.ws_frames import (
 log = logging.getLogger(__name__)
 
 AUDIO_DELTA = "response.output_audio.delta"
+SESSION_EVENTS = frozenset(("session.created", "session.updated"))
 APPEND_HEAD = '{"type":"input_audio_buffer.append","audio":"'
 APPEND_TAIL = '"}'
 
@@ -92,6 +95,26 @@ def audio_delta_fields(raw: bytes | str) -> tuple[str, str, str] | None:
     if type(response_id) is not str or type(item_id) is not str or type(delta) is not str:
         return None  # odd shape: let the typed path deal with it
     return response_id, item_id, delta
+
+
+def session_event_fields(raw: bytes | str) -> tuple[str, str | None] | None:
+    """For a `session.created` or `session.updated` frame, (its type, the session's id if it
+    is a non-empty string); None for anything else (the SDK parses those).
+
+    All a call's set-up reads of the two: the SDK's parse builds the whole session model
+    (every field of the configuration echoed back) twice a call, about 0.4 ms."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None  # the SDK's parse reports it
+    if type(data) is not dict:
+        return None
+    kind = data.get("type")
+    if type(kind) is not str or kind not in SESSION_EVENTS:
+        return None
+    session = data.get("session")
+    sid = session.get("id") if type(session) is dict else None
+    return kind, sid if type(sid) is str and sid else None
 
 
 def raw_sender(conn: Any) -> Callable[[str], Awaitable[None]]:

@@ -2,8 +2,9 @@
 
 Twilio media and mark frames are checked by hand (`parse_frame`), outbound media and mark
 frames built by concatenation (`OutboundFrames`), the append frame spliced (`append_frame`)
-and audio deltas recognised before the SDK's parse (`audio_delta`). Each is held here to the
-typed path: same accepted frames, same values, same refusals.
+audio deltas recognised before the SDK's parse (`audio_delta`), and the set-up's session events
+read for their type and id (`session_event_fields`). Each is held here to the typed path: same
+accepted frames, same values, same refusals.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from telephony.legs.twilio.events import (
     parse_inbound,
     parse_outbound,
 )
-from telephony.realtime_wire import AudioDelta, append_frame, audio_delta
+from telephony.realtime_wire import AudioDelta, append_frame, audio_delta, session_event_fields
 from telephony.watchdog import Watchdog
 from tests.test_fuzz_parsers import _frameish, json_values
 
@@ -233,6 +234,54 @@ def test_audio_deltas_are_recognised_with_the_sdks_fields(
 )
 def test_everything_but_a_well_formed_audio_delta_is_left_to_the_sdk(raw: bytes) -> None:
     assert audio_delta(raw) is None
+
+
+_session_frames = st.fixed_dictionaries(
+    {"type": st.sampled_from(["session.created", "session.updated", "error", "", "session"])},
+    optional={
+        "event_id": json_values,
+        "session": st.fixed_dictionaries(
+            {},
+            optional={
+                "id": st.text(max_size=80) | json_values,
+                "type": st.sampled_from(["realtime", "transcription"]) | json_values,
+                "model": json_values,
+                "audio": json_values,
+            },
+        )
+        | json_values,
+    },
+)
+
+
+@FAST
+@given(_session_frames | json_values)
+def test_session_events_are_read_with_the_sdks_type_and_session_id(frame: Any) -> None:
+    raw = json.dumps(frame).encode()
+    fast = session_event_fields(raw)
+    typed = _sdk_parse(raw)
+    kind = getattr(typed, "type", None) if not isinstance(typed, dict) else typed.get("type")
+    if kind not in ("session.created", "session.updated"):
+        assert fast is None
+        return
+    # What the bridge read from the SDK's model before: the session's id, a non-empty string.
+    sid = getattr(getattr(typed, "session", None), "id", None)
+    assert fast == (kind, sid if isinstance(sid, str) and sid else None)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"type":"error","error":{"type":"x","message":"session.updated"}}',
+        b'{"type":["session.updated"],"session":{"id":"s"}}',
+        b'{"type":{"session.updated":1}}',
+        b"[1]",
+        b"not json",
+        b"",
+    ],
+)
+def test_everything_but_a_session_event_is_left_to_the_sdk(raw: bytes) -> None:
+    assert session_event_fields(raw) is None
 
 
 # The watchdog that bounds per-frame awaits.

@@ -3,7 +3,8 @@
 Owns the Realtime socket and nothing above it: opening a session (our own, configured with one
 `session.update` and confirmed by `session.updated`; or attached to OpenAI's call over the
 sideband, configured by the accept), retrying with backoff within the reconnect budget, the
-read loop (audio deltas parsed without the SDK's models; everything else parsed by the SDK),
+read loop (audio deltas parsed without the SDK's models; everything else parsed by the SDK; in
+the set-up, `session.created`/`session.updated` read from the raw frame too),
 the audio-delta lane in the socket's callback, and each client event the parts send
 (`RealtimeSession`), bounded by the send timeout.
 """
@@ -46,6 +47,7 @@ from telephony.realtime_wire import (
     lane_of,
     nowait_sender,
     raw_sender,
+    session_event_fields,
 )
 from telephony.session_config import BridgeConfig, agent_update, session_update
 from telephony.watchdog import Watchdog
@@ -286,13 +288,18 @@ class RealtimeLink:
         """Until the server confirms the configuration: audio in another codec is noise."""
         self._session_id = None
         while True:
-            event = await conn.recv()
-            if event.type in ("session.created", "session.updated"):
-                sid = getattr(getattr(event, "session", None), "id", None)
-                if isinstance(sid, str) and sid:
+            raw = await conn.recv_bytes()
+            # The two session events are read from the raw frame (their type and the session's
+            # id: realtime_wire.session_event_fields); anything else is the SDK's to parse.
+            fields = session_event_fields(raw)
+            if fields is not None:
+                kind, sid = fields
+                if sid is not None:
                     self._session_id = sid[:64]
-            if event.type == "session.updated":
-                return
+                if kind == "session.updated":
+                    return
+                continue
+            event = conn.parse_event(raw)
             if isinstance(event, RealtimeErrorEvent) and event.type == "error":
                 error = event.error
                 emit_server_error(self._port, error, error.event_id)
