@@ -7,10 +7,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, Field
 
 from tools.errors import InvalidArguments, UnknownTool
 from tools.ledger import OperationRecord
-from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec
+from tools.registry import Registry, RetryPolicy, ToolKind, ToolSpec, _clean_schema
 from tools.restaurant.catalog import restaurant_catalog
 from tools.results import MAX_MESSAGE_CHARS, bounded, compact, operation_output, read_output
 from tools.states import OperationStatus
@@ -249,3 +250,24 @@ async def test_restaurant_reads_bind_read_actions_to_the_sor(catalog: Registry) 
     get = catalog.get("get_booking")
     missing = await provider.read(get, get.parse('{"booking_id": "BK1"}'))
     assert read_output(get, missing)["status"] == "not_found"
+
+
+class _Odd(BaseModel):
+    """Arguments whose schema JSON cannot give back exactly: a tuple default, a huge bound."""
+
+    pair: tuple[int, int] = (1, 2)
+    big: int = Field(default=0, le=2**70)
+
+
+@pytest.mark.parametrize(
+    "model", [_Odd, *[s.args_model for s in restaurant_catalog()._specs.values()]]
+)
+def test_a_tools_parameters_are_its_schema_and_each_definition_its_own_copy(
+    model: type[BaseModel],
+) -> None:
+    spec = ToolSpec(name="t", description="d", kind=ToolKind.READ, args_model=model)
+    first, second = spec.definition(), spec.definition()
+    expected = _clean_schema(model.model_json_schema())
+    assert first["parameters"] == expected and second["parameters"] == expected
+    first["parameters"]["properties"].clear()
+    assert spec.definition()["parameters"] == expected == second["parameters"]
