@@ -15,11 +15,13 @@ import asyncio
 import gc
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import Histogram
 
 INTERVAL_S = 0.25  # how often the loop's lateness is sampled
+RECENT_S = 5.0  # `LoopLag.late` judges the samples of this long
 WARN_LAG_S = 0.5  # a loop this late logs a warning ...
 WARN_EVERY_S = 60.0  # ... at most this often
 
@@ -67,7 +69,8 @@ class GcPauses:
 
 
 class LoopLag:
-    """Samples how late the running loop runs a timer due every `interval` s, into `LOOP_LAG`."""
+    """Samples how late the running loop runs a timer due every `interval` s, into `LOOP_LAG`,
+    and keeps the last `RECENT_S` of samples to judge whether the loop keeps up (`late`)."""
 
     def __init__(self, interval: float = INTERVAL_S) -> None:
         self._interval = interval
@@ -76,6 +79,17 @@ class LoopLag:
         self._due = 0.0
         self._warned_at = -WARN_EVERY_S
         self.worst = 0.0  # the latest sample's worst so far (tests, benchmarks)
+        self.recent: deque[float] = deque(maxlen=max(4, round(RECENT_S / interval)))
+
+    def late(self, threshold_s: float) -> float | None:
+        """The median lateness of the recent samples when it is `threshold_s` or more (the
+        loop does not keep up: more work than time, not one stall), else None. Needs a
+        quarter of the recent window sampled."""
+        recent = self.recent
+        if threshold_s <= 0 or len(recent) < max(4, recent.maxlen or 0) // 4:
+            return None
+        median = sorted(recent)[len(recent) // 2]
+        return median if median >= threshold_s else None
 
     def start(self) -> LoopLag:
         """Start on the running loop (idempotent)."""
@@ -94,6 +108,7 @@ class LoopLag:
         now = self._loop.time()
         lag = max(0.0, now - self._due)
         LOOP_LAG.observe(lag)
+        self.recent.append(lag)
         self.worst = max(self.worst, lag)
         if lag >= WARN_LAG_S and now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
@@ -108,6 +123,7 @@ class LoopLag:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        self.recent.clear()
 
 
 class LoopWatch:

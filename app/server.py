@@ -139,6 +139,11 @@ class ServiceServer(uvicorn.Server):
         log.info("%s", summary(fast_paths(self.config)))
         self.watch.start()
         await super().startup(sockets)
+        runtime = self._runtime()
+        if runtime is not None and runtime.settings.busy_loop_lag_ms > 0:
+            threshold = runtime.settings.busy_loop_lag_ms / 1000
+            lag = self.watch.lag
+            runtime.registry.overloaded = lambda: lag.late(threshold)
         if self._freeze_heap:
             # What is loaded by now (modules, models, the app) lives as long as the process. A
             # full collection walks all of it, ~190k objects and ~90 ms here, stalling every

@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     # Capacity: calls beyond this per process hear a busy message instead (0 would make every
     # call hear busy, so it is refused).
     max_live_calls: int = Field(default=50, ge=1)
+    # Overload: while the event loop has run its timers this late (ms, the median of the last
+    # 5 s), new calls hear busy as at capacity: the process cannot carry more without every
+    # live call hearing gaps. 0: never (only MAX_LIVE_CALLS refuses).
+    busy_loop_lag_ms: float = Field(default=100.0, ge=0)
     # On SIGTERM/SIGINT, live calls may go on for this long (new calls hear busy, /readyz
     # fails); the rest are then ended. Keep it under the orchestrator's grace period.
     drain_timeout_s: float = Field(default=30.0, ge=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 import xml.etree.ElementTree as ET
 
@@ -119,6 +121,51 @@ async def test_call_beyond_capacity_hears_busy_and_is_recorded(engine: AsyncEngi
     assert root.find("Connect") is None
     assert row["status"] == "busy"
     assert kinds == ["call_rejected"]
+
+
+async def burn(stop: asyncio.Event, block_s: float) -> None:
+    """More work than the event loop has time for: it runs its timers late nearly all the
+    time (blocked `block_s`, then free for 50 ms, where the requests get through)."""
+    while not stop.is_set():
+        time.sleep(block_s)  # noqa: ASYNC251 - the point: a loop that cannot keep up
+        await asyncio.sleep(0.05)
+
+
+async def test_a_new_call_hears_busy_while_the_event_loop_cannot_keep_up(
+    engine: AsyncEngine,
+) -> None:
+    async with running_service(engine, busy_loop_lag_ms=50) as service:
+        registry = service.runtime.registry
+        assert registry.overloaded() is None
+        one_stall = await post_signed(service, "/twilio/voice", _voice_params("CAbefore"))
+        stop = asyncio.Event()
+        burner = asyncio.create_task(burn(stop, 0.3))
+        try:
+            await wait_until(lambda: registry.overloaded() is not None, 15, "overloaded")
+            busy = await post_signed(service, "/twilio/voice", _voice_params("CAheavy"))
+            # A call already answered keeps its slot (Twilio retrying its webhook).
+            again = await post_signed(service, "/twilio/voice", _voice_params("CAbefore"))
+        finally:
+            stop.set()
+            await burner
+        await wait_until(lambda: registry.overloaded() is None, 15, "keeping up again")
+        after = await post_signed(service, "/twilio/voice", _voice_params("CAafter"))
+        await service.runtime.events.flush()
+        row = await call_row(engine, "CAheavy")
+        assert row is not None
+        events = await event_rows(engine, row["id"])
+        async with httpx.AsyncClient() as http:
+            exposition = (await http.get(service.url + "/metrics")).text
+    root = ET.fromstring(busy.text)
+    assert [child.tag for child in root] == ["Say", "Hangup"] and row["status"] == "busy"
+    assert [e["kind"] for e in events] == ["call_rejected"]
+    assert events[0]["data"]["reason"] == "overloaded"
+    assert events[0]["data"]["loop_lag_ms"] >= 50
+    assert _stream(one_stall.text)[1]["call_id"] == _stream(again.text)[1]["call_id"]
+    assert _stream(after.text)[0]  # keeping up again: the next call is answered
+    found = metric_samples(exposition)
+    assert found["voice_agent_calls_rejected_overloaded_total"] == 1
+    assert found["voice_agent_calls_rejected_busy_total"] == 0
 
 
 async def test_status_callback_with_bad_signature_is_forbidden(engine: AsyncEngine) -> None:

@@ -60,6 +60,10 @@ class LiveCallEntry:
     ending_here: bool = False
 
 
+def _keeps_up() -> float | None:
+    return None
+
+
 class CallRegistry:
     """Counts live calls and calls answered whose stream has not started yet (reservations).
 
@@ -81,7 +85,12 @@ class CallRegistry:
         self._live: dict[str, LiveCallEntry] = {}
         self.answered_total = 0
         self.rejected_busy_total = 0
+        self.rejected_overloaded_total = 0
         self.rejected_draining_total = 0
+        # How late the process's event loop runs (s) when it cannot keep up, else None
+        # (serve wires its loop watch here); a new inbound call is then refused as busy.
+        self.overloaded: Callable[[], float | None] = _keeps_up
+        self.refusal = ""  # why try_reserve last said no: "draining", "capacity", "overloaded"
         self.draining = False
         self._drain_listeners: list[Callable[[], None]] = []
 
@@ -112,9 +121,10 @@ class CallRegistry:
         for listener in listeners:
             listener()
 
-    def try_reserve(self, call_sid: str) -> bool:
-        """Hold a slot for `call_sid`; False at capacity or while draining. A retried webhook
-        keeps its slot."""
+    def try_reserve(self, call_sid: str, *, load_guard: bool = False) -> bool:
+        """Hold a slot for `call_sid`; False at capacity or while draining, and with
+        `load_guard` (a new inbound call) while the process is overloaded; `refusal` says
+        which. A retried webhook keeps its slot."""
         self._purge()
         if call_sid in self._live:
             return True
@@ -123,9 +133,15 @@ class CallRegistry:
             return True
         if self.draining:
             self.rejected_draining_total += 1
+            self.refusal = "draining"
             return False
         if self.load() >= self.max_live_calls:
             self.rejected_busy_total += 1
+            self.refusal = "capacity"
+            return False
+        if load_guard and self.overloaded() is not None:
+            self.rejected_overloaded_total += 1
+            self.refusal = "overloaded"
             return False
         self._reserved[call_sid] = self._clock() + self._ttl_s
         self.answered_total += 1

@@ -179,6 +179,7 @@ class CallSession:
         self.entry: LiveCallEntry | None = None
         self.admitted = False  # this session holds the call's row (admit, of_row)
         self.existing: CallRow | None = None  # refused, and its row was there already
+        self.refusal = ""  # refused: why ("draining", "capacity", "overloaded")
         self.live = False
         self.ended = False
         self._recorder: CallRecorder | None = None
@@ -225,13 +226,15 @@ class CallSession:
             "to_number": self.caller.to_number,
             "leg": str(self.leg),
         }
-        if not registry.try_reserve(self.call_sid):
+        if not registry.try_reserve(self.call_sid, load_guard=True):
             admission = Admission.DRAINING if registry.draining else Admission.BUSY
-            why: dict[str, Any] = (
-                {"reason": "draining"}
-                if admission is Admission.DRAINING
-                else {"reason": "capacity", "max_live_calls": runtime.settings.max_live_calls}
-            )
+            self.refusal = registry.refusal
+            why: dict[str, Any] = {"reason": registry.refusal}
+            if registry.refusal == "capacity":
+                why["max_live_calls"] = runtime.settings.max_live_calls
+            elif registry.refusal == "overloaded":
+                lag = registry.overloaded()
+                why["loop_lag_ms"] = round(lag * 1000) if lag is not None else None
             await self.refuse(CallStatus.BUSY, {**why, **(rejected or {})})
             return admission
         try:

@@ -100,7 +100,10 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
         log.warning("stopping: call %s hears busy", call_sid)
         return _xml(twiml.busy())
     if admission is Admission.BUSY:
-        log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
+        if session.refusal == "overloaded":
+            log.warning("overloaded (BUSY_LOOP_LAG_MS): call %s hears busy", call_sid)
+        else:
+            log.warning("at capacity (%d): call %s hears busy", settings.max_live_calls, call_sid)
         return _xml(twiml.busy())
     row = session.row
     assert row is not None
