@@ -22,7 +22,15 @@ Everything runs in this process over real sockets: the service (uvicorn), the Re
 simulator (first audio at once: realtime_factor 0), fake Twilio callers and the fake Twilio
 REST API, on a scratch database in TEST_DATABASE_URL / DATABASE_URL (or embedded).
 
+`--worker process` runs the SMS path in the deployed shape instead: the delivery worker is
+`voice-agent worker` in a process of its own (as beside `serve --no-worker` replicas), on the
+same scratch database, and the fake Twilio REST API is another process (bench/_fake_twilio.py;
+Twilio is not on the service's CPU). This process then runs the service without a worker and
+the benchmark; the worker process's CPU gets a column of its own, the fake API's is counted
+nowhere. Announcements (when run) stay in one process.
+
     .venv/bin/python bench/delivery.py [--quick] [--only sms|announcement]
+        [--worker inprocess|process]
 """
 
 from __future__ import annotations
@@ -61,6 +69,13 @@ from tools import ledger
 from tools.states import OperationStatus
 
 S = OperationStatus
+BENCH = Path(__file__).resolve().parent
+MODES = {
+    "inprocess": "one process: service, delivery worker, fake Twilio API and the benchmark",
+    "process": "SMS path as deployed: `voice-agent worker` in its own process, the fake Twilio"
+    " API in another; this process runs the service (no worker: `serve --no-worker`) and the"
+    " benchmark (announcements, when run, stay in one process)",
+}
 ARGS = {"date": "2027-01-05", "time": "20:00", "party_size": 2, "name": "Guest"}
 SCENARIO = Scenario.model_validate(
     {
@@ -79,7 +94,9 @@ def _free_port() -> int:
 
 
 @asynccontextmanager
-async def service(engine: AsyncEngine, **values: Any) -> AsyncIterator[Any]:
+async def service(
+    engine: AsyncEngine, *, with_worker: bool = True, **values: Any
+) -> AsyncIterator[Any]:
     port = _free_port()
     settings = Settings(
         host="127.0.0.1",
@@ -92,7 +109,7 @@ async def service(engine: AsyncEngine, **values: Any) -> AsyncIterator[Any]:
         log_level="WARNING",
         **values,
     )
-    app = create_app(settings, engine=engine, with_worker=True)
+    app = create_app(settings, engine=engine, with_worker=with_worker)
     server = ServiceServer(uvicorn_config(app, settings, log_level="warning", access_log=False))
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -173,7 +190,8 @@ class Work:
     def __init__(self, engine: AsyncEngine) -> None:
         self.counts = {"statements": 0, "checkouts": 0, "transactions": 0}
         self.rows: list[tuple[str, ...]] = []
-        self._window: tuple[float, dict[str, int]] | None = None
+        self._window: tuple[float, dict[str, int], float] | None = None
+        self.worker_pid: int | None = None  # --worker process: its CPU counts too
         sync = engine.sync_engine
         sa.event.listen(sync, "before_cursor_execute", self._on("statements"))
         sa.event.listen(sync.pool, "checkout", self._on("checkouts"))
@@ -186,19 +204,28 @@ class Work:
         return count
 
     def start(self) -> None:
-        self._window = (time.process_time(), dict(self.counts))
+        self._window = (time.process_time(), dict(self.counts), self._worker_cpu())
+
+    def _worker_cpu(self) -> float:
+        """The worker process's CPU seconds so far (0 when the worker is in this process)."""
+        if self.worker_pid is None:
+            return 0.0
+        fields = Path(f"/proc/{self.worker_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self, name: str, n: int) -> None:
         assert self._window is not None
-        cpu0, before = self._window
+        cpu0, before, worker0 = self._window
         self._window = None
         cpu_ms = (time.process_time() - cpu0) * 1000 / n
+        worker_ms = (self._worker_cpu() - worker0) * 1000 / n if self.worker_pid else None
         per = {k: (v - before[k]) / n for k, v in self.counts.items()}
         self.rows.append(
             (
                 name,
                 str(n),
                 f"{cpu_ms:.1f}",
+                "-" if worker_ms is None else f"{worker_ms:.1f}",
                 f"{per['statements']:.1f}",
                 f"{per['checkouts']:.1f}",
                 f"{per['transactions']:.1f}",
@@ -265,14 +292,23 @@ async def announcement_rows(engine: AsyncEngine, quick: bool, work: Work) -> lis
     return rows
 
 
-async def sms_rows(engine: AsyncEngine, quick: bool, work: Work) -> list[tuple[str, ...]]:
+async def sms_rows(
+    engine: AsyncEngine, quick: bool, work: Work, url: str, worker: str
+) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
+    alone = worker == "process"
     async with (
-        FakeTwilioApi(sms_step_delay_s=0.01) as api,
-        service(engine, twilio_api_base_url=api.base_url, sweep_interval_s=1.0) as (_app, _),
+        _TwilioProcess() if alone else FakeTwilioApi(sms_step_delay_s=0.01) as api,
+        service(
+            engine,
+            with_worker=not alone,
+            twilio_api_base_url=api.base_url,
+            sweep_interval_s=1.0,
+        ) as (_app, settings),
+        _worker_process(url, settings, api.base_url, work) if alone else _nothing(),
     ):
         client = make_twilio_client(DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, api.base_url)
-        arrivals = _Arrivals(api)
+        arrivals: Any = api if alone else _Arrivals(api)
         try:
             for n, rounds in ((1, 5 if quick else 20), (50, 1 if quick else 3)):
                 bare: list[float] = []
@@ -288,6 +324,10 @@ async def sms_rows(engine: AsyncEngine, quick: bool, work: Work) -> list[tuple[s
                         return t0
 
                     starts = await asyncio.gather(*(direct("+1777" + t[4:]) for t in numbers))
+                    # (--worker process: the arrivals come from the fake API's process)
+                    await _wait(
+                        lambda nums=numbers: all(arrivals.at("+1777" + x[4:]) for x in nums)
+                    )
                     for to, t0 in zip(numbers, starts, strict=True):
                         arrived = arrivals.at("+1777" + to[4:])
                         bare.append(arrived - t0)
@@ -304,6 +344,104 @@ async def sms_rows(engine: AsyncEngine, quick: bool, work: Work) -> list[tuple[s
         finally:
             await close_twilio_client(client)
     return rows
+
+
+@asynccontextmanager
+async def _nothing() -> AsyncIterator[None]:
+    yield
+
+
+class _TwilioProcess:
+    """The fake Twilio REST API in a process of its own (bench/_fake_twilio.py): its base URL,
+    and when the first create request to each number reached it (`at`, as `_Arrivals`)."""
+
+    def __init__(self) -> None:
+        self.base_url = ""
+        self.first: dict[str, float] = {}
+
+    async def __aenter__(self) -> _TwilioProcess:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(BENCH / "_fake_twilio.py"),
+            "--sms-step-delay-s",
+            "0.01",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self._proc.stdout is not None
+        ready = (await asyncio.wait_for(self._proc.stdout.readline(), 60)).decode().split()
+        if ready[:1] != ["READY"]:
+            raise RuntimeError(f"the fake Twilio API did not start: {ready}")
+        self.base_url = ready[1]
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self._proc.stdout is not None
+        async for line in self._proc.stdout:
+            _, to, t = line.decode().split()
+            self.first.setdefault(to, float(t))
+
+    def at(self, to: str) -> float:
+        return self.first.get(to, 0.0)
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        try:
+            await asyncio.wait_for(self._proc.wait(), 10)
+        except TimeoutError:
+            self._proc.kill()
+            await self._proc.wait()
+        self._reader.cancel()
+
+
+@asynccontextmanager
+async def _worker_process(
+    url: str, settings: Settings, twilio_url: str, work: Work
+) -> AsyncIterator[None]:
+    """`voice-agent worker` (what production runs beside `serve --no-worker` replicas) on
+    the scratch database, sending through the fake Twilio API; its CPU counts in `work`."""
+    env = dict(
+        os.environ,
+        DATABASE_URL=url,
+        TWILIO_API_BASE_URL=twilio_url,
+        TWILIO_ACCOUNT_SID=DEFAULT_ACCOUNT_SID,
+        TWILIO_AUTH_TOKEN=DEFAULT_AUTH_TOKEN,
+        PUBLIC_BASE_URL=settings.public_base_url,
+        STREAM_TOKEN_SECRET="bench",
+        SWEEP_INTERVAL_S="1.0",
+        LOG_LEVEL="WARNING",
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "app.cli",
+        "worker",
+        cwd=str(BENCH.parent),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            while b"running" not in (line := await proc.stdout.readline()):
+                if not line:
+                    raise RuntimeError("voice-agent worker stopped before it ran")
+        drain = asyncio.create_task(proc.stdout.read())
+        work.worker_pid = proc.pid
+        yield
+    finally:
+        work.worker_pid = None
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if "drain" in locals():
+            await drain
 
 
 class _Arrivals:
@@ -343,8 +481,13 @@ def _mean_work(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for name in dict.fromkeys(r[0] for r in rows):
         mine = [r for r in rows if r[0] == name]
-        cols = [sum(float(r[i]) for r in mine) / len(mine) for i in range(2, 6)]
-        out.append((name, mine[0][1], *(f"{c:.1f}" for c in cols)))
+        cols = [
+            "-"
+            if "-" in (r[i] for r in mine)
+            else f"{sum(float(r[i]) for r in mine) / len(mine):.1f}"
+            for i in range(2, 7)
+        ]
+        out.append((name, mine[0][1], *cols))
     return out
 
 
@@ -377,7 +520,7 @@ def _server_url() -> str:
     return resolve_database_url(url, Path(tempfile.gettempdir()) / "voice-agent-bench-pg")
 
 
-async def main(quick: bool, only: str | None = None) -> None:
+async def main(quick: bool, only: str | None = None, worker: str = "inprocess") -> None:
     server = _server_url()
     name = f"va_bench_delivery_{os.getpid()}"
     url = create_database(server, name)
@@ -388,7 +531,7 @@ async def main(quick: bool, only: str | None = None) -> None:
             work = Work(engine)
             t0 = time.perf_counter()
             announce = await announcement_rows(engine, quick, work) if only != "sms" else []
-            sms = await sms_rows(engine, quick, work) if only != "announcement" else []
+            sms = await sms_rows(engine, quick, work, url, worker) if only != "announcement" else []
             took = time.perf_counter() - t0
         finally:
             await engine.dispose()
@@ -396,6 +539,7 @@ async def main(quick: bool, only: str | None = None) -> None:
             f"delivery benchmark ({'quick' if quick else 'full'}; {os.cpu_count()} CPUs; "
             f"took {took:.0f} s; worker concurrency {Settings().worker_concurrency})"
         )
+        print(f"mode: {MODES[worker]}")
         header = ("path", "n", "p50", "p99", "base p50", "base p99", "p50 over base")
         if announce:
             table(
@@ -412,8 +556,17 @@ async def main(quick: bool, only: str | None = None) -> None:
                 sms,
             )
         table(
-            "Work per delivery in each window (this process; mean over the window's deliveries)",
-            ("window", "n", "CPU ms", "SQL statements", "pool checkouts", "transactions"),
+            "Work per delivery in each window (this process, and the worker's when it runs"
+            " alone; mean over the window's deliveries)",
+            (
+                "window",
+                "n",
+                "CPU ms",
+                "worker process CPU ms",
+                "SQL statements",
+                "pool checkouts",
+                "transactions",
+            ),
             _mean_work(work.rows),
         )
     finally:
@@ -424,5 +577,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     parser.add_argument("--only", choices=("announcement", "sms"), help="one path only")
+    parser.add_argument(
+        "--worker",
+        choices=tuple(MODES),
+        default="inprocess",
+        help="where the SMS path's delivery worker and the fake Twilio API run (default:"
+        " everything in this process)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.quick, args.only))
+    asyncio.run(main(args.quick, args.only, args.worker))

@@ -357,31 +357,14 @@ async def send(
     """
     policy = policy or RetryPolicy()
     async with engine.begin() as conn:
-        row = (
-            await conn.execute(
-                sa.select(whd_t, sub_t.c.url, sub_t.c.secret, sub_t.c.active)
-                .join(sub_t, sub_t.c.id == whd_t.c.subscription_id)
-                .where(whd_t.c.id == webhook_delivery_id)
-                .with_for_update(of=whd_t, skip_locked=True)
-            )
-        ).first()
+        row = (await conn.execute(_SEND_CLAIM, {"b_id": webhook_delivery_id})).first()
         if row is None or row.state != "pending":
             return None
         if not row.active:
-            await conn.execute(
-                whd_t.update()
-                .where(whd_t.c.id == webhook_delivery_id)
-                .values(
-                    state="failed", last_error="subscription disabled", updated_at=sa.func.now()
-                )
-            )
+            await conn.execute(_SEND_DISABLED, {"b_id": webhook_delivery_id})
             return SendResult("failed", row.attempts, None)
         attempt = row.attempts + 1
-        await conn.execute(
-            whd_t.update()
-            .where(whd_t.c.id == webhook_delivery_id)
-            .values(state="sending", attempts=attempt, updated_at=sa.func.now())
-        )
+        await conn.execute(_SEND_SENDING, {"b_id": webhook_delivery_id, "b_attempts": attempt})
     body = json.dumps(row.payload, separators=(",", ":"), sort_keys=True).encode()
     msg_id = f"msg_{webhook_delivery_id.hex}"
     stamp = int(time.time())
@@ -415,25 +398,24 @@ async def send(
         error = f"HTTP {status_code}"
     async with engine.begin() as conn:
         await conn.execute(
-            att_t.insert().values(
-                webhook_delivery_id=webhook_delivery_id,
-                attempt=attempt,
-                status_code=status_code,
-                error=error,
-                duration_ms=round(duration_ms, 2),
-            )
+            _SEND_ATTEMPT,
+            {
+                "webhook_delivery_id": webhook_delivery_id,
+                "attempt": attempt,
+                "status_code": status_code,
+                "error": error,
+                "duration_ms": round(duration_ms, 2),
+            },
         )
         await conn.execute(
-            whd_t.update()
-            .where(whd_t.c.id == webhook_delivery_id, whd_t.c.state == "sending")
-            .values(
-                state=state,
-                last_status_code=status_code,
-                last_error=None if ok else error,
-                next_attempt_at=retry_at,
-                delivered_at=sa.func.now() if ok else None,
-                updated_at=sa.func.now(),
-            )
+            _SEND_DONE if ok else _SEND_NOT_DONE,
+            {
+                "b_id": webhook_delivery_id,
+                "b_state": state,
+                "b_last_status_code": status_code,
+                "b_last_error": None if ok else error,
+                "b_next_attempt_at": retry_at,
+            },
         )
         if gone:
             await unsubscribe(conn, row.subscription_id)
@@ -447,6 +429,49 @@ async def send(
     if not ok:
         log.info("webhook %s attempt %d failed: %s", msg_id, attempt, error)
     return SendResult(state, attempt, status_code, retry_at)
+
+
+# `send`'s statements, built once (values as parameters; same SQL and rows as built per call).
+def _b(name: str, column: Any) -> Any:
+    return sa.bindparam(name, type_=column.type)
+
+
+_SEND_CLAIM = (
+    sa.select(whd_t, sub_t.c.url, sub_t.c.secret, sub_t.c.active)
+    .join(sub_t, sub_t.c.id == whd_t.c.subscription_id)
+    .where(whd_t.c.id == _b("b_id", whd_t.c.id))
+    .with_for_update(of=whd_t, skip_locked=True)
+)
+_SEND_DISABLED = (
+    whd_t.update()
+    .where(whd_t.c.id == _b("b_id", whd_t.c.id))
+    .values(state="failed", last_error="subscription disabled", updated_at=sa.func.now())
+)
+_SEND_SENDING = (
+    whd_t.update()
+    .where(whd_t.c.id == _b("b_id", whd_t.c.id))
+    .values(state="sending", attempts=_b("b_attempts", whd_t.c.attempts), updated_at=sa.func.now())
+)
+_SEND_ATTEMPT = att_t.insert()
+
+
+def _send_done(delivered: bool) -> Any:
+    return (
+        whd_t.update()
+        .where(whd_t.c.id == _b("b_id", whd_t.c.id), whd_t.c.state == "sending")
+        .values(
+            state=_b("b_state", whd_t.c.state),
+            last_status_code=_b("b_last_status_code", whd_t.c.last_status_code),
+            last_error=_b("b_last_error", whd_t.c.last_error),
+            next_attempt_at=_b("b_next_attempt_at", whd_t.c.next_attempt_at),
+            delivered_at=sa.func.now() if delivered else None,
+            updated_at=sa.func.now(),
+        )
+    )
+
+
+_SEND_DONE = _send_done(True)
+_SEND_NOT_DONE = _send_done(False)
 
 
 async def recover(engine: AsyncEngine, *, stuck_after_s: float, limit: int = 100) -> int:
