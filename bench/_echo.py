@@ -346,8 +346,11 @@ def _watch(w: dict | None) -> str:
     def ms(bound: float) -> str:
         return f"{bound * 1000:g}" if bound != float("inf") else "inf"
 
+    by_gen = w.get("gc_over_10ms_by_generation") or []
+    which = ", ".join(f"gen{g}: {n:.0f}" for g, n in enumerate(by_gen) if n)
     return (
-        f"{w['gc_over_10ms']:.0f} / {w['gc_pauses']:.0f} ({ms(w['gc_longest_le_s'])}) "
+        f"{w['gc_over_10ms']:.0f}{f' ({which})' if which else ''} / {w['gc_pauses']:.0f} "
+        f"({ms(w['gc_longest_le_s'])}) "
         f"| {ms(w['lag_p99_le_s'])} / {ms(w['lag_max_le_s'])} ({w['lag_over_40ms']:.0f} "
         f"of {w['lag_samples']:.0f})"
     )

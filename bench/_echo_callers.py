@@ -385,9 +385,15 @@ def watched(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
                 return bound
         return float("inf")
 
+    over_by_generation = [
+        grew(f"voice_agent_gc_pause_seconds_count|generation={g}")
+        - grew(f"voice_agent_gc_pause_seconds_bucket|generation={g},le=0.01")
+        for g in range(3)
+    ]
     return {
         "gc_pauses": gc_all,
         "gc_over_10ms": gc_all - gc_10,
+        "gc_over_10ms_by_generation": over_by_generation,
         "gc_longest_le_s": gc_longest() if gc_all else 0.0,
         "lag_samples": lag_n,
         "lag_over_20ms": lag_n - grew(lag + "0.02"),
