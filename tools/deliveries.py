@@ -582,11 +582,7 @@ async def redrive_for_call(
 ) -> list[uuid.UUID]:
     """The call is over: unheard offers go back to pending, and every pending delivery of
     the call gets a job (which now chooses SMS). Returns the deliveries re-driven."""
-    rows = await conn.execute(
-        sa.select(dl_t.c.id, dl_t.c.state)
-        .where(dl_t.c.call_id == call_id, dl_t.c.state.in_([D.PENDING.value, D.OFFERED.value]))
-        .with_for_update()
-    )
+    rows = await conn.execute(_REDRIVE, {"b_call_id": call_id})
     ids = []
     for delivery_id, state in rows.all():
         if state == D.OFFERED.value:
@@ -604,6 +600,17 @@ async def redrive_for_call(
         await enqueue(conn, delivery_id)
         ids.append(delivery_id)
     return ids
+
+
+# `redrive_for_call`'s select, the call as `b_call_id`; built once (every call's end runs it).
+_REDRIVE = (
+    sa.select(dl_t.c.id, dl_t.c.state)
+    .where(
+        dl_t.c.call_id == sa.bindparam("b_call_id", type_=dl_t.c.call_id.type),
+        dl_t.c.state.in_([D.PENDING.value, D.OFFERED.value]),
+    )
+    .with_for_update()
+)
 
 
 # --- what the relevance gate looks at, from the ledger ---------------------------------------

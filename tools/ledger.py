@@ -522,10 +522,19 @@ async def operations_for_call(
     call_id: str,
     statuses: Iterable[OperationStatus] | None = None,
 ) -> list[OperationRecord]:
+    stmt = _operations_for_call(None if statuses is None else tuple(s.value for s in statuses))
+    return [OperationRecord.from_row(r) for r in await conn.execute(stmt, {"b_call_id": call_id})]
+
+
+@lru_cache(maxsize=32)
+def _operations_for_call(statuses: tuple[str, ...] | None) -> Any:
+    """`operations_for_call`'s select, the call as `b_call_id`: built once per set of statuses
+    (every call's end runs it)."""
+    call_id = sa.bindparam("b_call_id", type_=ops_t.c.call_id.type)
     stmt = sa.select(ops_t).where(ops_t.c.call_id == call_id).order_by(ops_t.c.created_at)
     if statuses is not None:
-        stmt = stmt.where(ops_t.c.status.in_([s.value for s in statuses]))
-    return [OperationRecord.from_row(r) for r in await conn.execute(stmt)]
+        stmt = stmt.where(ops_t.c.status.in_(list(statuses)))
+    return stmt
 
 
 async def find_by_provider_ref(

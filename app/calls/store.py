@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -157,33 +158,47 @@ async def create_call(
     leg: str = "twilio",
 ) -> tuple[CallRow, bool]:
     """Insert the call unless its CallSid exists (Twilio retries); returns (row, created)."""
-    stmt = (
-        pg_insert(calls)
-        .values(
-            id=uuid.uuid4(),
-            call_sid=call_sid,
-            tenant_id=tenant_id,
-            leg=leg,
-            from_number=from_number,
-            to_number=to_number,
-            status=str(status),
-            ended_at=datetime.now(UTC) if status in TERMINAL else None,
-            end_reason=str(status) if status in TERMINAL else None,
-        )
-        .on_conflict_do_nothing(index_elements=["call_sid"])
-        .returning(*calls.c)
-    )
+    values = {
+        "id": uuid.uuid4(),
+        "call_sid": call_sid,
+        "tenant_id": tenant_id,
+        "leg": leg,
+        "from_number": from_number,
+        "to_number": to_number,
+        "status": str(status),
+        "ended_at": datetime.now(UTC) if status in TERMINAL else None,
+        "end_reason": str(status) if status in TERMINAL else None,
+    }
+    params = {f"set_{name}": value for name, value in values.items()}
     # One statement: it commits alone (a conflict means the row was there, committed).
     async with autocommit(engine) as conn:
-        inserted = (await conn.execute(stmt)).mappings().first()
+        inserted = (await conn.execute(_INSERT_CALL, params)).mappings().first()
         if inserted is not None:
             return CallRow.from_mapping(inserted), True
-        existing = (
-            (await conn.execute(sa.select(calls).where(calls.c.call_sid == call_sid)))
-            .mappings()
-            .one()
-        )
+        existing = (await conn.execute(_BY_SID, {"b_sid": call_sid})).mappings().one()
         return CallRow.from_mapping(existing), False
+
+
+def _param(name: str) -> Any:
+    """The value of column `name` as parameter `set_<name>`, of the column's type (never the
+    column's own name: SQLAlchemy would take it for the column in an UPDATE's WHERE)."""
+    return sa.bindparam(f"set_{name}", type_=calls.c[name].type)
+
+
+# The call's row statements, built once: a statement built per call is built, keyed and its
+# result adapted again on every execution (about 0.1-0.2 ms, three times a call). The values
+# are parameters; the SQL is the same.
+_INSERTED: tuple[str, ...] = ("id", "call_sid", "tenant_id", "leg", "from_number", "to_number")
+_INSERTED += ("status", "ended_at", "end_reason")
+_INSERT_CALL = (
+    pg_insert(calls)
+    .values({name: _param(name) for name in _INSERTED})
+    .on_conflict_do_nothing(index_elements=["call_sid"])
+    .returning(*calls.c)
+)
+_BY_SID = sa.select(calls).where(
+    calls.c.call_sid == sa.bindparam("b_sid", type_=calls.c.call_sid.type)
+)
 
 
 async def get_call(engine: AsyncEngine, call_id: str) -> CallRow | None:
@@ -230,19 +245,28 @@ async def transition(
         values.setdefault("ended_at", datetime.now(UTC))
     if target is CallStatus.IN_PROGRESS:
         values.setdefault("answered_at", datetime.now(UTC))
-    stmt = (
-        sa.update(calls)
-        .where(calls.c.id == uuid.UUID(call_id), calls.c.status.in_(sources_of(target)))
-        .values(**values)
-        .returning(*calls.c)
-    )
+    key = uuid.UUID(call_id)
+    stmt: Any
+    params: dict[str, Any] = {}
+    if all(name in calls.c and not isinstance(v, sa.ClauseElement) for name, v in values.items()):
+        # Plain values of columns (what every caller passes): the statement built once a shape.
+        stmt = _transition_statement(target, tuple(sorted(values)))
+        params = {f"set_{name}": value for name, value in values.items()}
+        params["b_id"] = key
+    else:
+        stmt = (
+            sa.update(calls)
+            .where(calls.c.id == key, calls.c.status.in_(sources_of(target)))
+            .values(**values)
+            .returning(*calls.c)
+        )
     if target not in TERMINAL:
         # One statement: no transaction around it (tools.autocommit).
         async with autocommit(engine) as conn:
-            row = (await conn.execute(stmt)).mappings().first()
+            row = (await conn.execute(stmt, params)).mappings().first()
         return CallRow.from_mapping(row) if row else None
     async with engine.begin() as conn:
-        row = (await conn.execute(stmt)).mappings().first()
+        row = (await conn.execute(stmt, params)).mappings().first()
         if row is not None:
             await deliveries.redrive_for_call(
                 conn,
@@ -251,3 +275,18 @@ async def transition(
                 reason=f"the call ended ({fields.get('end_reason') or target.value})",
             )
     return CallRow.from_mapping(row) if row else None
+
+
+@functools.lru_cache(maxsize=64)
+def _transition_statement(target: CallStatus, names: tuple[str, ...]) -> Any:
+    """`transition`'s UPDATE to `target` setting columns `names` (each `set_<name>`), the
+    call's id as `b_id`; built once a shape."""
+    return (
+        sa.update(calls)
+        .where(
+            calls.c.id == sa.bindparam("b_id", type_=calls.c.id.type),
+            calls.c.status.in_(sources_of(target)),
+        )
+        .values({name: _param(name) for name in names})
+        .returning(*calls.c)
+    )
