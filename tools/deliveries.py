@@ -5,7 +5,8 @@ terminal (see `tools.ledger.transition`), together with a NOTIFY to the replica 
 call and a Procrastinate job, so a restart, a lost notification or a dead replica delays a
 delivery and never drops it. Every function runs inside a transaction the caller owns.
 `move` is the only code that changes a delivery's state; `record_sms` the only code that
-changes an SMS message's status (forward only, see `tools.delivery_states`).
+changes an SMS message's status (forward only, see `tools.delivery_states`), with
+`report_sms`, its one-statement form for a status callback (the same rows).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import functions
@@ -94,9 +96,9 @@ class DeliveryRecord:
     agent: str | None = None  # the agent active when it was offered (or kept from it)
 
     @classmethod
-    def from_row(cls, row: Any) -> DeliveryRecord:
+    def from_row(cls, row: Any, prefix: str = "") -> DeliveryRecord:
         m = row._mapping
-        values = {f.name: m[f.name] for f in fields(cls)}
+        values = {f.name: m[prefix + f.name] for f in fields(cls)}
         values["state"] = DeliveryState(values["state"])
         values["outcome"] = OperationStatus(values["outcome"])
         return cls(**values)
@@ -1238,6 +1240,186 @@ async def _settle_by_sms(
             await enqueue(conn, delivery.id)
         return moved
     return delivery
+
+
+@dataclass(frozen=True, slots=True)
+class SmsReport:
+    """What `report_sms` did: the update (None when the message is missing or the report
+    names another MessageSid), or that the report must go through `record_sms`."""
+
+    update: SmsUpdate | None
+    foreign_sid: bool = False  # the message has another MessageSid: nothing recorded
+    under_lock: bool = False  # it only teaches the MessageSid: `record_sms` does that
+
+
+async def report_sms(
+    conn: AsyncConnection,
+    message_id: uuid.UUID,
+    status: SmsStatus,
+    *,
+    actor: str,
+    source: str,
+    message_sid: str | None = None,
+    error_code: int | None = None,
+    next_check_at: datetime | None = None,
+) -> SmsReport:
+    """`record_sms` of a provider's report (a status callback) in one statement, which may
+    run without a transaction around it: the message locked and moved forward only from a
+    status the report advances (a duplicate or late report changes nothing), its trail
+    event, and for a final status the settling move of its delivery (still texting this
+    message) with that move's event. The same rows, values and trail order as `record_sms`.
+
+    Not for a report whose delivery would end `not_deliverable` (its job is deferred: use
+    `record_sms`). A report that moves nothing but would teach the message its MessageSid
+    comes back `under_lock`, unrecorded, for `record_sms`. `update.delivery` is the
+    delivery this report settled, if any.
+    """
+    sid = message_sid or None
+    stmt = _report_sms_statement(status, sid is not None, error_code is not None)
+    data: dict[str, Any] = {"message_id": str(message_id), "status": status.value}
+    data["source"] = source
+    params: dict[str, Any] = {
+        "b_id": message_id,
+        "b_next_check_at": next_check_at,
+        "b_actor": actor[:128],
+        "b_reason": f"SMS {status.value}",
+    }
+    if sid is not None:
+        params["b_message_sid"] = sid
+    if error_code is not None:
+        params["b_error_code"] = error_code
+        data["error_code"] = error_code
+    params["b_data"] = data
+    if status in _SETTLES:
+        params["b_why"] = f"the SMS was {status.value}"
+    row = (await conn.execute(stmt, params)).first()
+    if row is None:
+        return SmsReport(None)
+    message = SmsRecord.from_row(row)
+    if not row.changed:
+        if message.message_sid and sid and sid != message.message_sid:
+            return SmsReport(None, foreign_sid=True)
+        if sid and message.message_sid is None:
+            return SmsReport(None, under_lock=True)
+        return SmsReport(SmsUpdate(message, False, None))
+    delivery: DeliveryRecord | None = None
+    if status in _SETTLES and row.d_id is not None:
+        delivery = DeliveryRecord.from_row(row, prefix="d_")
+        if tracing.recording():
+            await _trace_move(conn, delivery, D.TEXTING, actor, delivery.reason or "", None)
+    return SmsReport(SmsUpdate(message, True, delivery))
+
+
+# The delivery move a final status makes in `report_sms` (the not_deliverable one aside).
+_SETTLES: dict[SmsStatus, DeliveryState] = {
+    M.DELIVERED: D.TEXTED,
+    M.UNDELIVERED: D.FAILED,
+    M.FAILED: D.FAILED,
+}
+
+
+@lru_cache(maxsize=32)
+def _report_sms_statement(status: SmsStatus, with_sid: bool, with_code: bool) -> Any:
+    """`report_sms`'s statement for one shape of report, its values as parameters: `b_id`,
+    `b_next_check_at`, `b_actor`, `b_reason`, `b_data` (the trail event's data but its
+    `message_sid`), `b_message_sid` and `b_error_code` when given, `b_why` for a final
+    status. One row when the message exists: the message (as moved, or as it stood when
+    nothing moved), `changed`, and for a final status the settled delivery's columns as
+    `d_<name>` (NULL when none moved)."""
+    now = sa.func.now()
+    message_id = sa.bindparam("b_id", type_=sms_t.c.id.type)
+    actor = sa.bindparam("b_actor", type_=dev_t.c.actor.type)
+    # Lock the row and read it, as record_sms's SELECT ... FOR UPDATE did.
+    old = sa.select(sms_t).where(sms_t.c.id == message_id).with_for_update().cte("old")
+    behind = [s.value for s in SmsStatus if sms_advances(s, status)]
+    guard: list[sa.ColumnElement[bool]] = [sms_t.c.id == old.c.id, old.c.status.in_(behind)]
+    setv: dict[str, Any] = {
+        "updated_at": now,
+        "status": status.value,
+        "next_check_at": sa.bindparam("b_next_check_at", type_=sms_t.c.next_check_at.type),
+        "status_at": now,
+    }
+    if with_sid:
+        sid = sa.bindparam("b_message_sid", type_=sms_t.c.message_sid.type)
+        # A report naming another MessageSid than the message's changes nothing; one that
+        # names it first teaches it (record_sms: only a message without one learns it).
+        guard.append(
+            sa.or_(old.c.message_sid.is_(None), old.c.message_sid == "", old.c.message_sid == sid)
+        )
+        setv["message_sid"] = sa.func.coalesce(old.c.message_sid, sid)
+        setv["accepted_at"] = sa.case((old.c.message_sid.is_(None), now), else_=old.c.accepted_at)
+    if with_code:
+        setv["error_code"] = sa.bindparam("b_error_code", type_=sms_t.c.error_code.type)
+    if status in SMS_FINAL:
+        setv["finished_at"] = now
+    upd = sms_t.update().where(*guard).values(**setv).returning(*sms_t.c).cte("upd")
+    data = sa.bindparam("b_data", type_=dev_t.c.data.type).op("||", return_type=JSONB)(
+        sa.func.jsonb_build_object(sa.literal_column("'message_sid'"), upd.c.message_sid)
+    )
+    trail: list[Any] = [
+        sa.select(
+            sa.literal(1).label("n"),
+            upd.c.delivery_id.label("delivery_id"),
+            sa.cast(sa.null(), sa.String).label("from_state"),
+            sa.cast(sa.null(), sa.String).label("to_state"),
+            sa.literal("sms", sa.String).label("kind"),
+            actor.label("actor"),
+            sa.bindparam("b_reason", type_=sa.Text).label("reason"),
+            data.label("data"),
+        )
+    ]
+    d = None
+    target = _SETTLES.get(status)
+    if target is not None:
+        check_delivery_move(D.TEXTING, target)
+        why: Any = sa.bindparam("b_why", type_=sa.Text)
+        if status in SMS_FAILURES:
+            why = why + sa.func.coalesce(
+                " (Twilio error " + sa.cast(upd.c.error_code, sa.Text) + ")", ""
+            )
+        # The delivery still texting this message settles (an older message of a resent
+        # delivery is history only), as record_sms's move did.
+        d = (
+            dl_t.update()
+            .where(
+                dl_t.c.id == upd.c.delivery_id,
+                dl_t.c.message_id == upd.c.id,
+                dl_t.c.state == D.TEXTING.value,
+            )
+            .values(state=target.value, reason=why, updated_at=now, finished_at=now)
+            .returning(*dl_t.c)
+            .cte("d")
+        )
+        trail.append(
+            sa.select(
+                sa.literal(2),
+                d.c.id,
+                sa.literal(D.TEXTING.value, sa.String),
+                sa.literal(target.value, sa.String),
+                sa.literal("transition", sa.String),
+                actor,
+                d.c.reason,
+                sa.literal({}, dev_t.c.data.type),
+            )
+        )
+    # One insert, in trail order: the status's event, then the move's.
+    events = sa.union_all(*trail).subquery("e") if len(trail) > 1 else trail[0].subquery("e")
+    names = ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"]
+    ev = (
+        dev_t.insert()
+        .from_select(names, sa.select(*(events.c[n] for n in names)).order_by(events.c.n))
+        .cte("ev")
+    )
+    cols: list[Any] = [
+        sa.case((upd.c.id.is_(None), old.c[c.name]), else_=upd.c[c.name]).label(c.name)
+        for c in sms_t.c
+    ]
+    cols.append(upd.c.id.is_not(None).label("changed"))
+    joined = old.outerjoin(upd, sa.true())
+    if d is not None:
+        cols.extend(d.c[c.name].label(f"d_{c.name}") for c in dl_t.c)
+        joined = joined.outerjoin(d, sa.true())
+    return sa.select(*cols).select_from(joined).add_cte(ev)
 
 
 async def settle_sent(

@@ -31,8 +31,9 @@ from twilio.base.exceptions import TwilioRestException
 
 from app.ops.twilio_rest import close_twilio_client, make_twilio_client
 from tools import deliveries
+from tools.autocommit import autocommit
 from tools.deliveries import DeliveryRecord, SmsRecord, SmsUpdate
-from tools.delivery_states import SMS_FINAL, DeliveryState, SmsStatus
+from tools.delivery_states import SMS_FAILURES, SMS_FINAL, DeliveryState, SmsStatus
 from tools.ledger import OperationRecord
 from tools.registry import Registry
 from tools.results import sms_text
@@ -507,16 +508,44 @@ class SmsChannel:
     async def apply_callback(
         self, message_id: uuid.UUID, params: dict[str, str]
     ) -> SmsUpdate | None:
-        """A signed status callback: move the message forward if it says something new."""
+        """A signed status callback: move the message forward if it says something new.
+
+        Most callbacks are one statement without a transaction around it
+        (`deliveries.report_sms`: the same rows as `record_sms` under a lock); one that
+        records an opt-out, ends the delivery not_deliverable (its job is deferred) or
+        only teaches the message its MessageSid takes the transaction."""
         status = _twilio_status(params.get("MessageStatus") or params.get("SmsStatus"))
         if status is None:
             return None
         code = _int(params.get("ErrorCode"))
+        sid = params.get("MessageSid") or params.get("SmsSid")
+        poll = datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
+        next_check_at = None if status in SMS_FINAL else poll
+        not_deliverable = (
+            code == OPT_OUT_CODE
+            or code in NOT_DELIVERABLE_CODES
+            or code in NOT_DELIVERABLE_DELIVERY_CODES
+        )
+        if code != OPT_OUT_CODE and not (status in SMS_FAILURES and not_deliverable):
+            async with autocommit(self._engine) as conn:
+                report = await deliveries.report_sms(
+                    conn,
+                    message_id,
+                    status,
+                    actor="twilio",
+                    source="status callback",
+                    message_sid=sid,
+                    error_code=code,
+                    next_check_at=next_check_at,
+                )
+            if report.foreign_sid:
+                log.warning("SMS status callback for %s names another MessageSid", message_id)
+            if not report.under_lock:
+                return report.update
         async with self._engine.begin() as conn:
             message = await deliveries.get_sms(conn, message_id, for_update=True)
             if message is None:
                 return None
-            sid = params.get("MessageSid") or params.get("SmsSid")
             if message.message_sid and sid and sid != message.message_sid:
                 log.warning("SMS status callback for %s names another MessageSid", message_id)
                 return None
@@ -524,7 +553,6 @@ class SmsChannel:
                 await deliveries.set_opt_out(
                     conn, message.to_number, opted_out=True, source="21610"
                 )
-            poll = datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
             return await deliveries.record_sms(
                 conn,
                 message_id,
@@ -533,10 +561,8 @@ class SmsChannel:
                 source="status callback",
                 message_sid=sid,
                 error_code=code,
-                next_check_at=None if status in SMS_FINAL else poll,
-                not_deliverable=code == OPT_OUT_CODE
-                or code in NOT_DELIVERABLE_CODES
-                or code in NOT_DELIVERABLE_DELIVERY_CODES,
+                next_check_at=next_check_at,
+                not_deliverable=not_deliverable,
                 locked=message,
             )
 
