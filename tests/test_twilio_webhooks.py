@@ -277,3 +277,16 @@ async def test_a_draining_service_answers_busy_fails_readiness_and_keeps_answere
     assert ready.status_code == 503 and "draining" in ready.text
     assert metric_samples(metrics)["voice_agent_draining"] == 1
     assert metric_samples(metrics)["voice_agent_calls_rejected_draining_total"] == 1
+
+
+async def test_voice_webhook_with_fields_the_columns_refuse_is_a_bad_request(
+    engine: AsyncEngine,
+) -> None:
+    """The call's insert runs on the driver connection (tools.driver_sql); the database's
+    refusal still reaches the webhook as SQLAlchemy's DataError: a bad request, no row."""
+    async with running_service(engine) as service:
+        long_from = _voice_params("CAlong") | {"From": "+1" + "5" * 200}
+        refused = await post_signed(service, "/twilio/voice", long_from)
+        after = await post_signed(service, "/twilio/voice", _voice_params("CAafter"))
+    assert refused.status_code == 400 and await call_row(engine, "CAlong") is None
+    assert after.status_code == 200

@@ -26,7 +26,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import functions
 
-from tools import jobs, tracing
+from tools import driver_sql, jobs, tracing
 from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_models import delivery_events_table as dev_t
 from tools.delivery_models import sms_messages_table as sms_t
@@ -584,9 +584,10 @@ async def redrive_for_call(
 ) -> list[uuid.UUID]:
     """The call is over: unheard offers go back to pending, and every pending delivery of
     the call gets a job (which now chooses SMS). Returns the deliveries re-driven."""
-    rows = await conn.execute(_REDRIVE, {"b_call_id": call_id})
+    # On the driver connection (tools.driver_sql): every call's end runs it, and it mostly
+    # finds nothing.
     ids = []
-    for delivery_id, state in rows.all():
+    for delivery_id, state in await driver_sql.fetch_tuples(conn, _REDRIVE, {"b_call_id": call_id}):
         if state == D.OFFERED.value:
             await move(
                 conn,

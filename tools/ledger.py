@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tools import deliveries, measures, webhooks
+from tools import deliveries, driver_sql, measures, webhooks
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger_models import EventRecord as EventRecord
 from tools.ledger_models import OperationRecord as OperationRecord
@@ -523,7 +523,9 @@ async def operations_for_call(
     statuses: Iterable[OperationStatus] | None = None,
 ) -> list[OperationRecord]:
     stmt = _operations_for_call(None if statuses is None else tuple(s.value for s in statuses))
-    return [OperationRecord.from_row(r) for r in await conn.execute(stmt, {"b_call_id": call_id})]
+    # On the driver connection (tools.driver_sql): every call's end runs it.
+    rows = await driver_sql.fetch(conn, stmt, {"b_call_id": call_id})
+    return [OperationRecord.from_mapping(r) for r in rows]
 
 
 @lru_cache(maxsize=32)

@@ -193,7 +193,10 @@ class OperationRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> OperationRecord:
-        m = row._mapping
+        return cls.from_mapping(row._mapping)
+
+    @classmethod
+    def from_mapping(cls, m: Any) -> OperationRecord:
         values = {f.name: m[f.name] for f in fields(cls)}
         values["status"] = OperationStatus(values["status"])
         return cls(**values)

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.calls import measures
 from app.calls.store import call_events
 from telephony.call_events import CallEvent, CallEventKind
+from tools import driver_sql
 from tools.autocommit import autocommit
 from tools.outage import DATABASE
 
@@ -308,7 +309,9 @@ class EventWriter:
                     }
                 )
             if rows:
-                await conn.execute(_INSERT_AND_NOTIFY, _insert_and_notify_params(rows))
+                # On the driver connection (tools.driver_sql): the batch every call's
+                # events go through.
+                await driver_sql.execute(conn, _INSERT_AND_NOTIFY, _insert_and_notify_params(rows))
         self._seq.update(next_seq)
         self.written += len(rows)
         for event in batch:

@@ -26,6 +26,7 @@ from app.calls.recording import CONTENT_TYPE, CallRecorder, Recording
 from app.console_models import call_recordings_table as recordings_t
 from app.settings import Settings
 from telephony.legs.leg import AudioFormat
+from tools import driver_sql
 from tools.autocommit import autocommit
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,10 @@ class RecordingInfo:
 
     @classmethod
     def from_row(cls, row: Any) -> RecordingInfo:
-        m = row._mapping
+        return cls.from_mapping(row._mapping)
+
+    @classmethod
+    def from_mapping(cls, m: Any) -> RecordingInfo:
         return cls(
             call_id=str(m["call_id"]),
             store=m["store"],
@@ -289,15 +293,16 @@ class Recordings:
             "started_at": recording.started_at,
             "truncated": recording.truncated,
         }
+        # On the driver connection (tools.driver_sql): every recorded call's end runs it.
         async with autocommit(self.engine) as conn:
-            row = (await conn.execute(_PUT_AND_RECORD, params)).one()
-        if row._mapping["call_id"] is None:
+            (row,) = await driver_sql.fetch(conn, _PUT_AND_RECORD, params)  # always one row
+        if row["call_id"] is None:
             # The call has a recording already (one media session per call): keep that one.
-            await store.delete(str(row._mapping["new_oid"]))
+            await store.delete(str(row["new_oid"]))
             existing = await get_recording(self.engine, call_id)
             assert existing is not None
             return existing
-        return RecordingInfo.from_row(row)
+        return RecordingInfo.from_mapping(row)
 
     async def read(self, info: RecordingInfo, start: int, length: int) -> bytes:
         store = self.stores.get(info.store)

@@ -11,11 +11,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlmodel import SQLModel
 
 import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
-from tools import deliveries
+from tools import deliveries, driver_sql
 from tools.autocommit import autocommit
 
 calls = SQLModel.metadata.tables["calls"]
@@ -172,9 +172,9 @@ async def create_call(
     params = {f"set_{name}": value for name, value in values.items()}
     # One statement: it commits alone (a conflict means the row was there, committed).
     async with autocommit(engine) as conn:
-        inserted = (await conn.execute(_INSERT_CALL, params)).mappings().first()
-        if inserted is not None:
-            return CallRow.from_mapping(inserted), True
+        inserted = await driver_sql.fetch(conn, _INSERT_CALL, params)
+        if inserted:
+            return CallRow.from_mapping(inserted[0]), True
         existing = (await conn.execute(_BY_SID, {"b_sid": call_sid})).mappings().one()
         return CallRow.from_mapping(existing), False
 
@@ -263,10 +263,10 @@ async def transition(
     if target not in TERMINAL:
         # One statement: no transaction around it (tools.autocommit).
         async with autocommit(engine) as conn:
-            row = (await conn.execute(stmt, params)).mappings().first()
+            row = await _first(conn, stmt, params)
         return CallRow.from_mapping(row) if row else None
     async with engine.begin() as conn:
-        row = (await conn.execute(stmt, params)).mappings().first()
+        row = await _first(conn, stmt, params)
         if row is not None:
             await deliveries.redrive_for_call(
                 conn,
@@ -275,6 +275,15 @@ async def transition(
                 reason=f"the call ended ({fields.get('end_reason') or target.value})",
             )
     return CallRow.from_mapping(row) if row else None
+
+
+async def _first(conn: AsyncConnection, stmt: Any, params: dict[str, Any]) -> Any:
+    """The statement's first row as a mapping, or None: a statement built once runs on the
+    driver connection (tools.driver_sql), one built for this call through SQLAlchemy."""
+    if params:
+        rows = await driver_sql.fetch(conn, stmt, params)
+        return rows[0] if rows else None
+    return (await conn.execute(stmt)).mappings().first()
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,125 @@
+"""Statements run on the pooled connection's psycopg connection (tools.driver_sql): the same
+rows as through SQLAlchemy, and SQLAlchemy's errors and invalidation when they fail."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.calls import store
+from app.calls.store import CallStatus, calls
+from app.db import plain_url
+from tools import driver_sql
+
+_SLEEP = sa.text("SELECT pg_sleep(:s)")
+_PID = sa.text("SELECT pg_backend_pid() AS pid")
+
+
+async def _call(engine: AsyncEngine, sid: str) -> store.CallRow:
+    row, _ = await store.create_call(
+        engine, call_sid=sid, tenant_id="t1", from_number=None, to_number="+15550002"
+    )
+    return row
+
+
+async def test_rows_are_those_sqlalchemy_returns(engine: AsyncEngine) -> None:
+    row = await _call(engine, "CA-same")
+    stmt = store._transition_statement(CallStatus.IN_PROGRESS, ("answered_at", "status"))
+    by_sid = sa.select(calls).where(calls.c.call_sid == sa.bindparam("b_sid"))
+    async with engine.connect() as conn:
+        ours = await driver_sql.fetch(conn, by_sid, {"b_sid": "CA-same"})
+        theirs = [dict(r) for r in (await conn.execute(by_sid, {"b_sid": "CA-same"})).mappings()]
+        assert ours == theirs and len(ours) == 1
+        assert await driver_sql.fetch_tuples(conn, _PID) == [
+            tuple((await conn.execute(_PID)).one())
+        ]
+        # A literal IN list (the legal sources) is sent as SQLAlchemy sends it: a call in
+        # progress cannot start again.
+        moved = await driver_sql.fetch(
+            conn,
+            stmt,
+            {"b_id": uuid.UUID(row.id), "set_status": "in_progress", "set_answered_at": None},
+        )
+        assert [m["status"] for m in moved] == ["in_progress"]
+        again = await driver_sql.fetch(
+            conn,
+            stmt,
+            {"b_id": uuid.UUID(row.id), "set_status": "in_progress", "set_answered_at": None},
+        )
+        assert again == []
+        await conn.rollback()
+    assert (await store.get_call(engine, row.id)).status == "ringing"  # type: ignore[union-attr]
+
+
+async def test_a_refused_value_raises_sqlalchemys_error_and_the_pool_goes_on(
+    engine: AsyncEngine,
+) -> None:
+    with pytest.raises(sa.exc.DataError) as caught:  # a DBAPIError, as callers catch
+        await store.create_call(
+            engine, call_sid="CA-long", tenant_id="t" * 200, from_number=None, to_number=None
+        )
+    assert not caught.value.connection_invalidated
+    assert "INSERT INTO calls" in str(caught.value.statement)
+    # In a transaction: it is rolled back, the connection is fine for the next one.
+    async with engine.connect() as conn:
+        with pytest.raises(sa.exc.DataError):
+            async with conn.begin():
+                await driver_sql.execute(conn, _SLEEP, {"s": "not a number"})
+        assert not conn.invalidated
+        assert (await conn.execute(sa.text("SELECT 1"))).scalar() == 1
+    assert (await _call(engine, "CA-after")).status == "ringing"
+
+
+async def test_a_dropped_connection_invalidates_it_and_the_pool(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    await _call(engine, "CA-warm")  # the pool holds its connection
+    pool = engine.sync_engine.pool
+    invalidated_before = pool._invalidate_time  # type: ignore[attr-defined]
+    # A database restart: every connection of this database but the killer's is cut.
+    async with await psycopg.AsyncConnection.connect(plain_url(clean_db), autocommit=True) as k:
+        await k.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    with pytest.raises(sa.exc.DBAPIError) as caught:  # what the voice webhook answers 503 to
+        await _call(engine, "CA-dropped")
+    assert caught.value.connection_invalidated
+    assert pool._invalidate_time > invalidated_before  # type: ignore[attr-defined]
+    assert (await _call(engine, "CA-dropped")).status == "ringing"  # Twilio's retry: a new one
+
+
+async def test_a_cancelled_statement_invalidates_its_connection(engine: AsyncEngine) -> None:
+    async with engine.connect() as conn:
+        task = asyncio.create_task(driver_sql.execute(conn, _SLEEP, {"s": 30}))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert conn.invalidated
+    assert (await _call(engine, "CA-cancel")).status == "ringing"
+
+
+async def test_statement_listeners_see_driver_statements(engine: AsyncEngine) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def before(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(("before", statement))
+
+    def after(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(("after", statement))
+
+    sa.event.listen(engine.sync_engine, "before_cursor_execute", before)
+    sa.event.listen(engine.sync_engine, "after_cursor_execute", after)
+    try:
+        await _call(engine, "CA-seen")
+    finally:
+        sa.event.remove(engine.sync_engine, "before_cursor_execute", before)
+        sa.event.remove(engine.sync_engine, "after_cursor_execute", after)
+    inserts = [(when, s) for when, s in seen if s.startswith("INSERT INTO calls")]
+    assert [when for when, _ in inserts] == ["before", "after"]
