@@ -123,3 +123,14 @@ async def test_statement_listeners_see_driver_statements(engine: AsyncEngine) ->
         sa.event.remove(engine.sync_engine, "after_cursor_execute", after)
     inserts = [(when, s) for when, s in seen if s.startswith("INSERT INTO calls")]
     assert [when for when, _ in inserts] == ["before", "after"]
+
+
+async def test_statements_built_per_call_are_not_kept_for_ever(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(driver_sql, "MAX_COMPILED", 4)
+    async with engine.connect() as conn:
+        for n in range(10):  # ten statement objects, as a caller building one per call would
+            stmt = sa.text(f"SELECT CAST(:x AS int) + {n} AS y")
+            assert await driver_sql.fetch(conn, stmt, {"x": 1}) == [{"y": 1 + n}]
+            assert len(driver_sql._COMPILED) <= 4 and len(driver_sql._KEEP) <= 4

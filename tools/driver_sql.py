@@ -48,6 +48,7 @@ class DriverStatement:
 
 
 _COMPILED: dict[tuple[int, str], DriverStatement] = {}
+MAX_COMPILED = 512  # statement shapes kept compiled (the hot ones are a few dozen)
 
 
 def compile_for(statement: Any, dialect: Dialect) -> DriverStatement:
@@ -82,6 +83,11 @@ def compile_for(statement: Any, dialect: Dialect) -> DriverStatement:
             raise ValueError(f"{column[0]}: results needing SQLAlchemy's processing")
     names = tuple(c[0] for c in result_columns) if result_columns else None
     found = DriverStatement(expanded.statement, fixed, processors, names)
+    if len(_COMPILED) >= MAX_COMPILED:
+        # Statements built per call would otherwise be kept for ever: start again (both
+        # together, so no id outlives its statement here).
+        _COMPILED.clear()
+        _KEEP.clear()
     _COMPILED[key] = found
     # The statement object stays referenced by the caller's module (built once).
     _KEEP.append(statement)
