@@ -311,15 +311,8 @@ async def open_for(conn: AsyncConnection, op: OperationRecord) -> DeliveryRecord
         delivery = DeliveryRecord.from_row(row)
     if state is D.PENDING:
         await enqueue(conn, delivery.id)
-    if op.compensates_operation_id is not None:
-        # The original's delivery may be held until its compensation settles: look again.
-        original = await for_operation(conn, op.compensates_operation_id)
-        if original is not None and original.state is D.PENDING:
-            await conn.execute(
-                dl_t.update().where(dl_t.c.id == original.id).values(next_attempt_at=None)
-            )
-            await notify_ready(conn, original)
-            await enqueue(conn, original.id)
+    # The original's delivery may be held until its compensation settles: look again.
+    await release_original(conn, op)
     return delivery
 
 
@@ -369,6 +362,106 @@ def _open_statement(state: DeliveryState, *, together: bool) -> Any:
         notice = sa.bindparam("b_notice", type_=sa.Text)
         cols.append(sa.func.pg_notify(NOTIFY_CHANNEL, notice).label("notified"))
     return sa.select(*cols).add_cte(trail)
+
+
+def keeps_events(conn: AsyncConnection) -> bool:
+    """Whether this transaction is inside `events_together` (its trail events wait)."""
+    return _KEPT_EVENTS in conn.info
+
+
+def open_ctes(upd: Any, to: OperationStatus) -> tuple[Any, Any]:
+    """`open_for` inside the statement of the transition to terminal status `to`, which reads
+    CTE `upd` (the updated operation): CTE `dl`, the delivery row (`id`, `call_id`, `state`;
+    none without a call, or when the operation has one already), and its first trail event,
+    the same rows `open_for` writes. The caller adds `NOTIFY_SQL` and `OPEN_JOBS_SQL` (the
+    notification and job of a pending one) and, for a compensation, `release_original`."""
+    if to is S.CANCELLED:
+        # Withdrawn before an attempt (the statement's `upd.attempts`): nothing to tell.
+        nothing = "upd.attempts = 0"
+        state = f"CASE WHEN {nothing} THEN '{D.NOT_NEEDED.value}' ELSE '{D.PENDING.value}' END"
+        reason = (
+            f"CASE WHEN {nothing} THEN 'never reached the provider: nothing to tell' "
+            f"ELSE 'the operation ended {to.value}' END"
+        )
+        finished = f"CASE WHEN {nothing} THEN now() END" if D.NOT_NEEDED in SETTLED else "NULL"
+    else:
+        state, reason = f"'{D.PENDING.value}'", f"'the operation ended {to.value}'"
+        finished = "now()" if D.PENDING in SETTLED else "NULL"
+    rows = sa.select(
+        sa.func.gen_random_uuid(),
+        upd.c.operation_id,
+        upd.c.tenant_id,
+        upd.c.call_id,
+        upd.c.caller,
+        upd.c.status,
+        sa.literal_column("'none'"),
+        sa.literal_column(state),
+        sa.literal_column(reason),
+        sa.literal_column(f"CAST({finished} AS timestamptz)"),
+    ).where(upd.c.call_id.is_not(None))
+    cols = [
+        "id",
+        "operation_id",
+        "tenant_id",
+        "call_id",
+        "caller",
+        "outcome",
+        "channel",
+        "state",
+        "reason",
+        "finished_at",
+    ]
+    dl = (
+        pg_insert(dl_t)
+        .from_select(cols, rows, include_defaults=False)  # offers, cuts: the server's 0
+        .on_conflict_do_nothing(index_elements=["operation_id"])
+        .returning(dl_t.c.id, dl_t.c.call_id, dl_t.c.state, dl_t.c.reason)
+        .cte("dl")
+    )
+    trail = (
+        dev_t.insert()
+        .from_select(
+            ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
+            sa.select(
+                dl.c.id,
+                sa.null(),
+                dl.c.state,
+                sa.literal("transition", sa.String),
+                sa.literal("ledger", sa.String),
+                dl.c.reason,
+                sa.literal({}, dev_t.c.data.type),
+            ),
+        )
+        .cte("dl_trail")
+    )
+    return dl, trail
+
+
+# `notify_ready`'s notification of the pending delivery in CTE `dl` (the same payload), and its
+# job's row for `jobs.defer_in_statement`.
+NOTIFY_SQL = (
+    f"(SELECT pg_notify('{NOTIFY_CHANNEL}', '{{\"delivery_id\": \"' || dl.id::text || "
+    "'\", \"call_id\": ' || to_json(dl.call_id)::text || '}') "
+    f"FROM dl WHERE dl.state = '{D.PENDING.value}')"
+)
+OPEN_JOBS_SQL = (
+    "SELECT jsonb_build_object('delivery_id', dl.id::text) AS args, "
+    f"'{jobs.DELIVER_TASK}' AS task FROM dl WHERE dl.state = '{D.PENDING.value}'"
+)
+
+
+async def release_original(conn: AsyncConnection, op: OperationRecord) -> None:
+    """A compensation settled (its delivery just opened): the original's delivery may be held
+    until then, so look at it again."""
+    if op.compensates_operation_id is None:
+        return
+    original = await for_operation(conn, op.compensates_operation_id)
+    if original is not None and original.state is D.PENDING:
+        await conn.execute(
+            dl_t.update().where(dl_t.c.id == original.id).values(next_attempt_at=None)
+        )
+        await notify_ready(conn, original)
+        await enqueue(conn, original.id)
 
 
 async def get(

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import faults, ledger, log_context, measures, tracing
+from tools.autocommit import autocommit
 from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
@@ -274,6 +275,26 @@ class Executor:
         """Apply one attempt's outcome to the ledger (conditional on it still being ours)."""
         op_id = running.operation_id
         data: dict[str, Any] = {"attempt": running.attempts}
+        if result.outcome is Outcome.committed:
+            # The usual answer is one statement, atomic on its own: no BEGIN, no COMMIT. A
+            # lost race, a cancel requested or a compensation takes the transaction below.
+            async with autocommit(self.engine) as conn:
+                done = await ledger.transition(
+                    conn,
+                    op_id,
+                    (S.RUNNING, S.UNKNOWN),
+                    S.COMMITTED,
+                    actor=self.actor,
+                    reason="the provider confirmed it",
+                    data=data,
+                    attempt=running.attempts,
+                    alone=True,
+                    result=result.result,
+                    provider_ref=result.reference,
+                    error=None,
+                )
+            if done is not None:
+                return done
         async with self.engine.begin() as conn:
             if result.outcome is Outcome.committed:
                 # The usual answer in one statement: the transition itself checks that the

@@ -74,3 +74,21 @@ async def defer_many(
         task, queue=queue, connection=raw.driver_connection, schedule_at=schedule_at
     )
     return await deferrer.batch_defer_async(*kwargs)
+
+
+def defer_in_statement(*sources: str) -> str:
+    """SQL for one column of a statement that defers, in that same statement, the jobs whose
+    rows (`args` jsonb, `task` text) the SELECTs `sources` give, in their order (on
+    `DELIVERY_QUEUE`, the priority, lock and schedule `defer` uses): the same rows
+    `procrastinate_defer_jobs_v1` writes for `defer`, their ids as an array (NULL when none),
+    without a round trip each. A data-modifying statement's CTEs that the sources read are
+    complete before this column is computed."""
+    arrays = " || ".join(
+        f"ARRAY(SELECT ROW('{DELIVERY_QUEUE}', j.task, {DEFAULT_PRIORITY:d}, NULL, NULL, "
+        f"j.args, NULL)::procrastinate_job_to_defer_v1 FROM ({src}) AS j)"
+        for src in sources
+    )
+    return (
+        "(SELECT procrastinate_defer_jobs_v1(a.jobs) FROM "
+        f"(SELECT {arrays} AS jobs) AS a WHERE cardinality(a.jobs) > 0)"
+    )

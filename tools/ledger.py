@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tools import deliveries, driver_sql, measures, webhooks
+from tools import deliveries, driver_sql, jobs, measures, webhooks
 from tools.errors import IdempotencyConflict, OperationNotFound
 from tools.ledger_models import EventRecord as EventRecord
 from tools.ledger_models import OperationRecord as OperationRecord
@@ -36,6 +37,8 @@ from tools.states import IN_FLIGHT, TERMINAL, OperationStatus, check_transition
 S = OperationStatus
 
 NOTIFY_CHANNEL = "operation_status"
+
+log = logging.getLogger(__name__)
 
 # Enqueue the execution of an operation on the admitting transaction's connection. The
 # Procrastinate implementation defers on `(await conn.get_raw_connection()).driver_connection`.
@@ -248,6 +251,7 @@ async def transition(
     reason: str,
     data: Mapping[str, Any] | None = None,
     attempt: int | None = None,
+    alone: bool = False,
     **values: Any,
 ) -> OperationRecord | None:
     """Move an operation `from_status -> to_status` if it is still in `from_status` (and,
@@ -260,14 +264,25 @@ async def transition(
     outbox rows and, for a terminal status, the outcome's delivery (with its job) go out in
     this transaction, and the updated record is returned. `values` may set
     `SETTABLE_FIELDS`.
+
+    `alone`: the whole change is this one statement, so it may run without a transaction
+    around it (`tools.autocommit`); an operation whose change would need more (it compensates
+    another, whose delivery is then looked at again) or that its caller must follow with more
+    (a cancel was requested: the caller compensates it) is left as it is, and None returned as
+    for a lost race, for the caller's transaction to do it.
     """
     froms = check_transition(from_status, to_status)
     to = OperationStatus(to_status)
     unknown = set(values) - SETTABLE_FIELDS
     if unknown:
         raise TypeError(f"transition cannot set {sorted(unknown)}")
+    # Inside `events_together` the delivery's trail event waits for that block's statement
+    # (trail order), so the delivery opens after the statement, as its own statements.
+    fused = not deliveries.keeps_events(conn)
+    if alone and not fused:
+        raise ValueError("a change alone in its statement cannot wait for events_together")
     stmt = _transition_statement(
-        tuple(f.value for f in froms), to, attempt is not None, tuple(sorted(values))
+        tuple(f.value for f in froms), to, attempt is not None, tuple(sorted(values)), fused, alone
     )
     params: dict[str, Any] = {f"set_{k}": v for k, v in values.items()}
     params.update(
@@ -283,25 +298,44 @@ async def transition(
         if exists is None:
             raise OperationNotFound(f"no operation {operation_id}")
         return None  # a lost race: the status is no longer one of `from_status`
-    prev = OperationStatus(row.prev_status)
     op = OperationRecord.from_row(row)
-    event_id, at = int(row.event_id), row.event_at
-    await webhooks.record_change(conn, op, prev, event_id, at, notify=_notice(op))
-    if to in TERMINAL:
-        # The outcome's delivery is durable work from the moment the outcome exists.
-        await deliveries.open_for(conn, op)
+    if fused:
+        # The statement wrote the outbox rows, the delivery and its trail event, sent the
+        # notifications and deferred the jobs.
+        job_ids = list(row.job_ids or [])
+        if to in TERMINAL:
+            job_ids += row.delivery_job_ids or []
+            if row.delivery_id is not None:
+                await deliveries.release_original(conn, op)
+        if job_ids:
+            log.info("Deferred %d job(s) %s with %s", len(job_ids), job_ids, to.value)
+    else:
+        prev = OperationStatus(row.prev_status)
+        event_id, at = int(row.event_id), row.event_at
+        await webhooks.record_change(conn, op, prev, event_id, at, notify=_notice(op))
+        if to in TERMINAL:
+            # The outcome's delivery is durable work from the moment the outcome exists.
+            await deliveries.open_for(conn, op)
     _measure(op, to, row.admitted_at if to is S.COMMITTED else None)
     return op
 
 
 @lru_cache(maxsize=256)
 def _transition_statement(
-    froms: tuple[str, ...], to: OperationStatus, guard_attempt: bool, names: tuple[str, ...]
+    froms: tuple[str, ...],
+    to: OperationStatus,
+    guard_attempt: bool,
+    names: tuple[str, ...],
+    fused: bool = True,
+    alone: bool = False,
 ) -> sa.Select[Any]:
     """`transition`'s statement for one shape of call, its values left as parameters:
     `b_operation_id`, `b_attempt` (when guarded), `b_actor`, `b_reason`, `b_data` and
     `set_<name>` for each of `names`. (No parameter is named as a column: SQLAlchemy would
-    take it for one more column the UPDATE sets.)"""
+    take it for one more column the UPDATE sets.) `fused`: the whole change in this one
+    statement, as `webhooks.record_change` and (terminal) `deliveries.open_for` would add it
+    in theirs; a lost race matches no row, so none of it happens. `alone`: nor does the
+    change of an operation with a cancel requested, or one that compensates another."""
     operation_id = sa.bindparam("b_operation_id", type_=ops_t.c.operation_id.type)
     now = sa.func.now()
     setv: dict[str, Any] = {"status": to.value, "updated_at": now}
@@ -322,6 +356,8 @@ def _transition_statement(
     guard: list[sa.ColumnElement[bool]] = [old.c.status.in_(list(froms))]
     if guard_attempt:
         guard.append(old.c.attempts == sa.bindparam("b_attempt", type_=ops_t.c.attempts.type))
+    if alone:
+        guard += [ops_t.c.cancel_requested.is_not(True), ops_t.c.compensates_operation_id.is_(None)]
     upd = (
         ops_t.update()
         .where(ops_t.c.operation_id == old.c.operation_id, *guard)
@@ -358,7 +394,35 @@ def _transition_statement(
             .scalar_subquery()
             .label("admitted_at")
         )
-    return sa.select(*cols).select_from(upd.join(ev, sa.true()))
+    stmt = sa.select(*cols).select_from(upd.join(ev, sa.true()))
+    if not fused:
+        return stmt
+    # Evaluated left to right, once (one row): the operation's notification before the
+    # delivery's, the outbox rows' jobs before the delivery's, as the separate statements did.
+    wh = webhooks.outbox_cte(upd, ev)
+    stmt = stmt.add_columns(
+        sa.literal_column(_NOTICE_SQL).label("notified"),
+        sa.literal_column(jobs.defer_in_statement(webhooks.OUTBOX_JOBS_SQL)).label("job_ids"),
+    ).add_cte(wh)
+    if to in TERMINAL:
+        dl, trail = deliveries.open_ctes(upd, to)
+        stmt = stmt.add_columns(
+            sa.select(dl.c.id).scalar_subquery().label("delivery_id"),
+            sa.literal_column(deliveries.NOTIFY_SQL).label("delivery_notified"),
+            sa.literal_column(jobs.defer_in_statement(deliveries.OPEN_JOBS_SQL)).label(
+                "delivery_job_ids"
+            ),
+        ).add_cte(dl, trail)
+    return stmt
+
+
+# `_notice`'s payload built from CTE `upd`: `canonical_json` of the same four keys.
+_NOTICE_SQL = (
+    f"pg_notify('{NOTIFY_CHANNEL}', "
+    "'{\"call_id\":' || COALESCE(to_json(upd.call_id)::text, 'null') || "
+    '\',"operation_id":"\' || upd.operation_id::text || \'","status":\' || '
+    "to_json(upd.status)::text || ',\"tenant_id\":' || to_json(upd.tenant_id)::text || '}')"
+)
 
 
 def _measure(op: OperationRecord, to: OperationStatus, admitted_at: datetime | None) -> None:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tools import jobs
@@ -546,3 +547,65 @@ async def delivery_log(
         }
         for r in rows
     ]
+
+
+# --- the change's outbox rows inside the transition's own statement -----------------------
+
+# `payload`'s body built by Postgres from the updated row (CTE `upd`, with `prev_status`) and its
+# event (CTE `ev`): the same JSON, the timestamp in `datetime.isoformat`'s form (microseconds
+# only when there are some; the offset of the session's time zone, as the driver reads it).
+_PAYLOAD_SQL = (
+    "jsonb_build_object('type', '" + EVENT_TYPE + "', 'timestamp', "
+    "to_char(ev.at, 'YYYY-MM-DD\"T\"HH24:MI:SS') || CASE WHEN to_char(ev.at, 'US') = '000000' "
+    "THEN '' ELSE to_char(ev.at, '.US') END || to_char(ev.at, 'TZH:TZM'), "
+    "'data', jsonb_build_object('operation_id', upd.operation_id::text, 'sequence', ev.id, "
+    "'tenant_id', upd.tenant_id, 'tool', upd.tool, 'status', upd.status, "
+    "'previous_status', upd.prev_status, 'arguments', upd.args, 'reference', upd.provider_ref, "
+    "'attempts', upd.attempts, 'call_id', upd.call_id, "
+    "'compensates_operation_id', upd.compensates_operation_id::text))"
+)
+
+
+def outbox_cte(upd: Any, ev: Any) -> Any:
+    """`record_change`'s outbox rows as CTE `wh` (their `id`s) of the transition statement
+    whose CTEs `upd` (the updated operation, `prev_status`) and `ev` (its event) it reads: one
+    row per active subscription of the tenant. Their jobs go with the statement's own
+    (`jobs.defer_in_statement`)."""
+    rows = sa.select(
+        sa.func.gen_random_uuid(),
+        sub_t.c.id,
+        upd.c.operation_id,
+        ev.c.id,
+        sa.literal_column(f"'{EVENT_TYPE}'"),
+        sa.literal_column(_PAYLOAD_SQL),
+        sa.literal_column("'pending'"),
+        sa.func.now(),
+    ).select_from(
+        upd.join(ev, sa.true()).join(
+            sub_t, sa.and_(sub_t.c.active, sub_t.c.tenant_id == upd.c.tenant_id)
+        )
+    )
+    cols = [
+        "id",
+        "subscription_id",
+        "operation_id",
+        "operation_event_id",
+        "event_type",
+        "payload",
+        "state",
+        "next_attempt_at",
+    ]
+    return (
+        pg_insert(whd_t)
+        .from_select(cols, rows, include_defaults=False)
+        .on_conflict_do_nothing(index_elements=["subscription_id", "operation_event_id"])
+        .returning(whd_t.c.id)
+        .cte("wh")
+    )
+
+
+# The outbox rows' jobs, as `jobs.defer_in_statement` rows (job args as jsonb), from CTE `wh`.
+OUTBOX_JOBS_SQL = (
+    "SELECT jsonb_build_object('webhook_delivery_id', wh.id::text) AS args, "
+    f"'{jobs.WEBHOOK_TASK}' AS task FROM wh"
+)
