@@ -275,43 +275,34 @@ class Executor:
         """Apply one attempt's outcome to the ledger (conditional on it still being ours)."""
         op_id = running.operation_id
         data: dict[str, Any] = {"attempt": running.attempts}
+
+        async def commit(conn: AsyncConnection, *, alone: bool) -> OperationRecord | None:
+            # The transition itself checks that the operation is still on this attempt.
+            return await ledger.transition(
+                conn,
+                op_id,
+                (S.RUNNING, S.UNKNOWN),
+                S.COMMITTED,
+                actor=self.actor,
+                reason="the provider confirmed it",
+                data=data,
+                attempt=running.attempts,
+                alone=alone,
+                result=result.result,
+                provider_ref=result.reference,
+                error=None,
+            )
+
         if result.outcome is Outcome.committed:
             # The usual answer is one statement, atomic on its own: no BEGIN, no COMMIT. A
             # lost race, a cancel requested or a compensation takes the transaction below.
             async with autocommit(self.engine) as conn:
-                done = await ledger.transition(
-                    conn,
-                    op_id,
-                    (S.RUNNING, S.UNKNOWN),
-                    S.COMMITTED,
-                    actor=self.actor,
-                    reason="the provider confirmed it",
-                    data=data,
-                    attempt=running.attempts,
-                    alone=True,
-                    result=result.result,
-                    provider_ref=result.reference,
-                    error=None,
-                )
+                done = await commit(conn, alone=True)
             if done is not None:
                 return done
         async with self.engine.begin() as conn:
             if result.outcome is Outcome.committed:
-                # The usual answer in one statement: the transition itself checks that the
-                # operation is still on this attempt (and locks it either way).
-                done = await ledger.transition(
-                    conn,
-                    op_id,
-                    (S.RUNNING, S.UNKNOWN),
-                    S.COMMITTED,
-                    actor=self.actor,
-                    reason="the provider confirmed it",
-                    data=data,
-                    attempt=running.attempts,
-                    result=result.result,
-                    provider_ref=result.reference,
-                    error=None,
-                )
+                done = await commit(conn, alone=False)
                 if done is None:
                     return await self._ignored(conn, running, result)
                 if done.cancel_requested:
