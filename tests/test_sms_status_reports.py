@@ -25,6 +25,7 @@ from app.ops.sms import (
 )
 from tests.delivery_support import CALLER, OUR_NUMBER, booked, delivery_of, make_call, trail
 from tools import deliveries
+from tools.deliveries import DeliveryRecord
 from tools.delivery_models import deliveries_table as dl_t
 from tools.delivery_models import delivery_events_table as dev_t
 from tools.delivery_models import sms_messages_table as sms_t
@@ -266,3 +267,36 @@ async def test_callbacks_for_one_message_at_once_serialize(engine: AsyncEngine) 
         assert moves == ["pending", "texting", "texted"]
         assert sum(1 for u in updates if u is not None and u.changed) == len(statuses) - 2
         assert (await delivery_of(engine, world.op_id)).state is D.TEXTED
+
+
+async def test_settling_a_sent_message_waits_for_a_receipt_being_recorded_and_never_deadlocks(
+    engine: AsyncEngine,
+) -> None:
+    """The poller settles a message left `sent` while a receipt for it is being recorded under
+    its lock (the callback's locked path: message, then delivery): one waits for the other."""
+    world = World(engine, uuid.uuid4().hex[:6], True)
+    await world.open()
+    for step in (("claim",), ("answer", "1"), cb("sent")):
+        await world.do(step)
+    async with engine.begin() as conn:
+        message = await deliveries.get_sms(conn, world.message_id)
+    assert message is not None and message.status is M.SENT
+
+    async def settle() -> DeliveryRecord | None:
+        async with engine.begin() as conn:
+            return await deliveries.settle_sent(conn, message, actor="sms", reason="no receipt")
+
+    async with engine.begin() as conn:  # the receipt's transaction, as the callback runs it
+        await conn.execute(sa.text("SET LOCAL deadlock_timeout = '100ms'"))
+        locked = await deliveries.get_sms(conn, world.message_id, for_update=True)
+        settling = asyncio.create_task(settle())
+        await asyncio.sleep(0.5)  # the settle is under way, waiting for a lock
+        update = await deliveries.record_sms(
+            conn, world.message_id, M.DELIVERED, actor="twilio", source="status callback",
+            message_sid=world.sid("1"), locked=locked,
+        )  # fmt: skip
+    settled = await asyncio.wait_for(settling, 10)
+    assert update is not None and update.changed
+    assert settled is None  # the receipt came first: the delivery is the receipt's to settle
+    moves = [e.to_state for e in await trail(engine, world.op_id) if e.kind == "transition"]
+    assert moves.count("texted") == 1

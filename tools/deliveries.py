@@ -1519,7 +1519,14 @@ def _report_sms_statement(status: SmsStatus, with_sid: bool, with_code: bool) ->
 async def settle_sent(
     conn: AsyncConnection, message: SmsRecord, *, actor: str, reason: str
 ) -> DeliveryRecord | None:
-    """A message that stays `sent` with no receipt for good: the delivery is done."""
+    """A message that stays `sent` with no receipt for good: the delivery is done.
+
+    The message is locked before its delivery, as a status callback locks them (the other
+    order deadlocked against a receipt arriving at that moment); one that moved on from `sent`
+    meanwhile (its receipt came) is left to what moved it."""
+    locked = await get_sms(conn, message.id, for_update=True)
+    if locked is None or locked.status is not SmsStatus.SENT:
+        return None
     delivery = await get(conn, message.delivery_id, for_update=True)
     if delivery is None or delivery.message_id != message.id:
         return None
