@@ -66,6 +66,7 @@ from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator
 from telephony.tool_gateway import LateResult
 from tools import ledger
+from tools.autocommit import autocommit
 from tools.states import OperationStatus
 
 S = OperationStatus
@@ -173,9 +174,10 @@ async def _running_ops(engine: AsyncEngine, calls: list[tuple[str, str]]) -> lis
 
 
 async def _commit(engine: AsyncEngine, op_id: uuid.UUID) -> float:
-    """Commit one operation; the monotonic time its commit became durable."""
-    async with engine.begin() as conn:
-        await ledger.transition(
+    """Commit one operation as the executor records a provider's confirmation (one statement,
+    no transaction around it); the monotonic time its commit became durable."""
+    async with autocommit(engine) as conn:
+        done = await ledger.transition(
             conn,
             op_id,
             S.RUNNING,
@@ -183,7 +185,9 @@ async def _commit(engine: AsyncEngine, op_id: uuid.UUID) -> float:
             actor="bench",
             reason="ok",
             provider_ref="BKBENCH234",
+            alone=True,
         )
+    assert done is not None, "the commit changed nothing"
     return time.monotonic()
 
 
