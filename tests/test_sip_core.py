@@ -322,6 +322,17 @@ def test_a_draining_server_answers_options_503_but_serves_live_dialogs(h: Harnes
     assert statuses(h.feed(uac.bye())) == [200]
 
 
+def test_a_busy_server_answers_options_503_while_it_is_busy_then_200(h: Harness) -> None:
+    busy = True
+    h.core.busy = lambda: busy
+    (probe,) = h.feed(Uac().options())
+    assert isinstance(probe, SipResponse) and probe.status_code == 503
+    assert probe.headers.get_first("retry-after") == "5"
+    busy = False
+    (ok,) = h.feed(Uac().options())
+    assert isinstance(ok, SipResponse) and ok.status_code == 200
+
+
 def test_record_route_is_echoed_in_order_and_becomes_the_route_set(h: Harness) -> None:
     uac = Uac(extra_headers=[
         "Record-Route: <sip:p1.example;lr>",

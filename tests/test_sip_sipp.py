@@ -259,6 +259,34 @@ async def test_beyond_max_live_calls_of_the_process_an_invite_gets_486_and_a_bus
         assert sorted(r["status"] for r in rows) == ["busy", "completed", "completed"]
 
 
+async def test_while_overloaded_options_get_503_and_an_invite_486_then_200_again(
+    engine: AsyncEngine, tmp_path: Path
+) -> None:
+    async with sip_stack(engine) as stack:
+        registry = stack.service.runtime.registry
+        sip = stack.service.runtime.sip
+        registry.overloaded = lambda: 0.25  # the loop watch's verdict (BUSY_LOOP_LAG_MS)
+        peer = await UdpPeer.open()
+        try:
+            peer.send(Uac(port=peer.port).options(), ("127.0.0.1", sip.port))
+            probe = await peer.response(503, within=5.0)
+            assert probe.headers.get_first("retry-after") == "5"
+            run = await run_sipp(
+                sip.port, "cap.xml", tmp_path, calls=1, limit=1, extra=["-trace_msg"]
+            )
+            assert run.returncode == 0, run.explain()
+            assert count_in_trace(tmp_path, "SIP/2.0 486") >= 1
+            registry.overloaded = lambda: None  # keeping up again
+            peer.send(Uac(port=peer.port).options(), ("127.0.0.1", sip.port))
+            await peer.response(200, within=5.0)
+        finally:
+            peer.close()
+        await settled(stack)
+        (row,) = await sip_rows(engine)
+        assert row["status"] == "busy"
+        assert registry.rejected_overloaded_total == 1
+
+
 async def test_while_draining_an_invite_gets_503_with_retry_after_and_a_draining_row(
     engine: AsyncEngine, tmp_path: Path
 ) -> None:

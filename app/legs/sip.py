@@ -121,6 +121,10 @@ class SipService:
         # Draining: OPTIONS gets 503 (INVITEs get theirs from admission), so a dispatcher
         # stops sending calls here.
         runtime.registry.on_drain(self.core.stop_accepting)
+        # Overloaded (BUSY_LOOP_LAG_MS): OPTIONS get 503 too while it lasts, so a dispatcher
+        # sends new calls to another replica (INVITEs get 486 from admission meanwhile).
+        registry = runtime.registry
+        self.core.busy = lambda: registry.overloaded() is not None
         self.transport = SipTransport(
             self.core,
             self.bind_host,

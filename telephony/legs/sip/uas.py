@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from aiosipua import SipDigestAuth, SipMessage, SipRequest, SipResponse
@@ -222,6 +223,10 @@ class _Housekeeping(TimerOwner):
     pass
 
 
+def _never_busy() -> bool:
+    return False
+
+
 class UserAgentServer:
     """Server transactions, dialogs and offer/answer for incoming calls; see the module doc."""
 
@@ -241,6 +246,9 @@ class UserAgentServer:
         self._last_error_log = -ERROR_LOG_INTERVAL_S
         self._house = _Housekeeping()
         self.draining = False
+        # The application cannot take more calls for now (an overloaded process): out-of-dialog
+        # OPTIONS get 503 while it says so, as while draining, and 200 again once it does not.
+        self.busy: Callable[[], bool] = _never_busy
 
     def stop_accepting(self) -> None:
         """The process is stopping: out-of-dialog OPTIONS get 503 from now on, so a dispatcher's
@@ -485,7 +493,7 @@ class UserAgentServer:
             self._on_new_invite(req, flow, now)
         elif req.method == "OPTIONS":
             tx = self._new_tx(req, flow)
-            if tx is not None and self.draining:
+            if tx is not None and (self.draining or self.busy()):
                 self._respond(tx, 503, now, headers=[("Retry-After", str(DRAIN_RETRY_AFTER_S))])
             elif tx is not None:
                 self._respond(tx, 200, now, headers=self._capabilities())
