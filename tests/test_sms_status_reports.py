@@ -122,10 +122,13 @@ class World:
                 await deliveries.claim_send(conn, self.message_id, check_after=timedelta(0))
             return None
         if kind == "answer":  # the create's answer: queued, with its SID
+            if self.one_statement:
+                update = await self.sms.record_answer(self.message_id, M.QUEUED, self.sid(rest[0]))
+                return update is not None and update.changed
             async with self.engine.begin() as conn:
                 update = await deliveries.record_sms(
-                    conn, self.message_id, M.QUEUED, actor="sms", source="send",
-                    message_sid=self.sid(rest[0]),
+                    conn, self.message_id, M.QUEUED, actor=self.sms.actor, source="send",
+                    message_sid=self.sid(rest[0]), next_check_at=datetime(2030, 1, 1).astimezone(),
                 )  # fmt: skip
             return update is not None and update.changed
         if kind == "settle_sent":

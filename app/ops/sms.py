@@ -349,14 +349,34 @@ class SmsChannel:
             message = update.message if update else claimed
             return await self._reconcile(message, datetime.now(UTC))
         status = _twilio_status(getattr(created, "status", None)) or M.QUEUED
-        update = await self._record(
-            claimed.id,
-            status,
-            source="send",
-            message_sid=created.sid,
-            next_check_at=datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s),
-        )
+        update = await self.record_answer(claimed.id, status, created.sid)
         return update.message if update else claimed
+
+    async def record_answer(
+        self, message_id: uuid.UUID, status: SmsStatus, message_sid: str | None
+    ) -> SmsUpdate | None:
+        """The create's answer (its status and MessageSid), as a status callback is recorded:
+        one statement without a transaction around it (`deliveries.report_sms`), or under the
+        message's lock where that cannot say it (it only teaches the MessageSid, or the answer
+        is already a failure that ends the delivery)."""
+        next_check_at = datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
+        if status not in SMS_FAILURES:
+            async with autocommit(self._engine) as conn:
+                report = await deliveries.report_sms(
+                    conn,
+                    message_id,
+                    status,
+                    actor=self.actor,
+                    source="send",
+                    message_sid=message_sid,
+                    next_check_at=next_check_at,
+                )
+            if not report.under_lock and not report.foreign_sid:
+                return report.update
+        return await self._record(
+            message_id, status, source="send", message_sid=message_sid,
+            next_check_at=next_check_at,
+        )  # fmt: skip
 
     async def _release(self, message: SmsRecord, why: str) -> SmsRecord:
         """Provably not sent: back to pending, to be tried again by its job."""
