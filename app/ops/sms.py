@@ -357,26 +357,28 @@ class SmsChannel:
     ) -> SmsUpdate | None:
         """The create's answer (its status and MessageSid), as a status callback is recorded:
         one statement without a transaction around it (`deliveries.report_sms`), or under the
-        message's lock where that cannot say it (it only teaches the MessageSid, or the answer
-        is already a failure that ends the delivery)."""
-        next_check_at = datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
+        message's lock as before where that cannot say it (the answer only teaches the
+        MessageSid or names another one) and for a failure."""
+        said: dict[str, Any] = {
+            "actor": self.actor,
+            "source": "send",
+            "message_sid": message_sid,
+            "next_check_at": datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s),
+        }
         if status not in SMS_FAILURES:
-            async with autocommit(self._engine) as conn:
-                report = await deliveries.report_sms(
-                    conn,
-                    message_id,
-                    status,
-                    actor=self.actor,
-                    source="send",
-                    message_sid=message_sid,
-                    next_check_at=next_check_at,
-                )
+            report = await self._report(message_id, status, said)
             if not report.under_lock and not report.foreign_sid:
                 return report.update
-        return await self._record(
-            message_id, status, source="send", message_sid=message_sid,
-            next_check_at=next_check_at,
-        )  # fmt: skip
+        async with self._engine.begin() as conn:
+            return await deliveries.record_sms(conn, message_id, status, **said)
+
+    async def _report(
+        self, message_id: uuid.UUID, status: SmsStatus, said: dict[str, Any]
+    ) -> deliveries.SmsReport:
+        """`deliveries.report_sms` of what a report `said`: one statement, no transaction
+        around it."""
+        async with autocommit(self._engine) as conn:
+            return await deliveries.report_sms(conn, message_id, status, **said)
 
     async def _release(self, message: SmsRecord, why: str) -> SmsRecord:
         """Provably not sent: back to pending, to be tried again by its job."""
@@ -546,18 +548,15 @@ class SmsChannel:
             or code in NOT_DELIVERABLE_CODES
             or code in NOT_DELIVERABLE_DELIVERY_CODES
         )
+        said: dict[str, Any] = {
+            "actor": "twilio",
+            "source": "status callback",
+            "message_sid": sid,
+            "error_code": code,
+            "next_check_at": next_check_at,
+        }
         if code != OPT_OUT_CODE and not (status in SMS_FAILURES and not_deliverable):
-            async with autocommit(self._engine) as conn:
-                report = await deliveries.report_sms(
-                    conn,
-                    message_id,
-                    status,
-                    actor="twilio",
-                    source="status callback",
-                    message_sid=sid,
-                    error_code=code,
-                    next_check_at=next_check_at,
-                )
+            report = await self._report(message_id, status, said)
             if report.foreign_sid:
                 log.warning("SMS status callback for %s names another MessageSid", message_id)
             if not report.under_lock:
@@ -574,16 +573,7 @@ class SmsChannel:
                     conn, message.to_number, opted_out=True, source="21610"
                 )
             return await deliveries.record_sms(
-                conn,
-                message_id,
-                status,
-                actor="twilio",
-                source="status callback",
-                message_sid=sid,
-                error_code=code,
-                next_check_at=next_check_at,
-                not_deliverable=not_deliverable,
-                locked=message,
+                conn, message_id, status, **said, not_deliverable=not_deliverable, locked=message
             )
 
     # --- staff resend -----------------------------------------------------------------------
