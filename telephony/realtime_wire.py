@@ -214,6 +214,18 @@ class LaneConnection(OwnFrameReader, ClientConnection):
     _masks: MaskSource | None = None
     _waiting: Any = ()  # the deque of messages waiting for recv() (empty: none)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # websockets keeps its cancelled keepalive task (whose traceback holds its frame, and
+        # the frame this connection) and puts this connection in its logger's `extra`: both
+        # reference cycles, which would leave the connection, and the lane into the call it
+        # reaches, to a full collection. Nothing reads either once the connection is lost.
+        self.keepalive_task = None
+        extra = getattr(self.logger, "extra", None)
+        if isinstance(extra, dict) and extra.get("websocket") is self:
+            extra["websocket"] = None
+        self.lane = None
+
     def data_received(self, data: bytes) -> None:
         if self._own:
             # The usual read (one whole audio delta) is read in one step.
@@ -311,6 +323,18 @@ def between_frames(protocol: Any) -> bool:
         gen = inner
     code = getattr(gen, "gi_code", None)
     return code is not None and code.co_name == "at_eof" and code.co_filename.endswith("streams.py")
+
+
+def release_connection(conn: Any) -> None:
+    """After an SDK connection (Realtime or GPT-Live) is closed: drop its resources (`session`,
+    `response`, ...), each of which holds the connection back, a reference cycle that would
+    leave the connection, its websocket and buffers to a full collection."""
+    try:
+        attributes = vars(conn)
+    except TypeError:
+        return
+    for name in [n for n, v in attributes.items() if getattr(v, "_connection", None) is conn]:
+        del attributes[name]
 
 
 def lane_of(conn: Any) -> LaneConnection | None:

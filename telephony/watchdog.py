@@ -66,10 +66,10 @@ class Watchdog:
         tb: TracebackType | None,
     ) -> None:
         self._since = None
+        task, self._task = self._task, None  # a done task (its traceback) is not kept
         if not self._fired:
             return
         self._fired = False
-        task = self._task
         assert task is not None
         if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc
@@ -96,7 +96,10 @@ class Watchdog:
             self._timer = loop.call_at(min(since + self.limit_s, now + self._look_s), self._check)
 
     def close(self) -> None:
-        """Drop the timer (the owner is done with this watchdog)."""
+        """Drop the timer and what it reads (the owner is done with this watchdog: an owner's
+        method as `progress` would otherwise keep the two in a reference cycle)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._progress = None
+        self._task = None

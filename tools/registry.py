@@ -240,22 +240,24 @@ def _cached_parameters(args_model: type[BaseModel]) -> tuple[dict[str, Any], byt
 
 def _clean_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Drop pydantic's titles (noise for the model) and forbid unknown properties."""
-
-    def strip(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {k: strip(v) for k, v in node.items() if k != "title"}
-            if "properties" in node:
-                out["properties"] = {k: strip(v) for k, v in node["properties"].items()}
-            return out
-        if isinstance(node, list):
-            return [strip(v) for v in node]
-        return node
-
-    cleaned: dict[str, Any] = strip(schema)
+    cleaned: dict[str, Any] = _strip_titles(schema)
     cleaned.setdefault("type", "object")
     cleaned.setdefault("properties", {})
     cleaned["additionalProperties"] = False
     return cleaned
+
+
+def _strip_titles(node: Any) -> Any:
+    # A module function: a nested one calling itself is a reference cycle (function -> cell
+    # -> function), garbage for the collector each time it is made.
+    if isinstance(node, dict):
+        out = {k: _strip_titles(v) for k, v in node.items() if k != "title"}
+        if "properties" in node:
+            out["properties"] = {k: _strip_titles(v) for k, v in node["properties"].items()}
+        return out
+    if isinstance(node, list):
+        return [_strip_titles(v) for v in node]
+    return node
 
 
 def _speakable_errors(exc: ValidationError, limit: int = 3) -> str:

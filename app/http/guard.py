@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -40,16 +41,25 @@ _TIMED_OUT = (
 
 class _CycleTransport:
     """The transport as one request's cycle sees it: its `close` goes through the guard,
-    which lingers when the request's body is still coming (see `_guard_close`)."""
+    which lingers when the request's body is still coming (see `_guard_close`).
 
-    __slots__ = ("_close", "_transport")
+    The cycle holds this as its transport, so the guard and the cycle are held weakly here:
+    strongly, they would make a reference cycle (protocol -> cycle -> this -> protocol) that
+    only a full collection frees, once per request. Without either, it closes at once."""
 
-    def __init__(self, transport: asyncio.Transport, close: Any) -> None:
+    __slots__ = ("_close", "_cycle", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, close: Any, cycle: Any) -> None:
         self._transport = transport
-        self._close = close
+        self._close = weakref.WeakMethod(close)
+        self._cycle = weakref.ref(cycle)
 
     def close(self) -> None:
-        self._close()
+        close, cycle = self._close(), self._cycle()
+        if close is None or cycle is None:
+            self._transport.close()
+        else:
+            close(cycle)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -58,7 +68,8 @@ class _CycleTransport:
 def leave_source_count(scope: Any) -> None:
     """The connection of this request stops counting against its source address until its
     response is complete (for a long-held response bounded by caps of its own)."""
-    hook = scope.get("extensions", {}).get(GUARD_EXTENSION)
+    ref = scope.get("extensions", {}).get(GUARD_EXTENSION)
+    hook = ref() if ref is not None else None  # a weak reference to the guard's method
     if hook is not None:
         hook()
 
@@ -188,8 +199,10 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             """A request's headers are in (its app has not run yet): it gets the hook of
             `leave_source_count`, and closes through the guard."""
             scope = cycle.scope
-            scope.setdefault("extensions", {})[GUARD_EXTENSION] = self._guard_leave_count
-            cycle.transport = _CycleTransport(self.transport, lambda: self._guard_close(cycle))
+            # Weakly: the scope is the cycle's, which the protocol holds (see _CycleTransport).
+            hook = weakref.WeakMethod(self._guard_leave_count)
+            scope.setdefault("extensions", {})[GUARD_EXTENSION] = hook
+            cycle.transport = _CycleTransport(self.transport, self._guard_close, cycle)
 
         def _guard_headers_complete(self, cycle: Any) -> None:
             """The request now served has its headers in: its body (if any) has
@@ -286,6 +299,11 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: HttpLimits) -> type[a
             super().handle_websocket_upgrade(*args)
             if self.transport.get_protocol() is not self:
                 self._guard_release()
+                # The WebSocket protocol has the connection now, and this one never hears of
+                # its end: its parser (which holds its methods) goes as at a connection's end,
+                # or the two stay in a reference cycle that only a full collection frees.
+                if getattr(self, "parser", None) is not None:
+                    self.parser = None
 
     return GuardedHttpProtocol
 

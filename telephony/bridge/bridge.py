@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -75,6 +76,11 @@ FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
 HISTORY_LINES = 20
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
+
+
+def _emit_ended(sink: CallEventSink, call_id: str, kind: CallEventKind, /, **data: Any) -> None:
+    """An ended call's events (a part's last word after the bridge closed), to its sink."""
+    sink.emit(CallEvent(call_id, kind, data))
 
 
 class BridgeState(StrEnum):
@@ -209,7 +215,6 @@ class Bridge:
             if live
             else None
         )
-        self._handle_event = self._on_live_event if self._live is not None else self._on_event
 
     async def _on_live_event(self, session: Any, event: Any) -> str | None:
         """A GPT-Live server event: the caller's keypad (a SIP leg's sideband) here, the rest
@@ -355,6 +360,17 @@ class Bridge:
         media = {"media": media_report()} if callable(media_report) else {}
         self._emit(CallEventKind.CALL_ENDED, reason=self._end_reason, **media)
         self._closed.set()
+        self._release()
+
+    def _release(self) -> None:
+        """Cut what refers back to the bridge (its parts' port, the playout's hook, the app's
+        fatal hook), so the ended call is freed by reference counting: left in reference
+        cycles, its few hundred objects wait for a full collection, which at 200 live calls
+        stops all of them for 20-50 ms. What the bridge refers to stays for readers."""
+        self.port.cut(functools.partial(_emit_ended, self._sink, self.ctx.call_id))
+        self.playout.release()
+        self.tools.release()
+        self._on_fatal = None
 
     @staticmethod
     async def _cancel(tasks: set[asyncio.Task[Any]]) -> None:
@@ -452,7 +468,8 @@ class Bridge:
             first = False
             await self.audio.flush_backlog(session)
             await self.utterances.drain()
-            reason = await self.link.read(session, self.audio.play, self._handle_event)
+            handle = self._on_live_event if self._live is not None else self._on_event
+            reason = await self.link.read(session, self.audio.play, handle)
             if self._ended.is_set():
                 return
             self._emit(CallEventKind.REALTIME_DROPPED, reason=reason)

@@ -57,7 +57,7 @@ from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot, ResponseState
 from telephony.call_events import CallEventKind
 from telephony.legs.leg import AudioFormat
-from telephony.realtime_wire import AudioDelta
+from telephony.realtime_wire import AudioDelta, release_connection
 from telephony.session_config import BridgeConfig, instructions_text
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ class LiveSession:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(TIMEOUT_S):
                 await self.conn.close()
+        release_connection(self.conn)
 
     async def _send(self, event: dict[str, Any]) -> bool:
         return await bounded_send(

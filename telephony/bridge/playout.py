@@ -62,6 +62,10 @@ def cut_text(text: str, fraction: float) -> str:
     return cut.rstrip()
 
 
+def _unheard(response_id: str | None) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class AgentItem:
     """Audio and transcript of one assistant item, as received from the model."""
@@ -195,6 +199,10 @@ class Playout(ABC):
                 )
             )
         return spoken
+
+    def release(self) -> None:
+        """The call has ended: drop the hook back into the bridge (see Bridge._release)."""
+        self._audio_changed = _unheard
 
     def close(self) -> None:
         """The call is ending: no more looks at playout."""

@@ -47,6 +47,7 @@ from telephony.realtime_wire import (
     lane_of,
     nowait_sender,
     raw_sender,
+    release_connection,
     session_event_fields,
 )
 from telephony.session_config import BridgeConfig, agent_update, session_update
@@ -176,6 +177,7 @@ class RealtimeSession:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(TIMEOUT_S):
                 await self.conn.close()
+        release_connection(self.conn)
 
     async def _send(self, send: Awaitable[None], watch: Watchdog | None = None) -> bool:
         """Run one send, bounded by `watch` on the audio path, else by the send timeout."""

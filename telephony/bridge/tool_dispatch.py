@@ -51,6 +51,10 @@ NO_RESPONSE_S = 2.0
 SAID_POLL_S = 0.05
 
 
+def _no_session() -> ModelSession | None:
+    return None
+
+
 class ToolDispatch:
     """Function calls of one call, from the model to the gateway and back."""
 
@@ -93,6 +97,12 @@ class ToolDispatch:
         # Function calls per response, and those running now (bounded by the config).
         self._calls_per_response: dict[str, int] = {}
         self._running = 0
+
+    def release(self) -> None:
+        """The call has ended: drop the hooks into the bridge and the app (see
+        Bridge._release); no session is current and the line transfers no more."""
+        self._current = _no_session
+        self._transfer_hook = None
 
     def function_call(
         self,

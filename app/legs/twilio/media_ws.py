@@ -257,6 +257,11 @@ class MediaWebSocketProtocol(OwnFrameReader, WebSocketsSansIOProtocol):
             self._linger.cancel()
             self._linger = None
         super().connection_lost(exc)
+        # The scope (which this protocol holds) names this protocol for the route: a
+        # reference cycle, which would leave the stream's objects to a full collection.
+        extensions = getattr(self, "scope", {}).get("extensions")
+        if extensions is not None and extensions.get(LANE_EXTENSION) is self:
+            del extensions[LANE_EXTENSION]
 
 
 # What MediaWebSocketProtocol overrides or calls on uvicorn's protocol, and the state it reads

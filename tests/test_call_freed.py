@@ -1,0 +1,145 @@
+"""An ended call is freed by reference counting, with no collection needed.
+
+Left in reference cycles, an ended call's objects (bridge, legs, model connection, tasks,
+the HTTP and WebSocket protocols that carried it) wait for the collector's full pass, which at
+200 live calls stops every call on the process for 20-50 ms (README, "Garbage collection and
+the event loop"). Here each kind of call runs with the collector off and set to keep what it
+finds (`gc.DEBUG_SAVEALL`); once the call has ended, one collection must find none of our
+objects unreachable, and the call's bridge must be gone already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import types
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.domains import RESTAURANT
+from tests.e2e_support import Stack, call_stack, wait_until
+from tests.test_e2e_booking import (
+    ask_to_book_and_confirm,
+    booking_scenario,
+    booking_stack,
+    wait_for_delivery,
+    wait_for_operation,
+    wait_spoken,
+)
+from tests.test_e2e_call import hear_greeting, scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = tuple(str(ROOT / part) for part in ("app", "telephony", "tools"))
+SIMULATED = str(ROOT / "telephony" / "sim")
+
+
+def _source(obj: Any) -> str:
+    """The file that defines what `obj` is (for functions, methods, coroutines and frames:
+    their code; else its type's module)."""
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    if isinstance(obj, types.FunctionType):
+        return obj.__code__.co_filename
+    if isinstance(obj, types.CoroutineType):
+        return obj.cr_code.co_filename
+    if isinstance(obj, types.FrameType):
+        return obj.f_code.co_filename
+    module = __import__("sys").modules.get(type(obj).__module__)
+    return getattr(module, "__file__", None) or ""
+
+
+def ours(obj: Any) -> bool:
+    """Something of the service's (not of the test's callers and simulators)."""
+    source = _source(obj)
+    return source.startswith(OURS) and not source.startswith(SIMULATED)
+
+
+def describe(obj: Any) -> str:
+    if isinstance(obj, types.MethodType):
+        return f"method {obj.__func__.__qualname__}"
+    if isinstance(obj, types.FunctionType | types.CoroutineType):
+        return f"{type(obj).__name__} {obj.__qualname__}"
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_qualname}"
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+@contextmanager
+def unreachable() -> Iterator[Counter[str]]:
+    """Collector off for the block; at its end, one collection: what it found of ours."""
+    gc.collect()
+    debug = gc.get_debug()
+    gc.disable()
+    gc.set_debug(debug | gc.DEBUG_SAVEALL)
+    found: Counter[str] = Counter()
+    try:
+        yield found
+        gc.collect()
+        found.update(describe(o) for o in gc.garbage if ours(o))
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(debug)
+        gc.enable()
+
+
+def the_bridge(stack: Stack) -> weakref.ref[Any]:
+    (entry,) = stack.service.runtime.registry.live_entries()
+    assert entry.live is not None
+    return weakref.ref(entry.live)
+
+
+async def settled(stack: Stack) -> None:
+    """No call live, and what follows an end (the row, the recording) done."""
+    await wait_until(lambda: stack.service.runtime.registry.live_count() == 0, 15, "no call")
+    await asyncio.sleep(0.5)
+
+
+async def test_a_twilio_call_with_barge_in_ends_with_nothing_left_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, scenario(reply_ms=3000)) as stack:
+        with unreachable() as found:
+            caller = stack.caller()
+            await caller.dial()
+            await hear_greeting(caller)
+            await caller.play_speech(600)
+            await caller.wait_for(lambda c: c.media_received_ms >= 1000 + 600, 10)
+            await caller.play_speech(600)  # over the reply: a barge-in
+            await asyncio.sleep(0.3)
+            bridge = the_bridge(stack)
+            await caller.hangup()
+            await settled(stack)
+        events = [e["kind"] for e in await stack.events(caller)]
+    assert "barge_in" in events, events
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_booking_call_with_its_late_result_heard_leaves_nothing_in_cycles(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    domain = RESTAURANT
+    async with domain.start(clean_db) as backend:
+        backend.set_faults(latency_s=0.3)
+        await _booking(engine, clean_db, backend, domain)
+
+
+async def _booking(engine: AsyncEngine, clean_db: str, backend: Any, domain: Any) -> None:
+    async with booking_stack(engine, clean_db, backend, booking_scenario(domain)) as stack:
+        with unreachable() as found:
+            caller = stack.caller()
+            call_id = await ask_to_book_and_confirm(stack, caller)
+            bridge = the_bridge(stack)
+            op = await wait_for_operation(engine, call_id, "committed")
+            await wait_for_delivery(engine, op["operation_id"], "heard")
+            await wait_spoken(engine, call_id, domain.confirmed_text)
+            await caller.hangup()
+            await settled(stack)
+    assert not found, found
+    assert bridge() is None
