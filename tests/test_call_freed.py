@@ -22,8 +22,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.domains import RESTAURANT
+from telephony.sim.fake_caller import CallerState
+from tests.domains import RESTAURANT, RestaurantBackend
 from tests.e2e_support import Stack, call_stack, wait_until
+from tests.handoff_support import AGENTS, hand_off_while_booking, handoff_stack
 from tests.test_e2e_booking import (
     ask_to_book_and_confirm,
     booking_scenario,
@@ -33,6 +35,7 @@ from tests.test_e2e_booking import (
     wait_spoken,
 )
 from tests.test_e2e_call import hear_greeting, scenario
+from tests.test_transfer import DESK, TARGETS, ask_for_a_person, transfer_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / part) for part in ("app", "telephony", "tools"))
@@ -98,6 +101,67 @@ async def settled(stack: Stack) -> None:
     """No call live, and what follows an end (the row, the recording) done."""
     await wait_until(lambda: stack.service.runtime.registry.live_count() == 0, 15, "no call")
     await asyncio.sleep(0.5)
+
+
+async def test_a_call_transferred_to_a_person_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, transfer_scenario(), transfer_targets=TARGETS) as stack:
+        with unreachable() as found:
+            caller, _ = await ask_for_a_person(stack)
+            bridge = the_bridge(stack)
+            await caller.wait_for(lambda c: c.state is CallerState.ENDED, 30)
+            await settled(stack)
+        dials = list(stack.api.dials)
+    assert dials == [(caller.call_sid, DESK, "answered")]
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_busy_transfer_back_to_the_agent_leaves_nothing_of_either_stream(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, transfer_scenario(), transfer_targets=TARGETS) as stack:
+        stack.api.dial_outcomes[DESK] = "busy"
+        with unreachable() as found:
+            caller, _ = await ask_for_a_person(stack)
+            first = the_bridge(stack)
+            await caller.wait_for(lambda c: len(c.stream_sids) == 2, 30)
+            await wait_until(lambda: len(stack.sim.sessions) == 2, 30, "a new session")
+            await wait_until(
+                lambda: (
+                    [e.live for e in stack.service.runtime.registry.live_entries()]
+                    not in ([], [None], [first()])
+                ),
+                30,
+                "the second stream's bridge",
+            )
+            second = the_bridge(stack)
+            await asyncio.sleep(1.0)
+            await caller.hangup()
+            await settled(stack)
+    assert not found, found
+    assert first() is None and second() is None
+
+
+async def test_a_handoff_to_another_agent_leaves_nothing_in_cycles(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    async with RESTAURANT.start(clean_db) as backend:
+        assert isinstance(backend, RestaurantBackend)
+        async with handoff_stack(engine, clean_db, backend.sor, AGENTS) as stack:
+            with unreachable() as found:
+                caller, call_id = await hand_off_while_booking(stack, backend)
+                bridge = the_bridge(stack)
+                backend.release()
+                op = await wait_for_operation(engine, call_id, "committed")
+                await wait_for_delivery(engine, op["operation_id"], "heard")
+                await caller.hangup()
+                await settled(stack)
+            kinds = [e["kind"] for e in await stack.events(caller)]
+    assert "agent_handoff" in kinds
+    assert not found, found
+    assert bridge() is None
 
 
 async def test_a_twilio_call_with_barge_in_ends_with_nothing_left_in_cycles(

@@ -4,6 +4,7 @@ rows as through SQLAlchemy, and SQLAlchemy's errors and invalidation when they f
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 
 import psycopg
@@ -73,6 +74,36 @@ async def test_a_refused_value_raises_sqlalchemys_error_and_the_pool_goes_on(
         assert not conn.invalidated
         assert (await conn.execute(sa.text("SELECT 1"))).scalar() == 1
     assert (await _call(engine, "CA-after")).status == "ringing"
+
+
+async def test_a_failed_statement_leaves_no_reference_cycle_behind(engine: AsyncEngine) -> None:
+    # SQLAlchemy's handling keeps the error it raises in its own frame, which the error's
+    # traceback holds: without the frames cleared, every failed write (an event batch's
+    # taken seq) left its frames and rows to a full collection.
+    await _call(engine, "CA-taken")
+    gc.collect()
+    gc.disable()
+    debug = gc.get_debug()
+    gc.set_debug(debug | gc.DEBUG_SAVEALL)
+    try:
+        async with engine.connect() as conn:
+            insert = sa.insert(calls).values(
+                id=sa.bindparam("b_id"), call_sid="CA-taken", tenant_id="t1", status="ringing"
+            )
+            try:
+                await driver_sql.execute(conn, insert, {"b_id": uuid.uuid4()})
+            except sa.exc.IntegrityError as exc:
+                assert "calls" in str(exc.statement)
+                assert "Traceback" not in str(exc)
+            else:
+                raise AssertionError("a taken call_sid was inserted")
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, BaseException)]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(debug)
+        gc.enable()
+    assert left == []
 
 
 async def test_a_dropped_connection_invalidates_it_and_the_pool(

@@ -19,6 +19,7 @@ invalidates it and the pool, a cancelled statement invalidates its connection.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -154,7 +155,15 @@ async def _run(
             await cursor.close()
     except BaseException as exc:
         # SQLAlchemy's handling of a failed execution: always raises.
-        await greenlet_spawn(_handle, sync, exc, prepared.sql, params)
+        try:
+            await greenlet_spawn(_handle, sync, exc, prepared.sql, params)
+        except BaseException as raised:
+            # Its frame keeps the exception it raises as a local, and the exception's traceback
+            # keeps the frame: a reference cycle holding the failed statement's frames, rows
+            # and exceptions until a full collection. The frames' locals are not needed for the
+            # traceback's text.
+            traceback.clear_frames(raised.__traceback__)
+            raise
         raise  # pragma: no cover  (not reached)
     return rows, names
 
