@@ -22,7 +22,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.access.staff import Role
 from telephony.sim.fake_caller import CallerState
+from tests.console_support import bearer, seed_operation
 from tests.domains import RESTAURANT, RestaurantBackend
 from tests.e2e_support import Stack, call_stack, wait_until
 from tests.handoff_support import AGENTS, hand_off_while_booking, handoff_stack
@@ -30,12 +32,17 @@ from tests.test_e2e_booking import (
     ask_to_book_and_confirm,
     booking_scenario,
     booking_stack,
+    heard_text,
     wait_for_delivery,
     wait_for_operation,
     wait_spoken,
 )
 from tests.test_e2e_call import hear_greeting, scenario
+from tests.test_outbound import CALLEE, PURPOSE, outbound_stack, place
 from tests.test_transfer import DESK, TARGETS, ask_for_a_person, transfer_scenario
+from tests.test_transfer_warm import JOIN, the_person, warm_scenario
+from tests.test_transfer_warm import ask_for_a_person as warm_ask
+from tools.states import OperationStatus as S
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = tuple(str(ROOT / part) for part in ("app", "telephony", "tools"))
@@ -144,6 +151,22 @@ async def test_a_busy_transfer_back_to_the_agent_leaves_nothing_of_either_stream
     assert first() is None and second() is None
 
 
+async def test_a_warm_transfer_joined_to_the_person_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, warm_scenario(JOIN), transfer_targets=TARGETS) as stack:
+        with unreachable() as found:
+            caller, _ = await warm_ask(stack, open_operation=True)
+            bridge = the_bridge(stack)
+            person = await the_person(stack)
+            await caller.wait_for(lambda c: c.state is CallerState.IN_CONFERENCE, 30)
+            await stack.api.hang_up(person.sid)  # the person hangs up: the conference ends
+            await caller.wait_for(lambda c: c.state is CallerState.ENDED, 30)
+            await settled(stack)
+    assert not found, found
+    assert bridge() is None
+
+
 async def test_a_handoff_to_another_agent_leaves_nothing_in_cycles(
     engine: AsyncEngine, clean_db: str
 ) -> None:
@@ -160,6 +183,30 @@ async def test_a_handoff_to_another_agent_leaves_nothing_in_cycles(
                 await settled(stack)
             kinds = [e["kind"] for e in await stack.events(caller)]
     assert "agent_handoff" in kinds
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_an_outbound_call_answered_by_a_person_leaves_nothing_in_cycles(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    booking = await seed_operation(engine, None, S.COMMITTED, reference="BK4242")
+    async with outbound_stack(engine, clean_db) as stack:
+        headers = await bearer(engine, Role.OPERATOR)
+        with unreachable() as found:
+            body = {"to": CALLEE, "purpose": PURPOSE, "operation_id": str(booking)}
+            answer = await place(stack, body, headers)
+            assert answer.status_code == 202, answer.text
+            call_id = answer.json()["call_id"]
+
+            async def first_words() -> bool:
+                return bool(await heard_text(engine, call_id))
+
+            await wait_until(first_words, 20, "the agent's first words")
+            bridge = the_bridge(stack)
+            [placed] = stack.api.created_calls(CALLEE)
+            await stack.api.outbound_callers[placed.sid].hangup()
+            await settled(stack)
     assert not found, found
     assert bridge() is None
 

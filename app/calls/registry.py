@@ -181,6 +181,10 @@ class CallRegistry:
         """The call is over in this process."""
         if self._live.get(entry.call_sid) is entry:
             del self._live[entry.call_sid]
+        # What acts on the live call (who answered an outbound one, a warm transfer) holds
+        # its session, which holds this entry: a reference cycle once the call is over here.
+        entry.outbound = None
+        entry.warm = None
         entry.done.set()
 
     def get(self, call_sid: str) -> LiveCallEntry | None:
