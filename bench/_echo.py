@@ -17,6 +17,7 @@ Targets:
   service-<N>ms  the service sending agent audio in N ms chunks (TWILIO_MEDIA_CHUNK_MS)
   service-asyncio  the service on the standard asyncio loop (EVENT_LOOP=asyncio)
   service-deflate  the service accepting permessage-deflate from callers (WS_DEFLATE=true)
+  service-nofreeze the service with its heap frozen once at start only (GC_FREEZE_EVERY_S=0)
   service-before   the service from another source tree, e.g. an earlier commit unpacked with
                    `git archive REV | tar -x -C DIR`, named by BENCH_BEFORE_TREE=DIR
                    (its own defaults; same venv)
@@ -172,6 +173,8 @@ def _start_server(
             env["EVENT_LOOP"] = "asyncio"
         elif variant == "deflate":
             env["WS_DEFLATE"] = "true"
+        elif variant == "nofreeze":
+            env["GC_FREEZE_EVERY_S"] = "0"
         elif variant:
             raise ValueError(f"unknown target {target}")
         cmd = [str(Path(PY).parent / "voice-agent"), "serve", "--no-worker", "--port", str(port)]
@@ -348,6 +351,8 @@ def _watch(w: dict | None) -> str:
 
     by_gen = w.get("gc_over_10ms_by_generation") or []
     which = ", ".join(f"gen{g}: {n:.0f}" for g, n in enumerate(by_gen) if n)
+    if w.get("gc_sweeps"):
+        which += f"{', ' if which else ''}{w['gc_sweeps']:.0f} sweeps"
     return (
         f"{w['gc_over_10ms']:.0f}{f' ({which})' if which else ''} / {w['gc_pauses']:.0f} "
         f"({ms(w['gc_longest_le_s'])}) "

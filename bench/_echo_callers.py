@@ -341,7 +341,12 @@ def scrape(server: str) -> dict[str, float]:
         text = response.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in ("voice_agent_event_loop_lag_seconds", "voice_agent_gc_pause_seconds"):
+        if family.name in (
+            "voice_agent_event_loop_lag_seconds",
+            "voice_agent_gc_pause_seconds",
+            "voice_agent_gc_sweeps",  # the collector's steward (app/gc_steward.py)
+            "voice_agent_gc_frozen_objects",
+        ):
             for sample in family.samples:
                 key = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}|{key}"] = sample.value
@@ -400,6 +405,8 @@ def watched(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
         "lag_over_40ms": lag_n - grew(lag + "0.04"),
         "lag_p99_le_s": lag_bound(0.99) if lag_n else 0.0,
         "lag_max_le_s": lag_bound(1.0) if lag_n else 0.0,
+        "gc_sweeps": sum(grew(k) for k in after if k.startswith("voice_agent_gc_sweeps_total|")),
+        "gc_frozen": after.get("voice_agent_gc_frozen_objects|", 0.0),
     }
 
 

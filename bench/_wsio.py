@@ -134,6 +134,8 @@ class Endpoint(asyncio.Protocol):
         else:
             head = bytes((0x80 | opcode, mask_bit | 127)) + length.to_bytes(8, "big")
         assert self.transport is not None
+        if self.transport.is_closing():
+            return  # hung up (--churn) with a mark echo still due: dropped
         if self._masks is not None:
             mask = self._masks.next()
             self.transport.write(head + mask + apply_mask(payload, mask))
