@@ -195,7 +195,23 @@ class EventTexts:
 EVENT_TEXTS = EventTexts()
 
 
-class LaneConnection(OwnFrameReader, ClientConnection):
+class ReleasingConnection(ClientConnection):
+    """websockets' client connection, which leaves no reference cycle once it is lost (the
+    SDK's connections take it as `websocket_connection_options={"create_connection": ...}`)."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # websockets keeps its cancelled keepalive task (whose traceback holds its frame, and
+        # the frame this connection) and puts this connection in its logger's `extra`: both
+        # reference cycles, which would leave the connection, and what it reaches, to a full
+        # collection. Nothing reads either once the connection is lost.
+        self.keepalive_task = None
+        extra = getattr(self.logger, "extra", None)
+        if isinstance(extra, dict) and extra.get("websocket") is self:
+            extra["websocket"] = None
+
+
+class LaneConnection(OwnFrameReader, ReleasingConnection):
     """websockets' client connection (the one the SDK's Realtime connection wraps), with a
     lane for server messages: a text message is first offered to `lane(data)` where it is
     received, if no earlier message waits for `recv`; when the lane takes it (True) `recv`
@@ -216,15 +232,7 @@ class LaneConnection(OwnFrameReader, ClientConnection):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        # websockets keeps its cancelled keepalive task (whose traceback holds its frame, and
-        # the frame this connection) and puts this connection in its logger's `extra`: both
-        # reference cycles, which would leave the connection, and the lane into the call it
-        # reaches, to a full collection. Nothing reads either once the connection is lost.
-        self.keepalive_task = None
-        extra = getattr(self.logger, "extra", None)
-        if isinstance(extra, dict) and extra.get("websocket") is self:
-            extra["websocket"] = None
-        self.lane = None
+        self.lane = None  # into the call: not past the connection's end
 
     def data_received(self, data: bytes) -> None:
         if self._own:

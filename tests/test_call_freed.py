@@ -24,10 +24,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.staff import Role
 from telephony.sim.fake_caller import CallerState
+from telephony.sim.scenario import Scenario
+from telephony.sim.simulator import synthesize_speech
 from tests.console_support import bearer, seed_operation
 from tests.domains import RESTAURANT, RestaurantBackend
-from tests.e2e_support import Stack, call_stack, wait_until
+from tests.e2e_support import call_stack, wait_until
 from tests.handoff_support import AGENTS, hand_off_while_booking, handoff_stack
+from tests.openai_sip_support import interconnect
+from tests.sip_support import Uac, sdp_offer
+from tests.sipp_support import sip_stack
 from tests.test_e2e_booking import (
     ask_to_book_and_confirm,
     booking_scenario,
@@ -38,7 +43,9 @@ from tests.test_e2e_booking import (
     wait_spoken,
 )
 from tests.test_e2e_call import hear_greeting, scenario
+from tests.test_openai_sip import LONG_GREETING, chat
 from tests.test_outbound import CALLEE, PURPOSE, outbound_stack, place
+from tests.test_sip_barge_in import SILENCE, _response, _rtp_sender, _socket
 from tests.test_transfer import DESK, TARGETS, ask_for_a_person, transfer_scenario
 from tests.test_transfer_warm import JOIN, the_person, warm_scenario
 from tests.test_transfer_warm import ask_for_a_person as warm_ask
@@ -98,13 +105,14 @@ def unreachable() -> Iterator[Counter[str]]:
         gc.enable()
 
 
-def the_bridge(stack: Stack) -> weakref.ref[Any]:
+def the_bridge(stack: Any) -> weakref.ref[Any]:
+    """The one live call's bridge (of a `Stack` or an `Interconnect`), weakly."""
     (entry,) = stack.service.runtime.registry.live_entries()
     assert entry.live is not None
     return weakref.ref(entry.live)
 
 
-async def settled(stack: Stack) -> None:
+async def settled(stack: Any) -> None:
     """No call live, and what follows an end (the row, the recording) done."""
     await wait_until(lambda: stack.service.runtime.registry.live_count() == 0, 15, "no call")
     await asyncio.sleep(0.5)
@@ -252,5 +260,139 @@ async def _booking(engine: AsyncEngine, clean_db: str, backend: Any, domain: Any
             await wait_spoken(engine, call_id, domain.confirmed_text)
             await caller.hangup()
             await settled(stack)
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_call_on_our_sip_user_agent_with_barge_in_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    loop = asyncio.get_running_loop()
+    async with sip_stack(engine) as stack:
+        with unreachable() as found:
+            sip_t, sip_in, my_sip = await _socket(loop)
+            rtp_t, rtp_in, my_rtp = await _socket(loop)
+            uac = Uac(port=my_sip)
+            server = ("127.0.0.1", stack.service.runtime.sip.port)
+            try:
+                sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
+                ok = await _response(sip_in, 200)
+                uac.learn(ok)
+                sip_t.sendto(uac.ack(), server)
+                session = await stack.sim.wait_for_session(0)
+                send = _rtp_sender(rtp_t, ok)
+                # The caller hears 600 ms of the greeting, then talks over it.
+                while sum(data[12:] != SILENCE for _, data in rtp_in.got) < 30:
+                    await send(SILENCE)
+                speech = synthesize_speech(1000, 3, "pcmu")
+                for offset in range(0, len(speech), 160):
+                    await send(speech[offset : offset + 160])
+                await session.wait_for_received("conversation.item.truncate", within=10)
+                bridge = the_bridge(stack)
+                sip_t.sendto(uac.bye(), server)
+                await _response(sip_in, 200, start=len(sip_in.got))
+            finally:
+                sip_t.close()
+                rtp_t.close()
+            await settled(stack)
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_gpt_live_call_on_our_sip_user_agent_with_barge_in_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    loop = asyncio.get_running_loop()
+    async with sip_stack(engine, _long_live_greeting(), model_api="live") as stack:
+        with unreachable() as found:
+            sip_t, sip_in, my_sip = await _socket(loop)
+            rtp_t, rtp_in, my_rtp = await _socket(loop)
+            uac = Uac(port=my_sip)
+            server = ("127.0.0.1", stack.service.runtime.sip.port)
+            try:
+                sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
+                ok = await _response(sip_in, 200)
+                uac.learn(ok)
+                sip_t.sendto(uac.ack(), server)
+                live = await stack.sim.wait_for_live_session()
+                send = _rtp_sender(rtp_t, ok)
+                while sum(data[12:] != SILENCE for _, data in rtp_in.got) < 30:
+                    await send(SILENCE)
+                speech = synthesize_speech(1000, 3, "pcmu")
+                for offset in range(0, len(speech), 160):  # over the greeting: a barge-in
+                    await send(speech[offset : offset + 160])
+                await wait_until(lambda: live.interruptions == 1, 10, "the model stopped")
+                bridge = the_bridge(stack)
+                sip_t.sendto(uac.bye(), server)
+                await _response(sip_in, 200, start=len(sip_in.got))
+            finally:
+                sip_t.close()
+                rtp_t.close()
+            await settled(stack)
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_call_on_openais_sip_interconnect_with_barge_in_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with interconnect(engine, chat(LONG_GREETING)) as ic:
+        with unreachable() as found:
+            call = await ic.sim.place_call()
+            session = await ic.sim.wait_for_session(call.call_id)
+            await session.wait_for_sent("output_audio_buffer.started", within=10)
+            await asyncio.sleep(0.15)
+            await session.caller_says(speech_ms=400)  # over the greeting: a barge-in
+            await session.wait_for_received("output_audio_buffer.clear")
+            bridge = the_bridge(ic)
+            await ic.sim.remote_hangup(call.call_id)
+            await ic.wait_over(call.call_id)
+            await settled(ic)
+    assert not found, found
+    assert bridge() is None
+
+
+def _long_live_greeting() -> Scenario:
+    return Scenario.model_validate(
+        {
+            "greeting": {"text": "Welcome to a long list of tonight's specials.", "audio_ms": 8000},
+            "steps": [{"caller_transcript": "Just a table, please.", "reply": "Sure."}],
+        }
+    )
+
+
+async def test_a_twilio_call_on_gpt_live_with_barge_in_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with call_stack(engine, _long_live_greeting(), model_api="live") as stack:
+        with unreachable() as found:
+            caller = stack.caller()
+            await caller.dial()
+            await caller.wait_for(lambda c: c.heard_ms >= 1000, 10)
+            await caller.play_speech(600)  # the model stops talking over the caller
+            await caller.wait_for(lambda c: len(c.clears) == 1, 10)
+            bridge = the_bridge(stack)
+            await caller.hangup()
+            await settled(stack)
+    assert not found, found
+    assert bridge() is None
+
+
+async def test_a_gpt_live_call_on_openais_sip_interconnect_with_barge_in_leaves_nothing_in_cycles(
+    engine: AsyncEngine,
+) -> None:
+    async with interconnect(engine, _long_live_greeting(), model_api="live") as ic:
+        with unreachable() as found:
+            call = await ic.sim.place_call(live=True)
+            session = await ic.sim.wait_for_session(call.call_id)
+            await session.wait_for_sent("session.output_transcript.delta", within=10)
+            await asyncio.sleep(0.3)
+            await session.caller_says(speech_ms=400)  # over the greeting: the model stops
+            await session.press("5")
+            bridge = the_bridge(ic)
+            await ic.sim.remote_hangup(call.call_id)
+            await ic.wait_over(call.session_id)
+            await settled(ic)
+    assert session.interruptions == 1
     assert not found, found
     assert bridge() is None

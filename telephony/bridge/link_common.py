@@ -107,10 +107,12 @@ async def open_within_budget(
                 await close_quietly(conn)
             raise
         except SessionRefused as exc:
+            drop_tracebacks(exc)
             if conn is not None:
                 await close_quietly(conn)
             return None, attempts, str(exc), exc
         except Exception as exc:
+            drop_tracebacks(exc)
             error = f"{type(exc).__name__}: {exc}"[:200]
             log.info("call %s: %s connect attempt %d failed: %s", call_id, api, attempts, error)
             if conn is not None:
@@ -119,6 +121,22 @@ async def open_within_budget(
             return (conn, started), attempts, None, None
         await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
         delay = min(delay * 2, MAX_DELAY_S)
+
+
+def drop_tracebacks(exc: BaseException) -> None:
+    """A failed attempt is told by its type and message: its traceback and its causes' go.
+    websockets keeps a refused handshake's error in reference cycles (on its protocol, on the
+    response it refused, in a local of its connect's frame); through the traceback's frames
+    they would hold this link, and the call, until a full collection."""
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        pending += (error.__cause__, error.__context__)
 
 
 def emit_server_error(port: Port, error: Any, client_event_id: str | None) -> None:

@@ -57,7 +57,7 @@ from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot, ResponseState
 from telephony.call_events import CallEventKind
 from telephony.legs.leg import AudioFormat
-from telephony.realtime_wire import AudioDelta, release_connection
+from telephony.realtime_wire import AudioDelta, ReleasingConnection, release_connection
 from telephony.session_config import BridgeConfig, instructions_text
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ HANDOFF_APPEND = (
     "earlier instructions said about who you are and what you do (the call rules still hold):\n"
 )
 TIMEOUT_S = 10.0
-LIVE_SOCKET_OPTIONS: Any = {"compression": None}
+LIVE_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": ReleasingConnection}
 # The leg's codec is what GPT-Live carries too (G.711 at 8 kHz): no transcoding either way.
 LIVE_FORMATS: dict[AudioFormat, dict[str, Any]] = {
     "audio/pcmu": {"type": "audio/pcmu", "rate": 8000},

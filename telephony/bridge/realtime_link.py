@@ -41,6 +41,7 @@ from telephony.realtime_wire import (
     APPEND_TAIL,
     EVENT_TEXTS,
     LaneConnection,
+    ReleasingConnection,
     append_frame,
     audio_delta,
     audio_delta_fields,
@@ -62,6 +63,8 @@ TIMEOUT_S = 10.0  # bound for closing a socket at the end
 # per frame and saves little (stated, so an SDK default cannot change it); and the lane for
 # audio deltas (realtime_wire.LaneConnection), which the SDK passes on to websockets.
 REALTIME_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": LaneConnection}
+# The sideband carries no audio: no lane, only a connection that leaves no cycle once lost.
+SIDEBAND_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": ReleasingConnection}
 
 
 class SessionRejected(SessionRefused):
@@ -277,7 +280,7 @@ class RealtimeLink:
         """Join OpenAI's call over the sideband: the session was set by the accept."""
         try:
             return await self._client.realtime.connect(
-                call_id=sideband_call_sid, websocket_connection_options={"compression": None}
+                call_id=sideband_call_sid, websocket_connection_options=SIDEBAND_SOCKET_OPTIONS
             ).enter()
         except InvalidStatus as exc:
             status = exc.response.status_code

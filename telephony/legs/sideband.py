@@ -83,8 +83,11 @@ class SidebandLeg:
         if self._closed:
             return
         self._closed = True
-        if self._on_close is not None:
-            await self._on_close(reason)
+        # Dropped once taken: the hook holds the app's record of the call, which holds this
+        # leg, a reference cycle that would leave the ended call to a full collection.
+        hook, self._on_close = self._on_close, None
+        if hook is not None:
+            await hook(reason)
 
 
 class LiveSidebandLeg(SidebandLeg):

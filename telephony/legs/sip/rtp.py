@@ -347,6 +347,14 @@ class RtpClock:
                 next_at = now + period_s  # stalled: resume from now, no burst
 
 
+def _unheard_audio(audio: bytes, timestamp_ms: int) -> None:
+    return None
+
+
+def _unheard_digit(digit: str) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class _Frame:
     item_id: str
@@ -850,6 +858,9 @@ class RtpStream(asyncio.DatagramProtocol):
                 return
             self._closed = True
             self._queue.clear()
+        # The callbacks are the leg's methods, and the leg holds this stream: a reference
+        # cycle that would leave the ended call to a full collection. Closed, it hears nothing.
+        self._on_audio, self._on_digit, self._on_foreign = _unheard_audio, _unheard_digit, None
         self._clock.remove(self)
         if self.transport is not None:
             with contextlib.suppress(Exception):
