@@ -15,7 +15,7 @@ import gc
 import types
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -264,36 +264,50 @@ async def _booking(engine: AsyncEngine, clean_db: str, backend: Any, domain: Any
     assert bridge() is None
 
 
+async def _sip_call_cut_in(
+    stack: Any,
+    opened: Callable[[], Awaitable[Any]],
+    stopped: Callable[[Any], Awaitable[None]],
+) -> weakref.ref[Any]:
+    """A call on our SIP user agent over RTP: the caller hears 600 ms of the greeting, talks
+    over it (`stopped(session)` waits for the model to stop), hangs up; the bridge, weakly."""
+    loop = asyncio.get_running_loop()
+    sip_t, sip_in, my_sip = await _socket(loop)
+    rtp_t, rtp_in, my_rtp = await _socket(loop)
+    uac = Uac(port=my_sip)
+    server = ("127.0.0.1", stack.service.runtime.sip.port)
+    try:
+        sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
+        ok = await _response(sip_in, 200)
+        uac.learn(ok)
+        sip_t.sendto(uac.ack(), server)
+        session = await opened()
+        send = _rtp_sender(rtp_t, ok)
+        while sum(data[12:] != SILENCE for _, data in rtp_in.got) < 30:
+            await send(SILENCE)
+        speech = synthesize_speech(1000, 3, "pcmu")
+        for offset in range(0, len(speech), 160):  # over the greeting: a barge-in
+            await send(speech[offset : offset + 160])
+        await stopped(session)
+        bridge = the_bridge(stack)
+        sip_t.sendto(uac.bye(), server)
+        await _response(sip_in, 200, start=len(sip_in.got))
+    finally:
+        sip_t.close()
+        rtp_t.close()
+    return bridge
+
+
 async def test_a_call_on_our_sip_user_agent_with_barge_in_leaves_nothing_in_cycles(
     engine: AsyncEngine,
 ) -> None:
-    loop = asyncio.get_running_loop()
     async with sip_stack(engine) as stack:
+
+        async def truncated(session: Any) -> None:
+            await session.wait_for_received("conversation.item.truncate", within=10)
+
         with unreachable() as found:
-            sip_t, sip_in, my_sip = await _socket(loop)
-            rtp_t, rtp_in, my_rtp = await _socket(loop)
-            uac = Uac(port=my_sip)
-            server = ("127.0.0.1", stack.service.runtime.sip.port)
-            try:
-                sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
-                ok = await _response(sip_in, 200)
-                uac.learn(ok)
-                sip_t.sendto(uac.ack(), server)
-                session = await stack.sim.wait_for_session(0)
-                send = _rtp_sender(rtp_t, ok)
-                # The caller hears 600 ms of the greeting, then talks over it.
-                while sum(data[12:] != SILENCE for _, data in rtp_in.got) < 30:
-                    await send(SILENCE)
-                speech = synthesize_speech(1000, 3, "pcmu")
-                for offset in range(0, len(speech), 160):
-                    await send(speech[offset : offset + 160])
-                await session.wait_for_received("conversation.item.truncate", within=10)
-                bridge = the_bridge(stack)
-                sip_t.sendto(uac.bye(), server)
-                await _response(sip_in, 200, start=len(sip_in.got))
-            finally:
-                sip_t.close()
-                rtp_t.close()
+            bridge = await _sip_call_cut_in(stack, lambda: stack.sim.wait_for_session(0), truncated)
             await settled(stack)
     assert not found, found
     assert bridge() is None
@@ -302,32 +316,13 @@ async def test_a_call_on_our_sip_user_agent_with_barge_in_leaves_nothing_in_cycl
 async def test_a_gpt_live_call_on_our_sip_user_agent_with_barge_in_leaves_nothing_in_cycles(
     engine: AsyncEngine,
 ) -> None:
-    loop = asyncio.get_running_loop()
     async with sip_stack(engine, _long_live_greeting(), model_api="live") as stack:
+
+        async def interrupted(live: Any) -> None:
+            await wait_until(lambda: live.interruptions == 1, 10, "the model stopped")
+
         with unreachable() as found:
-            sip_t, sip_in, my_sip = await _socket(loop)
-            rtp_t, rtp_in, my_rtp = await _socket(loop)
-            uac = Uac(port=my_sip)
-            server = ("127.0.0.1", stack.service.runtime.sip.port)
-            try:
-                sip_t.sendto(uac.invite(sdp_offer(port=my_rtp, formats="0 101")), server)
-                ok = await _response(sip_in, 200)
-                uac.learn(ok)
-                sip_t.sendto(uac.ack(), server)
-                live = await stack.sim.wait_for_live_session()
-                send = _rtp_sender(rtp_t, ok)
-                while sum(data[12:] != SILENCE for _, data in rtp_in.got) < 30:
-                    await send(SILENCE)
-                speech = synthesize_speech(1000, 3, "pcmu")
-                for offset in range(0, len(speech), 160):  # over the greeting: a barge-in
-                    await send(speech[offset : offset + 160])
-                await wait_until(lambda: live.interruptions == 1, 10, "the model stopped")
-                bridge = the_bridge(stack)
-                sip_t.sendto(uac.bye(), server)
-                await _response(sip_in, 200, start=len(sip_in.got))
-            finally:
-                sip_t.close()
-                rtp_t.close()
+            bridge = await _sip_call_cut_in(stack, stack.sim.wait_for_live_session, interrupted)
             await settled(stack)
     assert not found, found
     assert bridge() is None
