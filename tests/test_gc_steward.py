@@ -11,10 +11,13 @@ import time
 import weakref
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from prometheus_client import REGISTRY
 
 from app.gc_steward import GcSteward
+from tests.metrics_support import samples
+from tests.server_proc import ServerProcess
 
 
 class Node:
@@ -162,3 +165,20 @@ async def test_with_no_interval_it_does_nothing() -> None:
     steward.stop()
     assert gc.get_freeze_count() == 0
     assert (sweeps("idle"), sweeps("growth"), swept()) == before
+
+
+async def test_serve_runs_the_steward_on_its_frozen_heap(clean_db: str) -> None:
+    # The real `voice-agent serve`: its startup freeze is on /metrics, and each tick's
+    # collection (a full one, of what is not frozen) counts as a generation-2 pause.
+    server = ServerProcess({"DATABASE_URL": clean_db, "GC_FREEZE_EVERY_S": "0.2"})
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            before = samples((await http.get("/metrics")).text)
+            await asyncio.sleep(1.5)
+            after = samples((await http.get("/metrics")).text)
+    finally:
+        await server.stop()
+    full = 'voice_agent_gc_pause_seconds_count{generation="2"}'
+    assert after["voice_agent_gc_frozen_objects"] > 50_000  # what serve froze at start
+    assert after[full] - before[full] >= 4  # ticks every 0.2 s
