@@ -341,21 +341,11 @@ def _open_statement(state: DeliveryState, *, together: bool) -> Any:
     if not together:
         return dl
     opened = dl.cte("dl")
-    trail = (
-        dev_t.insert()
-        .from_select(
-            ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
-            sa.select(
-                opened.c.id,
-                sa.null(),
-                sa.literal(state.value, sa.String),
-                sa.literal("transition", sa.String),
-                sa.literal("ledger", sa.String),
-                sa.bindparam("b_reason", type_=sa.Text),
-                sa.literal({}, dev_t.c.data.type),
-            ),
-        )
-        .cte("trail")
+    trail = _first_trail(
+        opened.c.id,
+        sa.literal(state.value, sa.String),
+        sa.bindparam("b_reason", type_=sa.Text),
+        "trail",
     )
     cols: list[Any] = [opened]
     if state is D.PENDING:
@@ -418,23 +408,28 @@ def open_ctes(upd: Any, to: OperationStatus) -> tuple[Any, Any]:
         .returning(dl_t.c.id, dl_t.c.call_id, dl_t.c.state, dl_t.c.reason)
         .cte("dl")
     )
-    trail = (
+    return dl, _first_trail(dl.c.id, dl.c.state, dl.c.reason, "dl_trail")
+
+
+def _first_trail(delivery_id: Any, state: Any, reason: Any, name: str) -> Any:
+    """CTE `name`: a new delivery's first trail event (from nothing to `state`, by the
+    ledger), inserted from the delivery row's CTE columns."""
+    return (
         dev_t.insert()
         .from_select(
             ["delivery_id", "from_state", "to_state", "kind", "actor", "reason", "data"],
             sa.select(
-                dl.c.id,
+                delivery_id,
                 sa.null(),
-                dl.c.state,
+                state,
                 sa.literal("transition", sa.String),
                 sa.literal("ledger", sa.String),
-                dl.c.reason,
+                reason,
                 sa.literal({}, dev_t.c.data.type),
             ),
         )
-        .cte("dl_trail")
+        .cte(name)
     )
-    return dl, trail
 
 
 # `notify_ready`'s notification of the pending delivery in CTE `dl` (the same payload), and its
