@@ -29,6 +29,7 @@ from app import embedded_db
 from app.cli import banner
 from app.db import resolve_database_url, upgrade
 from app.errors import StartupError
+from app.event_loops import loop_factory
 from app.gc_steward import GcSteward
 from app.http.guard import HttpLimits, base_protocol, guarded_protocol
 from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
@@ -469,23 +470,6 @@ async def serve(settings: Settings, with_worker: bool) -> int:
         # Last: everything that used the embedded database has closed its connections.
         await asyncio.to_thread(embedded_db.stop, settings.data_dir)
     return 0
-
-
-def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop for `serve`: uvloop unless asked for asyncio's own (or not installed).
-
-    The media path is syscalls and callbacks; uvloop runs them in C (bench/bridge.py echo,
-    target service-asyncio, measures the difference).
-    """
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
-    return uvloop.new_event_loop
 
 
 def run_server(settings: Settings, with_worker: bool) -> int:

@@ -116,7 +116,8 @@ class Settings(BaseSettings):
     # permessage-deflate on the media socket. Off: compressing every 20 ms base64 frame costs
     # more CPU than the bytes it saves are worth (bench/bridge.py echo, target service-deflate).
     ws_deflate: bool = False
-    # The server's event loop: "auto" is uvloop where it is installed, else asyncio's own.
+    # The event loop of `serve` and `worker`: "auto" is uvloop where it is installed, else
+    # asyncio's own.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     # SIP (unset SIP_BIND means no SIP listener): `host:port` for UDP and TCP.

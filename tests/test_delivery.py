@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.ops.worker import OperationWorker
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.tool_gateway import AnnouncementStatus
 from tests.delivery_support import (
@@ -33,6 +34,8 @@ from tests.e2e_support import wait_until
 from tools import deliveries, ledger
 from tools.delivery_states import DeliveryState
 from tools.restaurant.catalog import restaurant_catalog
+from tools.restaurant.client import SorClient
+from tools.restaurant.provider import SorProvider
 from tools.states import OperationStatus
 
 S = OperationStatus
@@ -609,3 +612,55 @@ async def test_a_delivery_decided_in_a_batch_leaves_the_trail_sms_and_job_of_one
                 {"m": str(message.id)},
             )
         assert jobs_of_it == 1
+
+
+async def test_a_delivery_job_frees_its_slot_once_decided_and_a_stop_waits_for_its_send(
+    clean_db: str, engine: AsyncEngine, api: FakeTwilioApi
+) -> None:
+    """The real worker with one job slot: Twilio holds the answer to the first outcome's
+    create, yet the second outcome's job runs and its SMS goes out; stopping the worker
+    waits for the first send's answer and records it. Each number texted once."""
+    api.lose_message_answers(1)
+    sor = SorClient("http://127.0.0.1:9")
+    worker = OperationWorker(
+        database_url=clean_db,
+        engine=engine,
+        registry=restaurant_catalog(),
+        provider=SorProvider(sor),
+        concurrency=1,
+        poll_interval_s=0.2,
+        shutdown_grace_s=10.0,
+        sweep=False,
+        delivery=driver(engine, sms_channel(engine, api)),
+    )
+    await worker.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        first = await booked(engine, await make_call(engine, ended=True))
+        await api.wait_for(lambda a: len(a.created_messages()) == 1)
+        other = "+15551239999"
+        call = await make_call(engine, ended=True, from_number=other)
+        second = await booked(engine, call, caller=other)
+        await api.wait_for(lambda a: len(a.messages_to(other)) == 1)
+
+        async def answered() -> bool:
+            return (await sms_of(engine, second))[0].message_sid is not None
+
+        await wait_until(answered, 10, "the second create's answer recorded")
+        # The first create's answer is still held: claimed, its MessageSid unknown.
+        held = (await sms_of(engine, first))[0]
+        assert (held.status.value, held.message_sid) == ("requesting", None)
+        stopping = asyncio.create_task(worker.stop())
+        await asyncio.sleep(0.5)
+        assert not stopping.done()  # a graceful stop waits for the send it handed over
+        api.release_answers()
+        await asyncio.wait_for(stopping, 10)
+    finally:
+        api.release_answers()
+        if stopping is None:
+            await worker.stop()
+        await sor.aclose()
+    recorded = (await sms_of(engine, first))[0]
+    assert recorded.message_sid == api.messages_to(CALLER)[0].sid
+    assert recorded.status.value != "requesting"
+    assert len(api.messages_to(CALLER)) == len(api.messages_to(other)) == 1

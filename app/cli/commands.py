@@ -39,6 +39,7 @@ def _traced(service: str, run: Any) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from app.db import require_migrated, resolve_database_url
+    from app.event_loops import loop_factory
     from app.ops.worker import run_worker
     from app.settings import get_settings
     from app.tool_wiring import load_configured_catalog
@@ -48,10 +49,14 @@ def _worker(args: argparse.Namespace) -> int:
     asyncio.run(load_configured_catalog(settings).aclose())
     # Workers never migrate (serve and `db upgrade` do): an old schema is a clear stop.
     require_migrated(resolve_database_url(settings.database_url, settings.data_dir))
-    return _traced(
-        "voice-agent-worker",
-        lambda: asyncio.run(run_worker(settings, concurrency=args.concurrency)),
-    )
+    # The same event loop as `serve` (EVENT_LOOP): uvloop where installed.
+    factory = loop_factory(settings.event_loop)
+
+    def run() -> int:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(run_worker(settings, concurrency=args.concurrency))
+
+    return _traced("voice-agent-worker", run)
 
 
 def _database_url() -> str:

@@ -6,6 +6,11 @@ Tasks (queue `deliveries`, see `tools.jobs`):
   ended here (reason on its timeline); a call that is over gets its SMS, persisted and sent.
   SMS channel only: a delivery whose call is over is decided in a batch with the others
   ready beside it (`decide_ready`): one transaction for a batch, one claim for its SMS.
+  The job ends once its decisions have committed: the SMS it persisted are sent by the
+  driver beside the worker's job slots (`_sending`), so commits landing meanwhile get a slot
+  at once instead of waiting on Twilio's answers. Each message was persisted with its own
+  job (the safety net) before any send, so a process that stops mid-send loses nothing; a
+  graceful stop waits for the sends (`aclose`).
 - `drive_sms(message_id)`: send, reconcile after a lost answer, or poll one SMS.
 - `send_webhook(webhook_delivery_id)`: one POST of an integrator webhook.
 
@@ -21,6 +26,7 @@ import contextlib
 import logging
 import random
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -138,6 +144,16 @@ async def ready_out_of_call(
     return ready
 
 
+async def _quietly(sending: Coroutine[Any, Any, Any]) -> None:
+    """A send handed over by its job: a failure is logged, not raised (nobody awaits it);
+    each message keeps its own job, which looks at it again."""
+    try:
+        await sending
+    except Exception as exc:
+        if not DATABASE.failed("SMS send", exc):
+            log.warning("sending SMS failed; each message's own job looks again: %r", exc)
+
+
 def _uuid(value: str | None) -> uuid.UUID | None:
     try:
         return uuid.UUID(value) if value is not None else None
@@ -167,6 +183,8 @@ class DeliveryDriver:
         self._http = http
         self._own_http = http is None
         self.rng = random.Random()
+        # The sends a job handed over once its decisions committed (`deliver(hand_off=...)`).
+        self._sending: set[asyncio.Task[None]] = set()
 
     def register(self, app: procrastinate.App) -> None:
         driver = self
@@ -174,7 +192,7 @@ class DeliveryDriver:
 
             @app.task(name=jobs.DELIVER_TASK, queue=jobs.DELIVERY_QUEUE)
             async def deliver_outcome(delivery_id: str) -> None:
-                await driver.deliver(uuid.UUID(delivery_id))
+                await driver.deliver(uuid.UUID(delivery_id), hand_off=True)
 
             @app.task(name=jobs.SMS_TASK, queue=jobs.DELIVERY_QUEUE)
             async def drive_sms(message_id: str) -> None:
@@ -184,7 +202,15 @@ class DeliveryDriver:
             async def send_webhook(webhook_delivery_id: str) -> None:
                 await driver.send_webhook(uuid.UUID(webhook_delivery_id))
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace_s: float = 10.0) -> None:
+        """Close, once the sends handed over have ended (`grace_s` at most; one cut off
+        leaves its message claimed, and its own job reconciles it)."""
+        if self._sending:
+            _, late = await asyncio.wait(set(self._sending), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
         if self._http is not None and self._own_http:
             await self._http.aclose()
         self._http = None
@@ -201,21 +227,32 @@ class DeliveryDriver:
             self.engine, webhook_delivery_id, self.http, self.config.webhook_policy, self.rng
         )
 
-    async def deliver(self, delivery_id: uuid.UUID) -> str | None:
+    async def deliver(self, delivery_id: uuid.UUID, *, hand_off: bool = False) -> str | None:
         """Decide one pending delivery (see the module docstring). SMS only: in a batch with
         the others ready beside it (`decide_ready`) when its call is over; alone otherwise
-        (a call live elsewhere or dead, or a delivery another transaction holds)."""
+        (a call live elsewhere or dead, or a delivery another transaction holds).
+        `hand_off` (the job): return once the decisions have committed and leave their SMS
+        sending beside (`_sending`); otherwise return once they are sent."""
         if self.callback is None and self.config.batch >= 1:
-            decided = await self._decide_ready(first=delivery_id)
+            decided = await self._decide_ready(first=delivery_id, hand_off=hand_off)
             if delivery_id in decided:
                 return decided[delivery_id]
         action, message, message_id = await self._deliver_one(delivery_id)
+        # Persisted (its own job queued) before this send: a crash here loses nothing.
         if message is not None:
-            # Persisted (its own job queued) before this send: a crash here loses nothing.
-            await self.sms.send_started(message)
+            await self._send(self.sms.send_started(message), hand_off)
         elif message_id is not None:
-            await self.sms.drive(message_id)
+            await self._send(self.sms.drive(message_id), hand_off)
         return action
+
+    async def _send(self, sending: Coroutine[Any, Any, Any], hand_off: bool) -> None:
+        """Await a send, or hand it over (`hand_off`): it runs beside the job, which ends."""
+        if not hand_off:
+            await sending
+            return
+        task = asyncio.create_task(_quietly(sending), name="delivery-sms")
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def decide_ready(self) -> int:
         """Decide the pending deliveries whose call is over and that no other transaction
@@ -225,9 +262,12 @@ class DeliveryDriver:
         or the sweeper, take them. Returns the number of deliveries decided."""
         return len(await self._decide_ready())
 
-    async def _decide_ready(self, *, first: uuid.UUID | None = None) -> dict[uuid.UUID, str]:
+    async def _decide_ready(
+        self, *, first: uuid.UUID | None = None, hand_off: bool = False
+    ) -> dict[uuid.UUID, str]:
         """`decide_ready`, `first` taken first when it is ready; the action taken for each
-        delivery decided (none of a batch that failed)."""
+        delivery decided (none of a batch that failed). `hand_off`: the sends are left
+        running beside (`deliver`)."""
         sends: list[asyncio.Task[None]] = []
         decided: dict[uuid.UUID, str] = {}
         try:
@@ -258,7 +298,9 @@ class DeliveryDriver:
                             )
                         messages = await self.sms.start_many(conn, texting, actor=ACTOR)
                 decided.update(actions)
-                if messages:
+                if messages and hand_off:
+                    await self._send(self.sms.send_many(messages), hand_off)
+                elif messages:
                     sends.append(asyncio.create_task(self.sms.send_many(messages)))
                 if len(ready) < self.config.batch:
                     break

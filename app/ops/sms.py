@@ -52,6 +52,8 @@ STOP_WORDS = frozenset({"STOP", "STOPALL", "UNSUBSCRIBE", "CANCEL", "END", "QUIT
 START_WORDS = frozenset({"START", "UNSTOP", "YES", "OPTIN"})
 # How far back from an attempt a listed message may have been created (clock skew).
 CLOCK_SKEW = timedelta(minutes=5)
+# Create answers recorded at once by one channel (see `SmsChannel.__init__`).
+ANSWERS_AT_ONCE = 4
 
 
 class ResendRefused(ValueError):
@@ -94,6 +96,10 @@ class SmsChannel:
         self.actor = actor
         self._owns_client = owns_client
         self.sent = 0  # create requests made by this process
+        # The create answers of a batch sent at once come back together: they are recorded
+        # a few at a time, on connections the pool keeps, not on one opened (and closed) for
+        # each answer beyond the pool's size.
+        self._answers = asyncio.Semaphore(ANSWERS_AT_ONCE)
 
     @classmethod
     def from_settings(
@@ -365,12 +371,13 @@ class SmsChannel:
             "message_sid": message_sid,
             "next_check_at": datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s),
         }
-        if status not in SMS_FAILURES:
-            report = await self._report(message_id, status, said)
-            if not report.under_lock and not report.foreign_sid:
-                return report.update
-        async with self._engine.begin() as conn:
-            return await deliveries.record_sms(conn, message_id, status, **said)
+        async with self._answers:
+            if status not in SMS_FAILURES:
+                report = await self._report(message_id, status, said)
+                if not report.under_lock and not report.foreign_sid:
+                    return report.update
+            async with self._engine.begin() as conn:
+                return await deliveries.record_sms(conn, message_id, status, **said)
 
     async def _report(
         self, message_id: uuid.UUID, status: SmsStatus, said: dict[str, Any]

@@ -204,7 +204,7 @@ class OperationWorker:
         if isinstance(self.executor.provider, OutboundRouter):
             await self.executor.provider.aclose()  # its Twilio client (the catalog's: its owner)
         if self.delivery is not None:
-            await self.delivery.aclose()
+            await self.delivery.aclose(self.shutdown_grace_s)
         log.info("operation worker %s stopped", self.worker_id)
 
 
