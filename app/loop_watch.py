@@ -3,10 +3,12 @@ timer (everything a call's audio waits behind: a long callback, a stalled thread
 GIL, a collection) and how long each garbage collection stops the process.
 
 Both are histograms on the process's `/metrics` (`voice_agent_event_loop_lag_seconds`,
-`voice_agent_gc_pause_seconds{generation}`); a loop held up past `WARN_LAG_S` also logs a
+`voice_agent_gc_pause_seconds{generation}`, and the collections' CPU time beside their pauses,
+`voice_agent_gc_pause_cpu_seconds{generation}`: a pause much longer than its CPU waited for
+the core, not for the collector); a loop held up past `WARN_LAG_S` also logs a
 warning (at most one a minute), since every call on the process went silent meanwhile.
 `serve` and `voice-agent worker` watch themselves; the cost is a timer every
-`INTERVAL_S` and two clock reads a collection.
+`INTERVAL_S` and four clock reads a collection.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ GC_PAUSE = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32),
 )
 
+GC_PAUSE_CPU = Histogram(
+    "voice_agent_gc_pause_cpu_seconds",
+    "The CPU time each garbage collection took (of the thread that ran it), by generation: "
+    "the collector's own work. Where it is well under the pause, the collection waited for "
+    "the CPU (a core shared with other processes or saturated).",
+    ["generation"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32),
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -47,16 +58,21 @@ class GcPauses:
 
     def __init__(self) -> None:
         self._started = 0.0
+        self._started_cpu = 0.0
         self._by_generation = tuple(GC_PAUSE.labels(generation=str(g)) for g in range(3))
+        self._cpu_by_generation = tuple(GC_PAUSE_CPU.labels(generation=str(g)) for g in range(3))
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
+            self._started_cpu = time.thread_time()
         elif self._started:
             pause = time.perf_counter() - self._started
+            cpu = time.thread_time() - self._started_cpu
             self._started = 0.0
-            generation = info.get("generation", 2)
-            self._by_generation[min(max(int(generation), 0), 2)].observe(pause)
+            generation = min(max(int(info.get("generation", 2)), 0), 2)
+            self._by_generation[generation].observe(pause)
+            self._cpu_by_generation[generation].observe(cpu)
 
     def install(self) -> GcPauses:
         if self._callback not in gc.callbacks:

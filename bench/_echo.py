@@ -355,7 +355,7 @@ def _watch(w: dict | None) -> str:
         which += f"{', ' if which else ''}{w['gc_sweeps']:.0f} sweeps"
     return (
         f"{w['gc_over_10ms']:.0f}{f' ({which})' if which else ''} / {w['gc_pauses']:.0f} "
-        f"({ms(w['gc_longest_le_s'])}) "
+        f"({ms(w['gc_longest_le_s'])}; over 10 ms of CPU: {w.get('gc_cpu_over_10ms', 0):.0f}) "
         f"| {ms(w['lag_p99_le_s'])} / {ms(w['lag_max_le_s'])} ({w['lag_over_40ms']:.0f} "
         f"of {w['lag_samples']:.0f})"
     )
@@ -368,7 +368,8 @@ def table(results: list[EchoResult]) -> str:
         "| media msgs/s per call "
         "| marks/s per call | barge-ins | speech_started->clear at caller p50 / p99 ms "
         "| truncate - heard abs p50 / p99 / worst ms | calls ended in window "
-        "| GC pauses > 10 ms / all (longest <= ms) | loop late p99 / max <= ms (> 40 ms) "
+        "| GC pauses > 10 ms / all (longest <= ms; > 10 ms of CPU) "
+        "| loop late p99 / max <= ms (> 40 ms) "
         "| load gen CPU % | echo CPU % "
         "| load at start (1/5/15 min; machine busy just before) |",
         "|" + "---|" * 23,

@@ -344,6 +344,7 @@ def scrape(server: str) -> dict[str, float]:
         if family.name in (
             "voice_agent_event_loop_lag_seconds",
             "voice_agent_gc_pause_seconds",
+            "voice_agent_gc_pause_cpu_seconds",
             "voice_agent_gc_sweeps",  # the collector's steward (app/gc_steward.py)
             "voice_agent_gc_frozen_objects",
         ):
@@ -354,7 +355,8 @@ def scrape(server: str) -> dict[str, float]:
 
 
 def watched(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """In the window: GC pauses (all, over 10 ms, the longest's bucket bound) and the loop's
+    """In the window: GC pauses (all, over 10 ms, the longest's bucket bound, and how many
+    took over 10 ms of CPU) and the loop's
     lateness (samples, over 20 and 40 ms, the p99's and the worst's bucket bounds)."""
 
     def grew(key: str) -> float:
@@ -395,9 +397,17 @@ def watched(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
         - grew(f"voice_agent_gc_pause_seconds_bucket|generation={g},le=0.01")
         for g in range(3)
     ]
+    # The same collections by the CPU they took (app/loop_watch.py): a pause over 10 ms whose
+    # CPU was under it waited for the core (saturated or shared), not for the collector.
+    cpu = "voice_agent_gc_pause_cpu_seconds"
+    cpu_over_10 = sum(
+        grew(f"{cpu}_count|generation={g}") - grew(f"{cpu}_bucket|generation={g},le=0.01")
+        for g in range(3)
+    )
     return {
         "gc_pauses": gc_all,
         "gc_over_10ms": gc_all - gc_10,
+        "gc_cpu_over_10ms": cpu_over_10,
         "gc_over_10ms_by_generation": over_by_generation,
         "gc_longest_le_s": gc_longest() if gc_all else 0.0,
         "lag_samples": lag_n,

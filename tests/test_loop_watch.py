@@ -66,3 +66,29 @@ def test_every_collection_is_timed_by_its_generation() -> None:
     after = pauses(2)
     gc.collect(2)
     assert pauses(2) == after  # taken out of gc.callbacks
+
+
+def seconds(name: str, generation: int) -> float:
+    labels = {"generation": str(generation)}
+    return REGISTRY.get_sample_value(f"voice_agent_gc_pause{name}_seconds_sum", labels) or 0.0
+
+
+def test_a_collection_that_waits_off_the_cpu_is_a_long_pause_and_little_cpu() -> None:
+    """A collection held up without working (here a callback that sleeps, as a process
+    preempted on a busy core is) counts as a pause of that length, and as the CPU it used."""
+    watch = GcPauses().install()
+
+    def held(phase: str, info: dict[str, object]) -> None:
+        if phase == "start":
+            time.sleep(0.3)
+
+    gc.callbacks.append(held)
+    try:
+        wall, cpu = seconds("", 2), seconds("_cpu", 2)
+        gc.collect(2)
+        wall, cpu = seconds("", 2) - wall, seconds("_cpu", 2) - cpu
+    finally:
+        gc.callbacks.remove(held)
+        watch.close()
+    assert wall >= 0.3  # the pause: the whole wait
+    assert 0 < cpu < wall - 0.2  # the CPU: the collector's own work only
