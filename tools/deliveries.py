@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import functions
@@ -1509,6 +1509,156 @@ def _report_sms_statement(status: SmsStatus, with_sid: bool, with_code: bool) ->
         cols.extend(d.c[c.name].label(f"d_{c.name}") for c in dl_t.c)
         joined = joined.outerjoin(d, sa.true())
     return sa.select(*cols).select_from(joined).add_cte(ev)
+
+
+@dataclass(frozen=True, slots=True)
+class SmsAnswer:
+    """A create's answer for `report_answers`: the message, the MessageSid Twilio gave it,
+    and when to poll it if no callback moves it on."""
+
+    message_id: uuid.UUID
+    message_sid: str
+    next_check_at: datetime | None
+
+
+async def report_answers(
+    conn: AsyncConnection,
+    status: SmsStatus,
+    answers: list[SmsAnswer],
+    *,
+    actor: str,
+    source: str,
+) -> list[SmsReport]:
+    """`report_sms` of many create answers of one status that settles nothing (queued,
+    sent), in one statement that may run without a transaction around it: each message
+    locked (in id order) and moved forward only from a status the answer advances, and its
+    trail event; the same rows and values as `report_sms` one by one, in the answers' order.
+    One report for each answer, in the same order, read as `report_sms`'s: `under_lock` and
+    `foreign_sid` ones are unrecorded, for `record_sms`."""
+    if status in SMS_FINAL:
+        raise ValueError(f"a {status.value} answer settles its delivery: use report_sms")
+    if len({a.message_id for a in answers}) != len(answers):
+        raise ValueError("one answer per message in a statement")
+    if not answers:
+        return []
+    rows = await conn.execute(
+        _report_answers_statement(status),
+        {
+            "b_ids": [a.message_id for a in answers],
+            "b_sids": [a.message_sid for a in answers],
+            "b_checks": [a.next_check_at for a in answers],
+            "b_actor": actor[:128],
+            "b_reason": f"SMS {status.value}",
+            "b_status": status.value,
+            "b_source": source,
+        },
+    )
+    by_id = {row.id: row for row in rows}
+    reports = []
+    for answer in answers:
+        row = by_id.get(answer.message_id)
+        if row is None:
+            reports.append(SmsReport(None))
+            continue
+        message = SmsRecord.from_row(row)
+        sid = answer.message_sid
+        if row.changed:
+            reports.append(SmsReport(SmsUpdate(message, True, None)))
+        elif message.message_sid and sid != message.message_sid:
+            reports.append(SmsReport(None, foreign_sid=True))
+        elif message.message_sid is None:
+            reports.append(SmsReport(None, under_lock=True))
+        else:
+            reports.append(SmsReport(SmsUpdate(message, False, None)))
+    return reports
+
+
+@lru_cache(maxsize=8)
+def _report_answers_statement(status: SmsStatus) -> Any:
+    """`report_answers`'s statement for one status, `report_sms`'s for a queued or sent
+    report with a MessageSid, over arrays: `b_ids`, `b_sids`, `b_checks` (one element an
+    answer), `b_actor`, `b_reason`, `b_status`, `b_source`. A row for each message that
+    exists: as moved, or as it stood when nothing moved, and `changed`."""
+    now = sa.func.now()
+    answers = (
+        sa.func.unnest(
+            sa.bindparam("b_ids", type_=ARRAY(sms_t.c.id.type)),
+            sa.bindparam("b_sids", type_=ARRAY(sms_t.c.message_sid.type)),
+            sa.bindparam("b_checks", type_=ARRAY(sms_t.c.next_check_at.type)),
+        )
+        .table_valued(
+            sa.column("a_id", sms_t.c.id.type),
+            sa.column("a_sid", sms_t.c.message_sid.type),
+            sa.column("a_check", sms_t.c.next_check_at.type),
+            with_ordinality="a_n",
+        )
+        .render_derived(name="a")
+    )
+    # Lock the rows and read them, as report_sms does one by one; in id order, so two
+    # statements over the same messages cannot each hold one the other waits for.
+    old = (
+        sa.select(sms_t, answers.c.a_sid, answers.c.a_check, answers.c.a_n)
+        .join(answers, answers.c.a_id == sms_t.c.id)
+        .order_by(sms_t.c.id)
+        .with_for_update(of=sms_t)
+        .cte("old")
+    )
+    behind = [s.value for s in SmsStatus if sms_advances(s, status)]
+    upd = (
+        sms_t.update()
+        .where(
+            sms_t.c.id == old.c.id,
+            old.c.status.in_(behind),
+            sa.or_(
+                old.c.message_sid.is_(None),
+                old.c.message_sid == "",
+                old.c.message_sid == old.c.a_sid,
+            ),
+        )
+        .values(
+            updated_at=now,
+            status=status.value,
+            next_check_at=old.c.a_check,
+            status_at=now,
+            message_sid=sa.func.coalesce(old.c.message_sid, old.c.a_sid),
+            accepted_at=sa.case((old.c.message_sid.is_(None), now), else_=old.c.accepted_at),
+        )
+        .returning(*sms_t.c)
+        .cte("upd")
+    )
+    data = sa.func.jsonb_build_object(
+        sa.literal_column("'message_id'"),
+        sa.cast(upd.c.id, sa.Text),
+        sa.literal_column("'status'"),
+        sa.bindparam("b_status", type_=sa.Text),
+        sa.literal_column("'source'"),
+        sa.bindparam("b_source", type_=sa.Text),
+        sa.literal_column("'message_sid'"),
+        upd.c.message_sid,
+    )
+    names = ["delivery_id", "kind", "actor", "reason", "data"]
+    ev = (
+        dev_t.insert()
+        .from_select(
+            names,
+            sa.select(
+                upd.c.delivery_id,
+                sa.literal("sms", sa.String),
+                sa.bindparam("b_actor", type_=dev_t.c.actor.type),
+                sa.bindparam("b_reason", type_=sa.Text),
+                data,
+            )
+            .select_from(upd.join(old, old.c.id == upd.c.id))
+            .order_by(old.c.a_n),
+        )
+        .cte("ev")
+    )
+    cols: list[Any] = [
+        sa.case((upd.c.id.is_(None), old.c[c.name]), else_=upd.c[c.name]).label(c.name)
+        for c in sms_t.c
+    ]
+    cols.append(upd.c.id.is_not(None).label("changed"))
+    return sa.select(*cols).select_from(old.outerjoin(upd, upd.c.id == old.c.id)).add_cte(ev)
 
 
 async def settle_sent(

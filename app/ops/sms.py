@@ -52,8 +52,16 @@ STOP_WORDS = frozenset({"STOP", "STOPALL", "UNSUBSCRIBE", "CANCEL", "END", "QUIT
 START_WORDS = frozenset({"START", "UNSTOP", "YES", "OPTIN"})
 # How far back from an attempt a listed message may have been created (clock skew).
 CLOCK_SKEW = timedelta(minutes=5)
-# Create answers recorded at once by one channel (see `SmsChannel.__init__`).
+# Create answers recorded at once by one channel, one by one (see `SmsChannel.__init__`).
 ANSWERS_AT_ONCE = 4
+# The most ordinary create answers one statement records (`deliveries.report_answers`).
+ANSWERS_A_STATEMENT = 64
+# Create answers that settle nothing: recorded together, a group at a time.
+TOGETHER = frozenset({M.QUEUED, M.SENT})
+
+
+# An answer waiting for the channel's writer, and the sender's future for its report.
+_Arrived = tuple[deliveries.SmsAnswer, SmsStatus, "asyncio.Future[deliveries.SmsReport]"]
 
 
 class ResendRefused(ValueError):
@@ -96,10 +104,15 @@ class SmsChannel:
         self.actor = actor
         self._owns_client = owns_client
         self.sent = 0  # create requests made by this process
-        # The create answers of a batch sent at once come back together: they are recorded
-        # a few at a time, on connections the pool keeps, not on one opened (and closed) for
-        # each answer beyond the pool's size.
+        # The create answers of a batch sent at once come back together: those recorded one
+        # by one (a failure, one under the message's lock) go a few at a time, on connections
+        # the pool keeps, not on one opened (and closed) for each beyond the pool's size.
         self._answers = asyncio.Semaphore(ANSWERS_AT_ONCE)
+        # Ordinary answers (queued, sent) wait here for the one writer of this channel, which
+        # records whatever has arrived in one statement, then what arrived meanwhile.
+        self._arrived: list[_Arrived] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.answer_statements = 0  # statements that recorded ordinary answers
 
     @classmethod
     def from_settings(
@@ -126,6 +139,8 @@ class SmsChannel:
         return cls(engine, client, registry, config, actor=actor, owns_client=True)
 
     async def aclose(self) -> None:
+        if self._writer is not None:
+            await self._writer  # answers already arrived are recorded, not dropped
         if self._owns_client:
             await close_twilio_client(self._client)
 
@@ -355,8 +370,106 @@ class SmsChannel:
             message = update.message if update else claimed
             return await self._reconcile(message, datetime.now(UTC))
         status = _twilio_status(getattr(created, "status", None)) or M.QUEUED
-        update = await self.record_answer(claimed.id, status, created.sid)
+        if status in TOGETHER and created.sid:
+            update = await self._answered(claimed.id, status, created.sid)
+        else:
+            update = await self.record_answer(claimed.id, status, created.sid)
         return update.message if update else claimed
+
+    async def _answered(
+        self, message_id: uuid.UUID, status: SmsStatus, message_sid: str
+    ) -> SmsUpdate | None:
+        """`record_answer` of an ordinary answer (queued or sent, with its MessageSid), with
+        the others that have arrived: the channel's writer records whatever is waiting in
+        one statement (`deliveries.report_answers`: the same rows as `report_sms` one by
+        one), then what arrived during that write, so no answer waits for more than one
+        statement and 50 answers at once take a few statements, not 50. An answer the
+        statement cannot say (under_lock, foreign_sid) takes `record_answer`'s locked way."""
+        poll = datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
+        done: asyncio.Future[deliveries.SmsReport] = asyncio.get_running_loop().create_future()
+        self._arrived.append((deliveries.SmsAnswer(message_id, message_sid, poll), status, done))
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_answers())
+        # Shielded: a sender cancelled while its answer is being written leaves the write be.
+        report = await asyncio.shield(done)
+        if not report.under_lock and not report.foreign_sid:
+            return report.update
+        async with self._answers, self._engine.begin() as conn:
+            return await deliveries.record_sms(
+                conn,
+                message_id,
+                status,
+                actor=self.actor,
+                source="send",
+                message_sid=message_sid,
+                next_check_at=poll,
+            )
+
+    async def _write_answers(self) -> None:
+        """The writer: one statement a group until no answer waits, then it ends."""
+        try:
+            while self._arrived:
+                group: list[_Arrived] = []
+                rest: list[_Arrived] = []
+                ids: set[uuid.UUID] = set()
+                first = self._arrived[0][1]
+                for item in self._arrived:
+                    # One status a statement, one answer a message: the rest go next time.
+                    answer, status, _ = item
+                    if (
+                        status is first
+                        and answer.message_id not in ids
+                        and (len(group) < ANSWERS_A_STATEMENT)
+                    ):
+                        group.append(item)
+                        ids.add(answer.message_id)
+                    else:
+                        rest.append(item)
+                self._arrived = rest
+                await self._write_group(group)
+        finally:
+            self._writer = None
+            # Only a cancelled writer leaves answers waiting: their senders are cancelled too.
+            left, self._arrived = self._arrived, []
+            for _, _, done in left:
+                done.cancel()
+
+    async def _write_group(self, group: list[_Arrived]) -> None:
+        """Record a group of answers of one status and hand each sender its report."""
+        status = group[0][1]
+        try:
+            async with autocommit(self._engine) as conn:
+                if len(group) == 1:
+                    answer = group[0][0]
+                    reports = [
+                        await deliveries.report_sms(
+                            conn,
+                            answer.message_id,
+                            status,
+                            actor=self.actor,
+                            source="send",
+                            message_sid=answer.message_sid,
+                            next_check_at=answer.next_check_at,
+                        )
+                    ]
+                else:
+                    reports = await deliveries.report_answers(
+                        conn, status, [a for a, _, _ in group], actor=self.actor, source="send"
+                    )
+            self.answer_statements += 1
+        except Exception as exc:
+            # Each sender raises it as its own (its message keeps its job and reconciles).
+            for _, _, done in group:
+                if not done.done():
+                    done.set_exception(exc)
+            return
+        except BaseException:
+            for _, _, done in group:
+                done.cancel()
+            raise
+        for (_, _, done), report in zip(group, reports, strict=True):
+            if not done.done():
+                done.set_result(report)
 
     async def record_answer(
         self, message_id: uuid.UUID, status: SmsStatus, message_sid: str | None
