@@ -14,6 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import store
 from app.calls.store import CallStatus
+from tests.delivery_support import booked, delivery_of, make_call, moves, trail
+from tools import deliveries
+from tools.delivery_states import DeliveryState as D
 
 
 async def _create(engine: AsyncEngine, sid: str, **kw: object) -> tuple[store.CallRow, bool]:
@@ -85,3 +88,56 @@ async def test_a_value_given_as_sql_is_still_applied(engine: AsyncEngine) -> Non
     assert ended is not None and ended.status == "completed" and ended.end_reason == "stop"
     assert ended.ended_at is not None
     assert abs((ended.ended_at - datetime.now(UTC)).total_seconds()) < 60
+
+
+async def test_a_call_ends_in_one_statement_unless_a_delivery_waits_then_it_is_redriven_with_it(
+    engine: AsyncEngine,
+) -> None:
+    """Most calls leave no late result: their end is one statement, no transaction. A call
+    whose result is still being offered ends as before: in one transaction with the offer
+    taken back to pending (not heard) and a job to decide it."""
+    seen: list[str] = []
+
+    def before(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(statement.split(None, 1)[0].upper())
+
+    def began(conn: object) -> None:
+        seen.append("BEGIN")
+
+    quiet = await make_call(engine)
+    waiting = await make_call(engine)
+    op_id = await booked(engine, waiting)
+    offered = await delivery_of(engine, op_id)
+    async with engine.begin() as conn:
+        assert await deliveries.move(
+            conn, offered.id, D.PENDING, D.OFFERED, actor="t", reason="offered in the call"
+        )
+    sa.event.listen(engine.sync_engine, "before_cursor_execute", before)
+    sa.event.listen(engine.sync_engine, "begin", began)
+    try:
+        ended = await store.transition(engine, quiet, CallStatus.COMPLETED, end_reason="stop")
+        alone = list(seen)
+        seen.clear()
+        ended_too = await store.transition(engine, waiting, CallStatus.COMPLETED, end_reason="x")
+        again = await store.transition(engine, quiet, CallStatus.FAILED, end_reason="again")
+    finally:
+        sa.event.remove(engine.sync_engine, "before_cursor_execute", before)
+        sa.event.remove(engine.sync_engine, "begin", began)
+    assert ended is not None and (ended.status, ended.end_reason) == ("completed", "stop")
+    assert alone == ["WITH"]  # the one statement
+    assert again is None  # already over: nothing moves
+    assert ended_too is not None and ended_too.status == "completed"
+    assert "BEGIN" in seen  # the end and the re-drive together
+    assert (await store.get_call(engine, waiting)) == ended_too
+    back = await delivery_of(engine, op_id)
+    assert back.state is D.PENDING
+    assert moves(await trail(engine, op_id))[-1] == "pending"
+    async with engine.connect() as conn:
+        jobs = await conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
+                "AND status = 'todo' AND args->>'delivery_id' = :d"
+            ),
+            {"d": str(back.id)},
+        )
+    assert jobs == 2  # the one from its commit, and the re-drive's

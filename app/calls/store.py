@@ -17,6 +17,8 @@ from sqlmodel import SQLModel
 import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 from tools import deliveries, driver_sql
 from tools.autocommit import autocommit
+from tools.delivery_models import deliveries_table as dl_t
+from tools.delivery_states import DeliveryState
 
 calls = SQLModel.metadata.tables["calls"]
 call_events = SQLModel.metadata.tables["call_events"]
@@ -265,6 +267,16 @@ async def transition(
         async with autocommit(engine) as conn:
             row = await _first(conn, stmt, params)
         return CallRow.from_mapping(row) if row else None
+    if params:
+        # Most calls end with no delivery to re-drive: their end is one statement, which
+        # ends the call only if it has none (no transaction around it). One that has some
+        # ends as below, the end and the re-drive in one transaction.
+        async with autocommit(engine) as conn:
+            ended = await _first(
+                conn, _ending_statement(target, tuple(sorted(values))), params | {"b_call": call_id}
+            )
+        if ended is None or not ended["redrive"]:
+            return CallRow.from_mapping(ended) if ended and ended["id"] is not None else None
     async with engine.begin() as conn:
         row = await _first(conn, stmt, params)
         if row is not None:
@@ -275,6 +287,29 @@ async def transition(
                 reason=f"the call ended ({fields.get('end_reason') or target.value})",
             )
     return CallRow.from_mapping(row) if row else None
+
+
+@functools.lru_cache(maxsize=32)
+def _ending_statement(target: CallStatus, names: tuple[str, ...]) -> Any:
+    """`_transition_statement` to a terminal `target`, made only if the call (`b_call`, as
+    deliveries name it) has no delivery to re-drive (`redrive_for_call`'s: pending or
+    offered). One row: the call's columns (NULL when nothing moved) and `redrive`."""
+    waiting = (
+        sa.select(sa.literal(1))
+        .select_from(dl_t)
+        .where(
+            dl_t.c.call_id == sa.bindparam("b_call", type_=dl_t.c.call_id.type),
+            dl_t.c.state.in_([DeliveryState.PENDING.value, DeliveryState.OFFERED.value]),
+        )
+        .exists()
+    )
+    redrive = sa.select(waiting.label("redrive")).cte("redrive")
+    upd = (
+        _transition_statement(target, names)
+        .where(~sa.select(redrive.c.redrive).scalar_subquery())
+        .cte("upd")
+    )
+    return sa.select(*upd.c, redrive.c.redrive).select_from(redrive.outerjoin(upd, sa.true()))
 
 
 async def _first(conn: AsyncConnection, stmt: Any, params: dict[str, Any]) -> Any:
