@@ -93,6 +93,7 @@ class EventWriter:
         self.written = 0
         self.retries = 0  # failed write attempts that were retried
         self.poisoned = 0  # events the database refused as such (dropped, never retried)
+        self.conflicts = 0  # batches that met a seq taken by another writer (then call by call)
         self.kind_counts: Counter[str] = Counter()
 
     # The sink side (event loop thread, audio path): never awaits, never raises.
@@ -115,6 +116,14 @@ class EventWriter:
         key = _as_uuid(call_id)
         if key is not None:
             self._seq.setdefault(key, 0)
+
+    def forget(self, call_id: str) -> None:
+        """Another writer has just written an event of `call_id` (`append_call_event` in this
+        process): the next batch of the call reads its last `seq` again, rather than find the
+        one it kept taken (a conflict, then the batch again call by call)."""
+        key = _as_uuid(call_id)
+        if key is not None:
+            self._seq.pop(key, None)
 
     @property
     def queue_depth(self) -> int:
@@ -222,6 +231,7 @@ class EventWriter:
                 DATABASE.ok()
                 return
             except IntegrityError:
+                self.conflicts += 1
                 # One bad call (unknown id, a seq taken by another process) must not sink the
                 # rest: write call by call and give up only on the call that fails.
                 await self._write_per_call(batch)

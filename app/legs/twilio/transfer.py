@@ -99,6 +99,7 @@ async def answered(runtime: Runtime, call_id: str, target: str, function_call_id
             conn, uuid.UUID(call_id), CallEventKind.TRANSFER_ANSWERED, {"target": target}
         )
         await end_row(conn, call_id, CallStatus.COMPLETED, reason, expect=CallStatus.IN_PROGRESS)
+    runtime.events.forget(call_id)  # its timeline went on without this process's writer
     await record_transfer_outcome(
         runtime.engine,
         call_id,
@@ -129,6 +130,7 @@ async def dial_ended(
             CallEventKind.TRANSFER_FAILED,
             {"target": target, "status": status[:40]},
         )
+    runtime.events.forget(row.id)  # the caller's next stream numbers its events after this
     # The caller comes back to an agent: a new stream, as after a lost one.
     token, nonce = runtime.tokens.issue_resume(row.call_sid, row.id)
     if not await takeover.claim(runtime.engine, row.id, holder=row.holder, nonce=nonce):
