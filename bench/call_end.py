@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -28,9 +26,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _scratch import scratch_database  # bench/ is on sys.path when run as a script
+
 from app.calls import store
 from app.calls.store import CallStatus
-from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
+from app.db import make_engine
 from tools import deliveries
 
 End = Callable[[AsyncEngine, str], Awaitable[Any]]
@@ -118,16 +118,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
-    with tempfile.TemporaryDirectory() as tmp:
-        base = resolve_database_url(server_url, Path(tmp))
-        dbname = f"bench_call_end_{uuid.uuid4().hex[:8]}"
-        url = create_database(base, dbname)
-        try:
-            upgrade(url)
-            asyncio.run(main_async(url, args.calls, args.rounds))
-        finally:
-            drop_database(base, dbname)
+    with scratch_database("bench_call_end") as url:
+        asyncio.run(main_async(url, args.calls, args.rounds))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,9 +27,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _scratch import scratch_database  # bench/ is on sys.path when run as a script
+
 from app.calls import store
 from app.calls.events import _INSERT_AND_NOTIFY
-from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
+from app.db import make_engine
 from tools import driver_sql
 from tools.autocommit import autocommit
 
@@ -101,16 +101,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
-    with tempfile.TemporaryDirectory() as tmp:
-        base = resolve_database_url(server_url, Path(tmp))
-        dbname = f"bench_driver_{uuid.uuid4().hex[:8]}"
-        url = create_database(base, dbname)
-        try:
-            upgrade(url)
-            asyncio.run(main_async(url, args.calls, args.rounds))
-        finally:
-            drop_database(base, dbname)
+    with scratch_database("bench_driver") as url:
+        asyncio.run(main_async(url, args.calls, args.rounds))
     _ = sa
 
 

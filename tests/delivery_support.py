@@ -164,6 +164,21 @@ async def sms_of(engine: AsyncEngine, op_id: uuid.UUID) -> list[deliveries.SmsRe
         return await deliveries.sms_for_delivery(conn, delivery.id)
 
 
+async def waiting_jobs(engine: AsyncEngine, delivery_id: uuid.UUID) -> int:
+    """The delivery's `deliver_outcome` jobs waiting to run."""
+    async with engine.connect() as conn:
+        return int(
+            await conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
+                    "AND status = 'todo' AND args->>'delivery_id' = :d"
+                ),
+                {"d": str(delivery_id)},
+            )
+            or 0
+        )
+
+
 def moves(events: list[deliveries.DeliveryEvent]) -> list[str | None]:
     return [e.to_state for e in events if e.kind == "transition"]
 

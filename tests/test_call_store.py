@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.calls import store
 from app.calls.store import CallStatus
-from tests.delivery_support import booked, delivery_of, make_call, moves, trail
+from tests.delivery_support import booked, delivery_of, make_call, moves, trail, waiting_jobs
 from tools import deliveries
 from tools.delivery_states import DeliveryState as D
 
@@ -132,12 +132,4 @@ async def test_a_call_ends_in_one_statement_unless_a_delivery_waits_then_it_is_r
     back = await delivery_of(engine, op_id)
     assert back.state is D.PENDING
     assert moves(await trail(engine, op_id))[-1] == "pending"
-    async with engine.connect() as conn:
-        jobs = await conn.scalar(
-            sa.text(
-                "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
-                "AND status = 'todo' AND args->>'delivery_id' = :d"
-            ),
-            {"d": str(back.id)},
-        )
-    assert jobs == 2  # the one from its commit, and the re-drive's
+    assert await waiting_jobs(engine, back.id) == 2  # its commit's, and the re-drive's

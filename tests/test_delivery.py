@@ -29,6 +29,7 @@ from tests.delivery_support import (
     sms_channel,
     sms_of,
     trail,
+    waiting_jobs,
 )
 from tests.e2e_support import wait_until
 from tools import deliveries, ledger
@@ -467,20 +468,6 @@ async def test_a_notification_the_holder_missed_is_repeated_by_the_job(
     assert api.created_messages() == []
 
 
-async def _waiting_jobs(engine: AsyncEngine, delivery_id: uuid.UUID) -> int:
-    async with engine.connect() as conn:
-        return int(
-            await conn.scalar(
-                sa.text(
-                    "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
-                    "AND status = 'todo' AND args->>'delivery_id' = :d"
-                ),
-                {"d": str(delivery_id)},
-            )
-            or 0
-        )
-
-
 async def test_one_delivery_job_texts_every_outcome_whose_call_is_over_each_exactly_once(
     engine: AsyncEngine, api: FakeTwilioApi
 ) -> None:
@@ -492,7 +479,7 @@ async def test_one_delivery_job_texts_every_outcome_whose_call_is_over_each_exac
         assert await driver(engine, sms).deliver(first.id) == "text"
         await api.wait_for(lambda a: len(a.created_messages()) == 3)
         # The others' own jobs were dropped with their decision; run late, they do nothing.
-        assert [await _waiting_jobs(engine, d.id) for d in others] == [0, 0]
+        assert [await waiting_jobs(engine, d.id) for d in others] == [0, 0]
         for d in others:
             assert await driver(engine, sms).deliver(d.id) is None
     finally:
@@ -503,7 +490,7 @@ async def test_one_delivery_job_texts_every_outcome_whose_call_is_over_each_exac
         assert decisions(await trail(engine, op_id)) == ["the call has ended: by SMS"]
         assert [m.attempts for m in await sms_of(engine, op_id)] == [1]
     assert await _state(engine, live) is D.PENDING
-    assert await _waiting_jobs(engine, (await delivery_of(engine, live)).id) == 1
+    assert await waiting_jobs(engine, (await delivery_of(engine, live)).id) == 1
 
 
 async def test_a_delivery_batch_leaves_out_one_another_transaction_holds_and_one_held_back(
@@ -529,8 +516,8 @@ async def test_a_delivery_batch_leaves_out_one_another_transaction_holds_and_one
         D.PENDING,
         D.PENDING,
     ]
-    assert await _waiting_jobs(engine, (await delivery_of(engine, locked)).id) == 1
-    assert await _waiting_jobs(engine, held.id) == 1
+    assert await waiting_jobs(engine, (await delivery_of(engine, locked)).id) == 1
+    assert await waiting_jobs(engine, held.id) == 1
 
 
 async def test_a_batch_reads_the_same_ledger_facts_as_each_outcome_alone(
