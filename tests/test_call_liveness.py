@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.calls.liveness import CallHeartbeat, end_dead_calls, end_unstreamed_calls
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
 from telephony.sim.fake_twilio_api import FakeTwilioApi
-from tests.delivery_support import booked, delivery_of, make_call, trail
+from tests.delivery_support import booked, delivery_of, make_call, trail, waiting_jobs
 from tests.e2e_support import (
     call_row,
     call_stack,
@@ -33,20 +33,6 @@ D = DeliveryState
 async def api() -> AsyncIterator[FakeTwilioApi]:
     async with FakeTwilioApi(sms_step_delay_s=0.01) as fake:
         yield fake
-
-
-async def _deliver_jobs(engine: AsyncEngine, delivery_id: uuid.UUID) -> int:
-    async with engine.connect() as conn:
-        return int(
-            await conn.scalar(
-                sa.text(
-                    "SELECT count(*) FROM procrastinate_jobs WHERE task_name = 'deliver_outcome' "
-                    "AND status = 'todo' AND args->>'delivery_id' = :d"
-                ),
-                {"d": str(delivery_id)},
-            )
-            or 0
-        )
 
 
 async def test_a_live_call_is_held_and_heartbeated_by_the_process_running_its_stream(
@@ -81,7 +67,7 @@ async def test_a_call_whose_holder_stopped_is_ended_with_the_reason_and_its_outc
     fresh = await make_call(engine)
     op_id = await booked(engine, call_id)
     delivery = await delivery_of(engine, op_id)
-    before = await _deliver_jobs(engine, delivery.id)
+    before = await waiting_jobs(engine, delivery.id)
     ended = await end_dead_calls(engine, dead_after_s=30)
     assert [c.call_id for c in ended] == [call_id]
     async with engine.connect() as conn:
@@ -99,7 +85,7 @@ async def test_a_call_whose_holder_stopped_is_ended_with_the_reason_and_its_outc
         "source": "call-liveness",
         "duration_ms": None,  # the sweep did not hold the call
     }
-    assert await _deliver_jobs(engine, delivery.id) == before + 1
+    assert await waiting_jobs(engine, delivery.id) == before + 1
     assert await end_dead_calls(engine, dead_after_s=30) == []  # once
 
 
