@@ -618,7 +618,9 @@ async def test_a_delivery_job_frees_its_slot_once_decided_and_a_stop_waits_for_i
         poll_interval_s=0.2,
         shutdown_grace_s=10.0,
         sweep=False,
-        delivery=driver(engine, sms_channel(engine, api)),
+        # Generous send timeouts: the first create's answer is held on purpose, and must not
+        # be given up on while the rest of the test runs on a slow machine.
+        delivery=driver(engine, sms_channel(engine, api, timeout=60.0, send_timeout_s=60.0)),
     )
     await worker.start()
     stopping: asyncio.Task[None] | None = None

@@ -275,8 +275,9 @@ async def transition(
             ended = await _first(
                 conn, _ending_statement(target, tuple(sorted(values))), params | {"b_call": call_id}
             )
-        if ended is None or not ended["redrive"]:
-            return CallRow.from_mapping(ended) if ended and ended["id"] is not None else None
+        # One row, always: the call's columns are NULL when it did not move.
+        if not ended["redrive"]:
+            return CallRow.from_mapping(ended) if ended["id"] is not None else None
     async with engine.begin() as conn:
         row = await _first(conn, stmt, params)
         if row is not None:

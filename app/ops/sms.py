@@ -394,16 +394,7 @@ class SmsChannel:
         report = await asyncio.shield(done)
         if not report.under_lock and not report.foreign_sid:
             return report.update
-        async with self._answers, self._engine.begin() as conn:
-            return await deliveries.record_sms(
-                conn,
-                message_id,
-                status,
-                actor=self.actor,
-                source="send",
-                message_sid=message_sid,
-                next_check_at=poll,
-            )
+        return await self._record_locked(message_id, status, self._said(message_sid, poll))
 
     async def _write_answers(self) -> None:
         """The writer: one statement a group until no answer waits, then it ends."""
@@ -478,19 +469,32 @@ class SmsChannel:
         one statement without a transaction around it (`deliveries.report_sms`), or under the
         message's lock as before where that cannot say it (the answer only teaches the
         MessageSid or names another one) and for a failure."""
-        said: dict[str, Any] = {
+        said = self._said(
+            message_sid, datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s)
+        )
+        if status not in SMS_FAILURES:
+            async with self._answers:
+                report = await self._report(message_id, status, said)
+            if not report.under_lock and not report.foreign_sid:
+                return report.update
+        return await self._record_locked(message_id, status, said)
+
+    def _said(self, message_sid: str | None, poll: datetime) -> dict[str, Any]:
+        """What a create's answer says, as `record_sms` and `report_sms` take it."""
+        return {
             "actor": self.actor,
             "source": "send",
             "message_sid": message_sid,
-            "next_check_at": datetime.now(UTC) + timedelta(seconds=self.config.status_poll_s),
+            "next_check_at": poll,
         }
-        async with self._answers:
-            if status not in SMS_FAILURES:
-                report = await self._report(message_id, status, said)
-                if not report.under_lock and not report.foreign_sid:
-                    return report.update
-            async with self._engine.begin() as conn:
-                return await deliveries.record_sms(conn, message_id, status, **said)
+
+    async def _record_locked(
+        self, message_id: uuid.UUID, status: SmsStatus, said: dict[str, Any]
+    ) -> SmsUpdate | None:
+        """A create's answer recorded under the message's lock (`record_sms`), a few at a
+        time (`ANSWERS_AT_ONCE`)."""
+        async with self._answers, self._engine.begin() as conn:
+            return await deliveries.record_sms(conn, message_id, status, **said)
 
     async def _report(
         self, message_id: uuid.UUID, status: SmsStatus, said: dict[str, Any]
