@@ -6,7 +6,13 @@ Each call is as short as a call gets: Twilio's signed voice webhook, the media W
 threads, from /proc) over the whole run, divided by the calls, is what one call costs to set up,
 carry for a second and tear down (the row, the Realtime session, the recorder and its render,
 the timeline). The carry part is small: a call-second of audio costs the service 7-9 ms at 50
-calls (README, Capacity).
+calls (README, Capacity). `--frames 1` sends one frame (20 ms) instead: the call is stopped
+once the agent's first audio is back (its session up end to end), so what is left is the
+set-up and tear-down alone.
+
+The server's CPU with no call is read for 10 s before the calls (its timers, sweepers and
+listeners, whatever the calls): "less idle" takes that rate over the calls' window off the
+per-call figure, which is printed whole beside it.
 
 Baseline: the plain `websockets` relay (bench/ws_relay.py, compression off) carrying the same
 calls: its per-call CPU is accepting the caller's socket and opening one upstream socket, the
@@ -16,7 +22,7 @@ Three processes as in the echo harness: the echo Realtime fake, the server (on C
 --pin), and this driver (CPU 1). Uses DATABASE_URL / TEST_DATABASE_URL, else embedded.
 
     .venv/bin/python bench/setup.py [--calls 200] [--rate 10] [--pin] [--repeat 2]
-        [--profile DIR]  (py-spy, raw: the server during the run)
+        [--frames 1] [--profile DIR]  (py-spy, raw: the server during the run)
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from _wsio import connect
 
 from telephony.sim.fake_caller import FakeTwilioCaller
 
-FRAMES = 50  # one second of caller audio
+IDLE_S = 10.0  # the server's CPU with no call, measured this long before the calls
+FRAMES = [50]  # caller audio frames a call (--frames; 50: one second)
 SILENCE = base64.b64encode(b"\xff" * 160).decode()
 
 
@@ -79,6 +86,14 @@ async def one_call(
         token = outcome.parameters.get("token")
     webhook.append(time.monotonic() - started)
     ep = await connect(url, {"User-Agent": "Twilio.TmeWs/1.0"}, deflate=False)
+    answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_text(text: str) -> None:
+        if '"media"' in text and not answered.done():
+            answered.set_result(None)
+            ep.on_text = lambda text: None
+
+    ep.on_text = on_text
     ep.send_text(json.dumps({"event": "connected", "protocol": "Call", "version": "1"}))
     start = {
         "accountSid": "AC" + "0" * 32, "streamSid": stream_sid, "callSid": call_sid,
@@ -87,14 +102,16 @@ async def one_call(
     }  # fmt: skip
     ep.send_text(json.dumps({"event": "start", "sequenceNumber": "1", "start": start,
                              "streamSid": stream_sid}))  # fmt: skip
-    for seq in range(FRAMES):
+    for seq in range(FRAMES[0]):
         media = {"track": "inbound", "chunk": str(seq + 1), "timestamp": str(seq * 20),
                  "payload": SILENCE}  # fmt: skip
         ep.send_text(json.dumps({"event": "media", "sequenceNumber": str(seq + 2),
                                  "media": media, "streamSid": stream_sid}))  # fmt: skip
         await asyncio.sleep(0.02)
+    # The agent's first audio back: the call's session was up end to end before it is stopped.
+    await asyncio.wait_for(answered, 10.0)
     stop = {"accountSid": "AC" + "0" * 32, "callSid": call_sid}
-    ep.send_text(json.dumps({"event": "stop", "sequenceNumber": str(FRAMES + 2),
+    ep.send_text(json.dumps({"event": "stop", "sequenceNumber": str(FRAMES[0] + 2),
                              "streamSid": stream_sid, "stop": stop}))  # fmt: skip
     ep.close()
     took.append(time.monotonic() - started)
@@ -117,8 +134,10 @@ async def churn(server: str, relay: bool, calls: int, rate: float, pid: int) -> 
     failed = [r for r in results if isinstance(r, BaseException)]
     await asyncio.sleep(3.0)  # the ends are persisted, the recordings rendered
     cpu = cpu_seconds(pid) - cpu0
+    window = time.monotonic() - t0
     return {
         "calls": calls, "failed": len(failed), "cpu_ms_per_call": cpu * 1000 / calls,
+        "window_s": window,
         "took_p50": pct(took, 50), "took_p99": pct(took, 99),
         "webhook_p50": pct(webhook, 50), "webhook_p99": pct(webhook, 99),
         "first_error": repr(failed[0])[:200] if failed else "",
@@ -147,8 +166,16 @@ def run_target(
         load = _loadavg()
         # Warm-up (imports, pools, first connections), not counted.
         asyncio.run(churn(f"http://127.0.0.1:{port}", target.startswith("relay"), 5, 5, server.pid))
+        # What the process spends with no call (its timers, sweepers, listeners), per second.
+        cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
+        time.sleep(IDLE_S)
+        idle = (cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
         result = asyncio.run(
             churn(f"http://127.0.0.1:{port}", target.startswith("relay"), calls, rate, server.pid)
+        )
+        result["idle_ms_per_s"] = idle * 1000
+        result["less_idle_ms_per_call"] = (
+            result["cpu_ms_per_call"] - idle * 1000 * result["window_s"] / calls
         )
         result["load"] = load
         return result
@@ -168,7 +195,12 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true")
     parser.add_argument("--targets", default="relay-plain,service")
     parser.add_argument("--profile", type=Path)
+    parser.add_argument(
+        "--frames", type=int, default=50,
+        help="caller audio frames a call (20 ms each; 1: the set-up and tear-down alone)",
+    )  # fmt: skip
     args = parser.parse_args()
+    FRAMES[0] = max(1, args.frames)
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
     dbname = f"bench_setup_{uuid.uuid4().hex[:8]}"
     db_url = None
@@ -190,11 +222,14 @@ def main() -> None:
                 from app.db import drop_database
 
                 drop_database(server_url, dbname)
-    print(f"\nCall set-up + 1 s + tear-down: {args.calls} calls at {args.rate}/s, "
+    carried = f"{FRAMES[0] * 20} ms of audio" if FRAMES[0] != 50 else "1 s"
+    print(f"\nCall set-up + {carried} + tear-down: {args.calls} calls at {args.rate}/s, "
           f"{'server pinned to CPU 0' if args.pin else 'unpinned'}")  # fmt: skip
-    print(f"{'target':14} {'CPU ms/call':>11} {'failed':>6} {'call p50/p99 s':>15}  load")
+    print(f"{'target':14} {'CPU ms/call':>11} {'idle ms/s':>9} {'less idle':>9} {'failed':>6} "
+          f"{'call p50/p99 s':>15}  load")  # fmt: skip
     for target, r in rows:
-        print(f"{target:14} {r['cpu_ms_per_call']:>11.1f} {r['failed']:>6} "
+        print(f"{target:14} {r['cpu_ms_per_call']:>11.1f} {r['idle_ms_per_s']:>9.1f} "
+              f"{r['less_idle_ms_per_call']:>9.1f} {r['failed']:>6} "
               f"{r['took_p50']:>7.2f}/{r['took_p99']:<7.2f}  {r['load']}")  # fmt: skip
 
 

@@ -160,8 +160,11 @@ class EventTexts:
     client-event union, then `json.dumps`: 0.85 ms for a call's `session.update` (5.9 kB with
     the demo's tools), the same every call. The same event has the same wire form, so the
     last few are kept here, keyed by the event's own JSON (0.04 ms), and go out through the
-    connection's `send_raw`, where `send` ends. Without the SDK's transform (a release that
-    moved it), or on a connection without `send_raw`, the event goes through `send`.
+    connection's `send_raw`, where `send` ends. An event's `event_id` (a string, which the
+    transform leaves as it is) is not part of the key: it is written into the kept text, so a
+    `response.create` that differs from the last only by its id (as a call's do) is not
+    transformed again either. Without the SDK's transform (a release that moved it), or on a
+    connection without `send_raw`, the event goes through `send`.
     """
 
     def __init__(self, size: int = 16) -> None:
@@ -178,6 +181,9 @@ class EventTexts:
         if _sdk_transform is None or send_raw is None:
             await conn.send(event)
             return
+        event_id = event.get("event_id")
+        if isinstance(event_id, str):
+            event = {k: v for k, v in event.items() if k != "event_id"}
         key = json.dumps(event)
         text = self._texts.get(key)
         if text is None:
@@ -188,6 +194,8 @@ class EventTexts:
         else:
             self._texts.move_to_end(key)
             self.reused += 1
+        if isinstance(event_id, str):  # the transform's text is an object, its type in it
+            text = f'{text[:-1]}, "event_id": {json.dumps(event_id)}}}'
         await send_raw(text)
 
 

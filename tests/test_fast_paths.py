@@ -125,16 +125,29 @@ async def test_a_session_update_goes_out_as_the_sdks_send_writes_it_and_its_text
     session = session_update(BridgeConfig(), "audio/pcmu", restaurant_catalog().definitions())
     by_sdk, by_us = _Written(), _Written()
     await AsyncRealtimeConnection(by_sdk).session.update(event_id="e1", session=session)  # type: ignore[arg-type]
+    sdk_conn = AsyncRealtimeConnection(by_sdk)  # type: ignore[arg-type]
+    await sdk_conn.session.update(session=session)
+    await sdk_conn.response.create(event_id="r1")
+    await sdk_conn.response.create(event_id="r2", response={"instructions": 'Say "hi".'})
+    await sdk_conn.response.create(event_id="r3")
     texts = EventTexts(size=1)
     conn = AsyncRealtimeConnection(by_us)  # type: ignore[arg-type]
     event = {"type": "session.update", "session": session, "event_id": "e1"}
     await texts.send(conn, event)
     await texts.send(conn, event)
-    other = {**event, "event_id": "e2"}  # another event: its own text, the oldest forgotten
-    await texts.send(conn, other)
-    await texts.send(conn, event)
+    # The same event under another id: the kept text, the id written into it.
+    await texts.send(conn, {**event, "event_id": "e2"})
+    await texts.send(conn, {k: v for k, v in event.items() if k != "event_id"})
+    # Other events: their own texts (size 1: the one before forgotten).
+    await texts.send(conn, {"type": "response.create", "event_id": "r1"})
+    await texts.send(
+        conn,
+        {"type": "response.create", "event_id": "r2", "response": {"instructions": 'Say "hi".'}},
+    )
+    await texts.send(conn, {"type": "response.create", "event_id": "r3"})
     assert EventTexts.available()
-    assert by_us.frames[:2] == by_sdk.frames * 2
+    assert by_us.frames[:2] == [by_sdk.frames[0]] * 2
     assert json.loads(by_us.frames[2]) == {**json.loads(by_sdk.frames[0]), "event_id": "e2"}
-    assert by_us.frames[3] == by_sdk.frames[0]
-    assert texts.reused == 1
+    assert by_us.frames[3] == by_sdk.frames[1]
+    assert [json.loads(f) for f in by_us.frames[4:]] == [json.loads(f) for f in by_sdk.frames[2:]]
+    assert texts.reused == 3

@@ -159,13 +159,11 @@ class RealtimeSession:
         return await self._send(self.conn.conversation.item.create(item=_system_note(text)))
 
     async def create_response(self, event_id: str, instructions: str | None) -> bool:
+        # As the SDK's `response.create` writes it, its text kept for the next (EVENT_TEXTS).
+        event: dict[str, Any] = {"type": "response.create", "event_id": event_id}
         if instructions is not None:
-            send = self.conn.response.create(
-                event_id=event_id, response={"instructions": instructions}
-            )
-        else:
-            send = self.conn.response.create(event_id=event_id)
-        return await self._send(send)
+            event["response"] = {"instructions": instructions}
+        return await self._send(EVENT_TEXTS.send(self.conn, event))
 
     async def update_session(self, persona: str, tools: list[dict[str, Any]]) -> bool:
         return await self._send(
