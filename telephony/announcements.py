@@ -6,6 +6,10 @@ tracker reports each result to the call's `AnnouncementSink` (and as a call even
 of `heard` (every item of the response was played out in full, as confirmed by the leg:
 Twilio mark echoes, RTP sent), `cut` (a barge-in cut it, the response did not complete, or
 playout was never confirmed) or `not_spoken` (no audio at all, or the call ended first).
+
+A response the model's turn detection cancelled because the caller began to speak is cut even
+when none of its audio had come yet: the caller's words stopped it, as a barge-in does, and
+the delivery counts it as a cut either way (its report and the call event say the same).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from telephony.tool_gateway import (
 log = logging.getLogger(__name__)
 
 MAX_CHECKS = 20  # looks at a finished response's playout before it counts as unconfirmed
+# `status_details.reason` of a response the server cancelled because the caller spoke.
+TURN_DETECTED = "turn_detected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +50,7 @@ class _Announcement:
     results: tuple[LateResult, ...]
     done: bool = False
     status: str | None = None
+    why: str | None = None  # status_details.reason of a response that did not complete
     checks: int = 0
     timer: asyncio.TimerHandle | None = None
 
@@ -130,12 +137,14 @@ class AnnouncementTracker:
         for result in results:
             self.report(result, AnnouncementStatus.SPOKEN, response_id=response_id)
 
-    def done(self, response_id: str, status: str | None) -> None:
-        """The response ended (response.done) with `status`."""
+    def done(self, response_id: str, status: str | None, why: str | None = None) -> None:
+        """The response ended (response.done) with `status` (and its `status_details`
+        reason `why`, when it did not complete)."""
         ann = self._open.get(response_id)
         if ann is not None:
             ann.done = True
             ann.status = status
+            ann.why = why
             self.check(response_id)
 
     def check_all(self) -> None:
@@ -172,6 +181,11 @@ class AnnouncementTracker:
         if not ann.done:
             return
         if not items:
+            if ann.status == "cancelled" and ann.why == TURN_DETECTED:
+                # The caller began to speak before its first audio (no barge-in muted it:
+                # nothing was playing) and the model stopped it: cut at 0 ms, not unspoken.
+                self._resolve(response_id, AnnouncementStatus.CUT, 0, 0, "barge-in")
+                return
             self._resolve(
                 response_id, AnnouncementStatus.NOT_SPOKEN, 0, 0, f"response {ann.status}"
             )

@@ -321,6 +321,10 @@ async def test_playout_echoes_marks_at_playback_pace_and_clear_flushes_the_rest(
     # What was heard is the start of what was sent, byte for byte.
     heard = caller.heard_audio()
     assert heard == audio.speech_like_mulaw(1000)[: len(heard)]
+    # What played after a moment: the same bytes from that moment's place in playout on.
+    began = caller.heard[0].t
+    assert caller.heard_audio(after=began + 0.2) == heard[1600:]
+    assert caller.heard_audio(after=began - 1.0) == heard
     # The server saw the echoes in the same order, with the caller's stream sid.
     server_marks = [m for m in srv.peer.parsed() if isinstance(m, Mark)]
     assert [m.mark.name for m in server_marks] == ["m0", "m1", "m2", "m3", "m4"]

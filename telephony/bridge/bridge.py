@@ -554,7 +554,10 @@ class Bridge:
                     if isinstance(output, RealtimeConversationItemFunctionCall):
                         self._function_call(session, output, response_id)
                 self.tools.response_done(response_id)
-                self.utterances.announced_done(response_id, response.status)
+                details = response.status_details
+                self.utterances.announced_done(
+                    response_id, response.status, details.reason if details else None
+                )
                 await self.utterances.drain()
             case "response.output_item.added":
                 assert isinstance(event, ResponseOutputItemAddedEvent)

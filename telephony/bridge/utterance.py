@@ -283,8 +283,8 @@ class Utterances:
             turn_id=self.turn_of(response_id or ""),
         )
 
-    def announced_done(self, response_id: str, status: str | None) -> None:
-        self.announcing.done(response_id, status)
+    def announced_done(self, response_id: str, status: str | None, why: str | None) -> None:
+        self.announcing.done(response_id, status, why)
 
     def live_utterance_ended(self, response_id: str, text: str, started_at: float) -> None:
         """GPT-Live: the agent's utterance `response_id`, begun at `started_at` (monotonic),

@@ -885,9 +885,17 @@ class FakeTwilioCaller:
         """All outbound audio the server sent, heard or not."""
         return audio.duration_ms(self.media_received_bytes, "pcmu")
 
-    def heard_audio(self) -> bytes:
-        """Everything the caller heard, back to back (mu-law)."""
-        return b"".join(chunk.audio for chunk in self.heard)
+    def heard_audio(self, after: float | None = None) -> bytes:
+        """Everything the caller heard (that played after monotonic time `after`), back to
+        back (mu-law)."""
+        if after is None:
+            return b"".join(chunk.audio for chunk in self.heard)
+        rate = BYTES_PER_SECOND * self.speed
+        return b"".join(
+            chunk.audio[max(0, round((after - chunk.t) * rate)) :]
+            for chunk in self.heard
+            if chunk.end_t > after
+        )
 
     def heard_ms_after(self, t: float) -> float:
         """Milliseconds of audio that played after monotonic time `t`."""
