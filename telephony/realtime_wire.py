@@ -203,6 +203,49 @@ class EventTexts:
 EVENT_TEXTS = EventTexts()
 
 
+try:  # websockets 15 looks up a proxy for every connection it opens (`proxy=True`)
+    import inspect
+
+    from websockets.asyncio.client import connect as _ws_connect
+    from websockets.uri import get_proxy as _get_proxy
+    from websockets.uri import parse_uri as _parse_uri
+
+    _TAKES_PROXY = "proxy" in inspect.signature(_ws_connect.__init__).parameters
+except ImportError:  # pragma: no cover  (an older or moved API: no lookup to save)
+    _TAKES_PROXY = False
+
+_RESOLVED: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def proxy_resolved(options: Any, client: Any) -> Any:
+    """`options` (the SDK's `websocket_connection_options`) with the proxy websockets would
+    use to reach `client`'s server, looked up once per server and options.
+
+    websockets 15 runs its proxy lookup (`get_proxy`: the standard library's `getproxies` and
+    `proxy_bypass`, each walking the whole environment, 80 us with 35 variables) on every
+    connection it opens, so on every call's Realtime socket. The lookup depends only on the
+    process's environment and the server's scheme, host and port, so it is made here with
+    websockets' own `get_proxy` for the URL the SDK connects to (its `websocket_base_url`,
+    else its base URL with `ws`/`wss` for `http`/`https`) and handed to websockets as
+    `proxy` (the proxy's address, or None for none). Options that name a proxy, a
+    websockets without the parameter, or a URL it cannot read go as they are."""
+    if not _TAKES_PROXY or "proxy" in options:
+        return options
+    base = str(getattr(client, "websocket_base_url", None) or getattr(client, "base_url", ""))
+    key = (base, id(options))
+    resolved = _RESOLVED.get(key)
+    if resolved is None:
+        scheme, sep, rest = base.partition("://")
+        if scheme in ("http", "https"):
+            base = ("ws" if scheme == "http" else "wss") + sep + rest
+        try:
+            proxy = _get_proxy(_parse_uri(base))
+        except Exception:  # not a URL websockets reads: its own lookup decides, per connect
+            return options
+        resolved = _RESOLVED[key] = {**options, "proxy": proxy}
+    return resolved
+
+
 class ReleasingConnection(ClientConnection):
     """websockets' client connection, which leaves no reference cycle once it is lost (the
     SDK's connections take it as `websocket_connection_options={"create_connection": ...}`)."""

@@ -151,3 +151,60 @@ async def test_a_session_update_goes_out_as_the_sdks_send_writes_it_and_its_text
     assert by_us.frames[3] == by_sdk.frames[1]
     assert [json.loads(f) for f in by_us.frames[4:]] == [json.loads(f) for f in by_sdk.frames[2:]]
     assert texts.reused == 3
+
+
+@pytest.mark.parametrize(
+    ("base_url", "websocket_base_url", "env", "expected"),
+    [
+        ("http://10.9.0.1:8081/v1", None, {"HTTP_PROXY": "http://proxy.local:3128"}, "http"),
+        ("https://api.example.test/v1", None, {"HTTPS_PROXY": "http://p.local:8080"}, "https"),
+        (
+            "https://api.example.test/v1",
+            None,
+            {"HTTPS_PROXY": "http://p.local:8080", "NO_PROXY": "api.example.test"},
+            None,
+        ),
+        (
+            "https://api.example.test/v1",
+            "ws://10.9.0.2:9000/v1",
+            {"HTTPS_PROXY": "http://p.local:8080", "HTTP_PROXY": "http://q.local:3128"},
+            "https",  # websockets favours an https proxy over an http one, even for ws://
+        ),
+        ("https://api.example.test/v1", None, {}, None),
+    ],
+)
+def test_the_realtime_socket_takes_the_proxy_websockets_would_look_up_for_the_sdks_url(
+    monkeypatch: pytest.MonkeyPatch,
+    base_url: str,
+    websocket_base_url: str | None,
+    env: dict[str, str],
+    expected: str | None,
+) -> None:
+    import uuid
+
+    from openai import AsyncOpenAI
+    from websockets.uri import get_proxy, parse_uri
+
+    from telephony.realtime_wire import proxy_resolved
+
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "WS_PROXY", "WSS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # A path of its own: the lookup is kept per server URL and options.
+    base_url += f"/{uuid.uuid4().hex}"
+    client = AsyncOpenAI(
+        api_key="sk-test", base_url=base_url, websocket_base_url=websocket_base_url
+    )
+    options = {"compression": None}
+    resolved = proxy_resolved(options, client)
+    # The SDK's own URL for the socket, and websockets' own lookup for it.
+    url = str(client.realtime.connect(model="gpt-realtime")._prepare_url())
+    looked_up = get_proxy(parse_uri(url))
+    assert resolved == {"compression": None, "proxy": looked_up}
+    assert looked_up == (env.get(f"{expected.upper()}_PROXY") if expected else None)
+    assert proxy_resolved(options, client) is resolved  # kept, not looked up again
+    assert options == {"compression": None}  # the caller's options as they were
+    named = {"compression": None, "proxy": None}
+    assert proxy_resolved(named, client) is named  # a proxy stated is not overridden

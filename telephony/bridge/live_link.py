@@ -57,7 +57,12 @@ from telephony.bridge.port import Port
 from telephony.bridge.slot import ResponseSlot, ResponseState
 from telephony.call_events import CallEventKind
 from telephony.legs.leg import AudioFormat
-from telephony.realtime_wire import AudioDelta, ReleasingConnection, release_connection
+from telephony.realtime_wire import (
+    AudioDelta,
+    ReleasingConnection,
+    proxy_resolved,
+    release_connection,
+)
 from telephony.session_config import BridgeConfig, instructions_text
 
 log = logging.getLogger(__name__)
@@ -345,14 +350,16 @@ class LiveLink:
         if self._sideband_session_id is not None:
             return await self._attach_sideband(self._sideband_session_id)
         return await self._client.live.connect(
-            websocket_connection_options=LIVE_SOCKET_OPTIONS, max_retries=0
+            websocket_connection_options=proxy_resolved(LIVE_SOCKET_OPTIONS, self._client),
+            max_retries=0,
         ).enter()
 
     async def _attach_sideband(self, session_id: str) -> AsyncSidebandConnection:
         """Join the Live session OpenAI's SIP leg carries: it was configured by the accept."""
         try:
             return await self._client.live.sideband.connect(
-                session_id=session_id, websocket_connection_options=LIVE_SOCKET_OPTIONS,
+                session_id=session_id,
+                websocket_connection_options=proxy_resolved(LIVE_SOCKET_OPTIONS, self._client),
                 max_retries=0,
             ).enter()  # fmt: skip
         except InvalidStatus as exc:

@@ -47,6 +47,7 @@ from telephony.realtime_wire import (
     audio_delta_fields,
     lane_of,
     nowait_sender,
+    proxy_resolved,
     raw_sender,
     release_connection,
     session_event_fields,
@@ -247,8 +248,9 @@ class RealtimeLink:
     async def _dial(self) -> AsyncRealtimeConnection:
         if self._sideband_call_sid is not None:
             return await self._attach_sideband(self._sideband_call_sid)
+        options = proxy_resolved(REALTIME_SOCKET_OPTIONS, self._client)
         return await self._client.realtime.connect(
-            model=self._config.model, websocket_connection_options=REALTIME_SOCKET_OPTIONS
+            model=self._config.model, websocket_connection_options=options
         ).enter()
 
     async def _configure(self, conn: AsyncRealtimeConnection, resumed: bool) -> None:
@@ -278,7 +280,8 @@ class RealtimeLink:
         """Join OpenAI's call over the sideband: the session was set by the accept."""
         try:
             return await self._client.realtime.connect(
-                call_id=sideband_call_sid, websocket_connection_options=SIDEBAND_SOCKET_OPTIONS
+                call_id=sideband_call_sid,
+                websocket_connection_options=proxy_resolved(SIDEBAND_SOCKET_OPTIONS, self._client),
             ).enter()
         except InvalidStatus as exc:
             status = exc.response.status_code
