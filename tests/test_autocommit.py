@@ -40,6 +40,10 @@ async def test_each_statement_commits_and_the_connection_leaves_autocommit(
 ) -> None:
     engine = one_connection
     async with autocommit(engine) as conn:
+        # psycopg's connection switched itself, not through SQLAlchemy's option.
+        assert "isolation_level" not in conn.sync_connection.get_execution_options()  # type: ignore[union-attr]
+        raw = await conn.get_raw_connection()
+        assert raw.driver_connection is not None and raw.driver_connection.autocommit
         pid = (await conn.execute(_PID)).scalar_one()
         await driver_sql.execute(conn, sa.text("INSERT INTO ac_probe VALUES (1)"))
         # Through SQLAlchemy too; no commit is asked for, and the block's end rolls back.

@@ -64,3 +64,6 @@ async def _restore(conn: AsyncConnection, driver: DriverConnection[Any]) -> None
     except Exception as exc:
         log.warning("a pooled connection could not leave autocommit (%s): discarded", exc)
         await conn.invalidate()
+    except BaseException:  # cancelled on the way back: discarded all the same
+        await conn.invalidate()
+        raise
