@@ -210,9 +210,11 @@ EVENT_TEXTS = EventTexts()
 try:  # websockets 15 looks up a proxy for every connection it opens (`proxy=True`)
     import inspect
 
+    # The lookup and the URL parser its client uses (where it imports them: `websockets.uri`
+    # in 15, `websockets.proxy` later).
     from websockets.asyncio.client import connect as _ws_connect
-    from websockets.uri import get_proxy as _get_proxy
-    from websockets.uri import parse_uri as _parse_uri
+    from websockets.asyncio.client import get_proxy as _get_proxy
+    from websockets.asyncio.client import parse_uri as _parse_uri
 
     _TAKES_PROXY = "proxy" in inspect.signature(_ws_connect.__init__).parameters
 except ImportError:  # pragma: no cover  (an older or moved API: no lookup to save)

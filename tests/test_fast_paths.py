@@ -183,7 +183,9 @@ def test_the_realtime_socket_takes_the_proxy_websockets_would_look_up_for_the_sd
     import uuid
 
     from openai import AsyncOpenAI
-    from websockets.uri import get_proxy, parse_uri
+
+    # Where websockets' client finds them, in each release it has had them.
+    from websockets.asyncio.client import get_proxy, parse_uri
 
     from telephony.realtime_wire import proxy_resolved
 
