@@ -161,11 +161,11 @@ class EventTexts:
     the demo's tools), the same every call. The same event has the same wire form, so the
     last few are kept here, keyed by the event's own JSON (orjson's: 2.4 us for those 5.9 kB,
     where `json.dumps` took 36), and go out through the connection's `send_raw`, where `send`
-    ends. An event's `event_id` (a string, which the
-    transform leaves as it is) is not part of the key: it is written into the kept text, so a
-    `response.create` that differs from the last only by its id (as a call's do) is not
-    transformed again either. Without the SDK's transform (a release that moved it), or on a
-    connection without `send_raw`, the event goes through `send`.
+    ends. An event's `event_id` (a string, which the transform leaves as it is) is not part of
+    the key: it is written into the kept text, so a `response.create` that differs from the
+    last only by its id (as a call's do) is not transformed again either. Without the SDK's
+    transform (a release that moved it), or on a connection without `send_raw`, the event
+    goes through `send`.
     """
 
     def __init__(self, size: int = 16) -> None:
@@ -220,7 +220,8 @@ try:  # websockets 15 looks up a proxy for every connection it opens (`proxy=Tru
 except ImportError:  # pragma: no cover  (an older or moved API: no lookup to save)
     _TAKES_PROXY = False
 
-_RESOLVED: dict[tuple[str, int], dict[str, Any]] = {}
+# (server URL, id of the options) -> (those options, the same with the proxy looked up).
+_RESOLVED: dict[tuple[str, int], tuple[Any, dict[str, Any]]] = {}
 
 
 def proxy_resolved(options: Any, client: Any) -> Any:
@@ -239,16 +240,18 @@ def proxy_resolved(options: Any, client: Any) -> Any:
         return options
     base = str(getattr(client, "websocket_base_url", None) or getattr(client, "base_url", ""))
     key = (base, id(options))
-    resolved = _RESOLVED.get(key)
-    if resolved is None:
-        scheme, sep, rest = base.partition("://")
-        if scheme in ("http", "https"):
-            base = ("ws" if scheme == "http" else "wss") + sep + rest
-        try:
-            proxy = _get_proxy(_parse_uri(base))
-        except Exception:  # not a URL websockets reads: its own lookup decides, per connect
-            return options
-        resolved = _RESOLVED[key] = {**options, "proxy": proxy}
+    kept = _RESOLVED.get(key)
+    if kept is not None and kept[0] is options:  # the same options (not another at its id)
+        return kept[1]
+    scheme, sep, rest = base.partition("://")
+    if scheme in ("http", "https"):
+        base = ("ws" if scheme == "http" else "wss") + sep + rest
+    try:
+        proxy = _get_proxy(_parse_uri(base))
+    except Exception:  # not a URL websockets reads: its own lookup decides, per connect
+        return options
+    resolved = {**options, "proxy": proxy}
+    _RESOLVED[key] = (options, resolved)
     return resolved
 
 
