@@ -60,7 +60,7 @@ from _wsio import connect
 from telephony.sim.fake_caller import FakeTwilioCaller
 
 IDLE_S = 10.0  # the server's CPU with no call, measured this long before the calls
-FRAMES = [50]  # caller audio frames a call (--frames; 50: one second)
+FRAMES = 50  # caller audio frames a call by default (--frames): one second
 SILENCE = base64.b64encode(b"\xff" * 160).decode()
 
 
@@ -68,7 +68,7 @@ RUN = [0]  # distinct CallSids per churn in this process
 
 
 async def one_call(
-    server: str, relay: bool, index: int, took: list[float], webhook: list[float]
+    server: str, relay: bool, index: int, took: list[float], webhook: list[float], frames: int
 ) -> None:
     started = time.monotonic()
     call_sid = f"CA{os.getpid():08x}{RUN[0]:04x}{index:020x}"
@@ -102,7 +102,7 @@ async def one_call(
     }  # fmt: skip
     ep.send_text(json.dumps({"event": "start", "sequenceNumber": "1", "start": start,
                              "streamSid": stream_sid}))  # fmt: skip
-    for seq in range(FRAMES[0]):
+    for seq in range(frames):
         media = {"track": "inbound", "chunk": str(seq + 1), "timestamp": str(seq * 20),
                  "payload": SILENCE}  # fmt: skip
         ep.send_text(json.dumps({"event": "media", "sequenceNumber": str(seq + 2),
@@ -111,13 +111,15 @@ async def one_call(
     # The agent's first audio back: the call's session was up end to end before it is stopped.
     await asyncio.wait_for(answered, 10.0)
     stop = {"accountSid": "AC" + "0" * 32, "callSid": call_sid}
-    ep.send_text(json.dumps({"event": "stop", "sequenceNumber": str(FRAMES[0] + 2),
+    ep.send_text(json.dumps({"event": "stop", "sequenceNumber": str(frames + 2),
                              "streamSid": stream_sid, "stop": stop}))  # fmt: skip
     ep.close()
     took.append(time.monotonic() - started)
 
 
-async def churn(server: str, relay: bool, calls: int, rate: float, pid: int) -> dict:
+async def churn(
+    server: str, relay: bool, calls: int, rate: float, pid: int, frames: int = FRAMES
+) -> dict:
     RUN[0] += 1
     took: list[float] = []
     webhook: list[float] = []
@@ -129,7 +131,7 @@ async def churn(server: str, relay: bool, calls: int, rate: float, pid: int) -> 
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one_call(server, relay, i, took, webhook)))
+        tasks.append(asyncio.create_task(one_call(server, relay, i, took, webhook, frames)))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     await asyncio.sleep(3.0)  # the ends are persisted, the recordings rendered
@@ -146,7 +148,7 @@ async def churn(server: str, relay: bool, calls: int, rate: float, pid: int) -> 
 
 def run_target(
     target: str, calls: int, rate: float, pin: bool, db_url: str | None, workdir: Path,
-    profile: Path | None,
+    profile: Path | None, frames: int,
 ) -> dict:  # fmt: skip
     echo, echo_url = _start_echo(workdir, pin, None, workdir / f"echo-{uuid.uuid4().hex}.json")
     port = _free_port()
@@ -171,7 +173,14 @@ def run_target(
         time.sleep(IDLE_S)
         idle = (cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
         result = asyncio.run(
-            churn(f"http://127.0.0.1:{port}", target.startswith("relay"), calls, rate, server.pid)
+            churn(
+                f"http://127.0.0.1:{port}",
+                target.startswith("relay"),
+                calls,
+                rate,
+                server.pid,
+                frames,
+            )
         )
         result["idle_ms_per_s"] = idle * 1000
         result["less_idle_ms_per_call"] = (
@@ -200,7 +209,7 @@ def main() -> None:
         help="caller audio frames a call (20 ms each; 1: the set-up and tear-down alone)",
     )  # fmt: skip
     args = parser.parse_args()
-    FRAMES[0] = max(1, args.frames)
+    frames = max(1, args.frames)
     server_url = os.environ.get("DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
     dbname = f"bench_setup_{uuid.uuid4().hex[:8]}"
     db_url = None
@@ -214,7 +223,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 for target in args.targets.split(","):
                     r = run_target(target, args.calls, args.rate, args.pin, db_url, Path(tmp),
-                                   args.profile)  # fmt: skip
+                                   args.profile, frames)  # fmt: skip
                     print(f"{target}: {r}", file=sys.stderr)
                     rows.append((target, r))
         finally:
@@ -222,7 +231,7 @@ def main() -> None:
                 from app.db import drop_database
 
                 drop_database(server_url, dbname)
-    carried = f"{FRAMES[0] * 20} ms of audio" if FRAMES[0] != 50 else "1 s"
+    carried = f"{frames * 20} ms of audio" if frames != FRAMES else "1 s"
     print(f"\nCall set-up + {carried} + tear-down: {args.calls} calls at {args.rate}/s, "
           f"{'server pinned to CPU 0' if args.pin else 'unpinned'}")  # fmt: skip
     print(f"{'target':14} {'CPU ms/call':>11} {'idle ms/s':>9} {'less idle':>9} {'failed':>6} "
