@@ -8,10 +8,12 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.ops.delivery_jobs import ready_out_of_call
 from app.ops.worker import OperationWorker
 from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.tool_gateway import AnnouncementStatus
@@ -34,6 +36,7 @@ from tests.delivery_support import (
 from tests.e2e_support import wait_until
 from tools import deliveries, ledger
 from tools.delivery_states import DeliveryState
+from tools.relevance import CallState
 from tools.restaurant.catalog import restaurant_catalog
 from tools.restaurant.client import SorClient
 from tools.restaurant.provider import SorProvider
@@ -518,6 +521,75 @@ async def test_a_delivery_batch_leaves_out_one_another_transaction_holds_and_one
     ]
     assert await waiting_jobs(engine, (await delivery_of(engine, locked)).id) == 1
     assert await waiting_jobs(engine, held.id) == 1
+
+
+async def test_ready_out_of_call_locks_the_due_deliveries_of_calls_over_first_one_first(
+    engine: AsyncEngine,
+) -> None:
+    oldest, older, newest = [
+        await booked(engine, await make_call(engine, ended=True)) for _ in "abc"
+    ]
+    held = await booked(engine, await make_call(engine, ended=True))
+    await booked(engine, await make_call(engine))  # a live call's: its holder decides it
+    later = await booked(engine, await make_call(engine, ended=True))
+    async with engine.begin() as conn:
+        await deliveries.defer_until(
+            conn, (await delivery_of(engine, later)).id, datetime.now(UTC) + timedelta(hours=1)
+        )
+    odd = await booked(engine, "not-a-uuid")  # no call row to read: unknown
+    gone = await booked(engine, str(uuid.uuid4()))
+    newest_id = (await delivery_of(engine, newest)).id
+    async with engine.begin() as other:
+        # Another worker is deciding `held` right now: skipped, not waited for.
+        await deliveries.get(other, (await delivery_of(engine, held)).id, for_update=True)
+        async with engine.begin() as conn:
+            two = await ready_out_of_call(conn, 2, first=newest_id)
+            assert [(d.operation_id, c) for d, _, c in two] == [
+                (newest, CallState.ENDED),
+                (oldest, CallState.ENDED),
+            ]
+        async with engine.begin() as conn:
+            every = await ready_out_of_call(conn, 50)
+            # Locked: another transaction asking for them skips them.
+            async with engine.begin() as third:
+                assert await ready_out_of_call(third, 50) == []
+    assert [(d.operation_id, c) for d, _, c in every] == [
+        (oldest, CallState.ENDED),
+        (older, CallState.ENDED),
+        (newest, CallState.ENDED),
+        (odd, CallState.UNKNOWN),
+        (gone, CallState.UNKNOWN),
+    ]
+    async with engine.connect() as conn:
+        for delivery, op, _ in every:
+            assert delivery == await deliveries.get(conn, delivery.id)
+            assert op == await ledger.get_operation(conn, delivery.operation_id)
+
+
+async def test_ready_out_of_call_leaves_out_a_call_opened_again_after_its_lock_look(
+    engine: AsyncEngine, clean_db: str
+) -> None:
+    reopened_call = await make_call(engine, ended=True)
+    reopened = await booked(engine, reopened_call)
+    ended = await booked(engine, await make_call(engine, ended=True))
+
+    def reopen(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        # Committed by another session once the deliveries are locked, before the re-read.
+        if "SKIP LOCKED" in statement:
+            with psycopg.connect(clean_db, autocommit=True) as other:
+                other.execute(
+                    "UPDATE calls SET status = 'ringing', ended_at = NULL WHERE id = %s",
+                    (reopened_call,),
+                )
+
+    sa.event.listen(engine.sync_engine, "after_cursor_execute", reopen)
+    try:
+        async with engine.begin() as conn:
+            ready = await ready_out_of_call(conn, 50)
+    finally:
+        sa.event.remove(engine.sync_engine, "after_cursor_execute", reopen)
+    assert [(d.operation_id, c) for d, _, c in ready] == [(ended, CallState.ENDED)]
+    assert await _state(engine, reopened) is D.PENDING
 
 
 async def test_a_batch_reads_the_same_ledger_facts_as_each_outcome_alone(

@@ -97,7 +97,11 @@ class DeliveryRecord:
 
     @classmethod
     def from_row(cls, row: Any, prefix: str = "") -> DeliveryRecord:
-        m = row._mapping
+        return cls.from_mapping(row._mapping, prefix)
+
+    @classmethod
+    def from_mapping(cls, m: Any, prefix: str = "") -> DeliveryRecord:
+        """From a mapping of column names (a row's, or a dict of `tools.driver_sql`'s)."""
         values = {f.name: m[prefix + f.name] for f in fields(cls)}
         values["state"] = DeliveryState(values["state"])
         values["outcome"] = OperationStatus(values["outcome"])
