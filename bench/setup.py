@@ -156,15 +156,6 @@ def run_target(
     spy = None
     try:
         server = _start_server(target, port, echo_url, db_url, workdir, pin)
-        if profile is not None:
-            profile.mkdir(parents=True, exist_ok=True)
-            spy = subprocess.Popen(
-                _pin([str(Path(PY).parent / "py-spy"), "record", "--pid", str(server.pid),
-                      "--duration", str(int(calls / rate) + 2), "--rate", "250", "--nonblocking",
-                      "--format", "raw", "--output", str(profile / f"{target}.txt")],
-                     LOAD_CPU, pin),
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
         load = _loadavg()
         # Warm-up (imports, pools, first connections), not counted.
         asyncio.run(churn(f"http://127.0.0.1:{port}", target.startswith("relay"), 5, 5, server.pid))
@@ -172,6 +163,19 @@ def run_target(
         cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
         time.sleep(IDLE_S)
         idle = (cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
+        if profile is not None:
+            # After the idle read, so the profile holds the calls; `--gil`: only the thread
+            # holding the GIL is sampled (without it, a thread pool's and the event loop's idle
+            # waits count as work). Blocking (the process paused for each sample, so its CPU
+            # figure is inflated): `--nonblocking` cuts coroutines' stacks short.
+            profile.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(
+                _pin([str(Path(PY).parent / "py-spy"), "record", "--pid", str(server.pid),
+                      "--duration", str(int(calls / rate) + 2), "--rate", "250", "--gil",
+                      "--format", "raw", "--output",
+                      str(profile / f"{target}.txt")], LOAD_CPU, pin),
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
         result = asyncio.run(
             churn(
                 f"http://127.0.0.1:{port}",
