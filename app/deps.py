@@ -15,9 +15,13 @@ from app.settings import Settings
 from tools.reconcile import Compensation
 
 
-async def get_runtime(conn: HTTPConnection) -> Runtime:
+def runtime_of(conn: HTTPConnection) -> Runtime:
     runtime: Runtime = conn.app.state.runtime
     return runtime
+
+
+async def get_runtime(conn: HTTPConnection) -> Runtime:
+    return runtime_of(conn)
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]

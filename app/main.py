@@ -26,6 +26,7 @@ from app.db import make_engine, plain_url, resolve_database_url
 from app.errors import install_error_handlers
 from app.http import health as routes_health
 from app.http.body_limits import BodyLimit
+from app.http.route_lane import install_route_lane
 from app.http.slots import SlotPool
 from app.legs.openai_sip import routes as routes_openai
 from app.legs.twilio import routes as routes_twilio
@@ -296,4 +297,6 @@ def create_app(
     app.include_router(routes_sms.router)
     app.include_router(routes_deliveries.router)
     install_console(app)
+    # Every call's webhook and media socket skip the router (app/http/route_lane.py).
+    install_route_lane(app, routes_twilio.LANE_ROUTES)
     return app

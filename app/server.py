@@ -219,15 +219,17 @@ class ServiceServer(uvicorn.Server):
 
 
 def fast_paths(config: uvicorn.Config) -> list[FastPath]:
-    """The media path's shortcuts into uvicorn, websockets and the OpenAI SDK, and whether
-    each is on in this process (said at start-up: a library release can turn one off)."""
+    """The media path's shortcuts into uvicorn, websockets, FastAPI and the OpenAI SDK, and
+    whether each is on in this process (said at start-up: a library release can turn one off)."""
     if config.ws is MediaWebSocketProtocol:
         media = media_fast_paths(deflate=bool(config.ws_per_message_deflate))
     else:
         media = [
             FastPath("media socket lane", False, f"uvicorn lacks {', '.join(missing_hooks())}")
         ]
-    return media + realtime_fast_paths()
+    lane = getattr(getattr(config.app, "state", None), "route_lane", None)
+    routes = [] if lane is None else [FastPath("route lane", not lane, lane)]
+    return media + routes + realtime_fast_paths()
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
@@ -17,7 +18,7 @@ from app.calls import store as call_store
 from app.calls import takeover
 from app.calls.control import publish_end
 from app.calls.store import CallStatus, EndSource, call_ended_data
-from app.deps import RuntimeDep
+from app.deps import RuntimeDep, runtime_of
 from app.errors import (
     WS_POLICY_VIOLATION,
     BadRequest,
@@ -112,6 +113,22 @@ async def voice(request: Request, runtime: RuntimeDep) -> Response:
     # ADMITTED, or EXISTING: Twilio retrying the webhook of a call not over gets its stream.
     token = runtime.tokens.issue(call_sid, row.id)
     return _xml(resume.stream_twiml(runtime, row, token))
+
+
+async def _voice_lane(request: Request) -> Response:
+    return await voice(request, runtime_of(request))
+
+
+async def _media_lane(ws: WebSocket) -> None:
+    await media(ws, runtime_of(ws))
+
+
+# The two requests every call makes, for app.http.route_lane: the same endpoints, their one
+# dependency resolved as `get_runtime` resolves it.
+LANE_ROUTES: dict[tuple[str, str], Callable[..., Any]] = {
+    ("POST", "/twilio/voice"): _voice_lane,
+    ("WEBSOCKET", "/twilio/media"): _media_lane,
+}
 
 
 @router.post("/twilio/stream-ended")
