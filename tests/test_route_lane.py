@@ -8,6 +8,10 @@ from typing import Any
 import pytest
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import PlainTextResponse
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.testclient import TestClient
 
@@ -24,8 +28,14 @@ def _solved(seen: list[str]) -> Any:
     return dependency
 
 
-def _app(seen: list[str], *, prefix: str = "", route_dependencies: bool = False) -> FastAPI:
-    app = FastAPI()
+def _app(
+    seen: list[str],
+    *,
+    prefix: str = "",
+    route_dependencies: bool = False,
+    telemetry: dict[str, Any] | None = None,
+) -> FastAPI:
+    app = FastAPI(telemetry=telemetry)  # type: ignore[arg-type]
     router = APIRouter()
     given_by = Depends(_solved(seen))
     extra = [Depends(_solved(seen))] if route_dependencies else []
@@ -114,6 +124,20 @@ def test_dependency_overrides_send_the_lane_routes_to_the_router() -> None:
         answer = client.post("/hook", content=b"hello")
     assert answer.text == "by the router: hello (/hook)"
     assert seen == ["solved"]
+
+
+def test_requests_fastapis_telemetry_follows_go_by_the_router() -> None:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    seen: list[str] = []
+    app = _app(seen, telemetry={"tracer_provider": provider, "metrics": False, "logs": False})
+    with TestClient(app) as client:
+        answer = client.post("/hook", content=b"hello")
+    # The router matched it, so the span names its route.
+    assert answer.text == "by the router: hello (/hook)"
+    server = [s for s in spans.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert [s.attributes.get("http.route") for s in server if s.attributes] == ["/hook"]
 
 
 @pytest.mark.parametrize("variant", ["prefix", "route_dependencies"])

@@ -12,8 +12,9 @@ called with what its dependencies would have resolved to. Everything else, and t
 routes when the lane cannot take them, goes to the router unchanged:
 
 - a path under a `root_path` (an app mounted below a prefix): the router resolves it;
-- a request FastAPI's own telemetry follows (`fastapi.telemetry` in the scope, when a tracer,
-  meter or logger provider is configured): its span names the route the router matched;
+- a request FastAPI's own telemetry follows (its record in the scope's `fastapi.telemetry`,
+  when a tracer, meter or logger provider is configured): its span and metrics name the
+  route the router matched;
 - an application whose dependencies are overridden (`app.dependency_overrides`, in tests):
   the lane would not see the overrides.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -73,7 +74,7 @@ class RouteLane:
         if (
             lane is None
             or scope.get("root_path")
-            or "fastapi.telemetry" in scope
+            or scope.get("fastapi.telemetry") is not None
             or self._app.dependency_overrides
         ):
             await self.router(scope, receive, send)
@@ -83,11 +84,10 @@ class RouteLane:
         scope["path_params"] = {}
         if kind == "http":
             request = Request(scope, receive, send)
-            response = await lane.handler(request)  # type: ignore[arg-type]
-            assert response is not None
+            response = await cast(HttpHandler, lane.handler)(request)
             await response(scope, receive, send)
         else:
-            await lane.handler(WebSocket(scope, receive, send))  # type: ignore[arg-type]
+            await cast(SocketHandler, lane.handler)(WebSocket(scope, receive, send))
 
 
 def install_route_lane(app: Any, handlers: Mapping[tuple[str, str], Callable[..., Any]]) -> str:
