@@ -6,7 +6,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +207,7 @@ class FakeLeg:
         self._chunks: asyncio.Queue[Chunk] = asyncio.Queue()
         self._player: asyncio.Task[None] | None = None
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         while True:
             event = await self.inbox.get()
             yield event

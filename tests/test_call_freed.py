@@ -5,13 +5,16 @@ the HTTP and WebSocket protocols that carried it) wait for the collector's full 
 200 live calls stops every call on the process for 20-50 ms (README, "Garbage collection and
 the event loop"). Here each kind of call runs with the collector off and set to keep what it
 finds (`gc.DEBUG_SAVEALL`); once the call has ended, one collection must find none of our
-objects unreachable, and the call's bridge must be gone already.
+objects unreachable, and the call's bridge must be gone already. Nor may the call leave an
+async generator of ours unfinished for the event loop's finalizer hook to close (each one a
+wake-up of the loop from its own thread-safe handle, and a task).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import types
 import weakref
 from collections import Counter
@@ -89,17 +92,31 @@ def describe(obj: Any) -> str:
 
 @contextmanager
 def unreachable() -> Iterator[Counter[str]]:
-    """Collector off for the block; at its end, one collection: what it found of ours."""
+    """Collector off for the block; at its end, one collection: what it found of ours. Also
+    counted: each async generator of ours started in the block and dropped unfinished, so
+    the event loop's finalizer hook had to close it (a thread-safe wake-up of the loop and
+    a task of its own, per generator, where closing it where it was left costs neither)."""
     gc.collect()
     debug = gc.get_debug()
     gc.disable()
     gc.set_debug(debug | gc.DEBUG_SAVEALL)
     found: Counter[str] = Counter()
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+
+    def finalize(agen: Any) -> None:
+        source = agen.ag_code.co_filename
+        if source.startswith(OURS) and not source.startswith(SIMULATED):
+            found[f"async generator {agen.__qualname__} left to the loop to close"] += 1
+        if finalizer is not None:
+            finalizer(agen)
+
+    sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalize)
     try:
         yield found
         gc.collect()
         found.update(describe(o) for o in gc.garbage if ours(o))
     finally:
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
         gc.garbage.clear()
         gc.set_debug(debug)
         gc.enable()

@@ -11,7 +11,7 @@ import time
 import uuid
 import wave
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import httpx
@@ -309,7 +309,7 @@ class FakeLeg:
         self.closed: str | None = None
         self.stream_sid = "MZ1"
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         for e in self._events:
             yield e
 

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -526,14 +526,15 @@ class RecordingLeg:
             inner, "send_digits", None
         )
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         record = self.recorder.caller_audio
-        async for event in self.inner.events():
-            if type(event) is AudioIn:
-                record(event.payload, event.timestamp_ms)  # decoded at the end, off the loop
-            elif type(event) is LegClosed:
-                self.recorder.stop()
-            yield event
+        async with contextlib.aclosing(self.inner.events()) as events:  # closed with this one
+            async for event in events:
+                if type(event) is AudioIn:
+                    record(event.payload, event.timestamp_ms)  # decoded at the end, off the loop
+                elif type(event) is LegClosed:
+                    self.recorder.stop()
+                yield event
 
     async def play(self, item_id: str, payload: str) -> None:
         if not self._tapped:

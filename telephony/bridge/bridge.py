@@ -412,15 +412,18 @@ class Bridge:
 
     async def _leg_loop(self) -> None:
         audio = self.audio
-        async for event in self.leg.events():
-            match event:
-                case AudioIn():
-                    await audio.send(event.payload)
-                case DtmfIn():
-                    audio.digit(event.digit)
-                case LegClosed():
-                    self._finish(f"leg closed: {event.reason}")
-                    return
+        # Closed here when the loop leaves it: a generator left suspended is closed by the
+        # event loop's finalizer hook instead, a wake-up and a task of its own (per level).
+        async with contextlib.aclosing(self.leg.events()) as events:
+            async for event in events:
+                match event:
+                    case AudioIn():
+                        await audio.send(event.payload)
+                    case DtmfIn():
+                        audio.digit(event.digit)
+                    case LegClosed():
+                        self._finish(f"leg closed: {event.reason}")
+                        return
         self._finish("leg closed")
 
     # The model: connection lifecycle.

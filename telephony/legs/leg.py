@@ -10,7 +10,7 @@ have to do anyway. Payloads are canonical base64 of G.711 in the leg's `audio_fo
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -65,7 +65,7 @@ class CallLeg(Protocol):
     audio_format: AudioFormat
     playback: PlaybackTracker
 
-    def events(self) -> AsyncIterator[LegEvent]:
+    def events(self) -> AsyncGenerator[LegEvent, None]:
         """Caller events until the leg closes (ends with LegClosed)."""
         ...
 

@@ -10,7 +10,7 @@ server's word instead of on marks or an RTP clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 
 from telephony.audio import base64_size
 from telephony.legs.leg import AudioFormat, LegClosed, LegEvent
@@ -41,7 +41,7 @@ class SidebandLeg:
         self._closed = False
         self._next: list[str] = []  # items whose playout started while another still played
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         """Nothing but the end: DTMF and speech arrive as server events on the sideband."""
         await self._ended.wait()
         yield LegClosed(self._reason)

@@ -7,7 +7,7 @@ import base64
 import binascii
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from telephony import dtmf_out
@@ -106,7 +106,7 @@ class SipLeg:
 
     # ---- CallLeg ------------------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         while True:
             event = await self._events.get()
             yield event

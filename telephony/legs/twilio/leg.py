@@ -8,7 +8,7 @@ import contextlib
 import logging
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Protocol
 
 from telephony import dtmf_out
@@ -231,19 +231,20 @@ class TwilioLeg:
     def _frames_seen(self) -> int:
         return self.frames_in
 
-    async def events(self) -> AsyncIterator[LegEvent]:
+    async def events(self) -> AsyncGenerator[LegEvent, None]:
         """Caller audio, digits and finally LegClosed; malformed frames are recorded, skipped."""
         set_lane = getattr(self._ws, "set_lane", None)
         if set_lane is not None:
             set_lane(self._lane)
         try:
-            async for event in self._read_events():
-                yield event
+            async with contextlib.aclosing(self._read_events()) as events:  # closed with this one
+                async for event in events:
+                    yield event
         finally:
             if set_lane is not None:
                 set_lane(None)
 
-    async def _read_events(self) -> AsyncIterator[LegEvent]:
+    async def _read_events(self) -> AsyncGenerator[LegEvent, None]:
         while not self._closed:
             try:
                 self._waiting = True
