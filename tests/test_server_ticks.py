@@ -1,0 +1,76 @@
+"""The server's main loop (app/server.py): with nothing to do it ticks once a second, not
+uvicorn's ten times; a stop or a signal is acted on at once, whatever the tick.
+
+Here the idle tick is made 10,000 s long, so a server that waited for it would not stop
+within the test's bound."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import app.server as server_module
+from app.main import create_app
+from app.server import ServiceServer, uvicorn_config
+from tests.e2e_support import make_settings, wait_until
+
+
+@asynccontextmanager
+async def serving(engine: AsyncEngine) -> AsyncIterator[tuple[ServiceServer, asyncio.Task[None]]]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    settings = make_settings(sock.getsockname()[1])
+    app = create_app(settings, engine=engine)
+    server = ServiceServer(
+        uvicorn_config(app, settings, log_level="warning", access_log=False),
+        drain_timeout_s=30,
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await wait_until(lambda: server.started, 10, "the server started")
+        yield server, task
+    finally:
+        if not task.done():
+            server.force_exit = True
+            server.should_exit = True
+            await asyncio.wait_for(task, 30)
+        sock.close()
+
+
+@pytest.fixture
+def long_idle_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "MAIN_LOOP_IDLE_TICKS", 100_000)
+
+
+@pytest.mark.usefixtures("long_idle_tick")
+async def test_should_exit_stops_the_server_without_waiting_for_a_tick(
+    engine: AsyncEngine,
+) -> None:
+    async with serving(engine) as (server, task):
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+    assert task.exception() is None
+
+
+@pytest.mark.usefixtures("long_idle_tick")
+async def test_a_signal_starts_the_drain_at_once_and_an_idle_server_then_stops(
+    engine: AsyncEngine,
+) -> None:
+    async with serving(engine) as (server, task):
+        runtime = server.config.app.state.runtime  # type: ignore[attr-defined]
+        assert not runtime.registry.draining
+        server.handle_exit(signal.SIGTERM, None)
+        # The drain began on the tick the signal asked for: no call is live, so it stops.
+        async with asyncio.timeout(10):
+            await task
+        assert runtime.registry.draining
+    assert server.signals_received == 1
+    assert not server.drain_expired
