@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -75,7 +74,8 @@ class PgListener:
                             callback()
                         except Exception:
                             log.exception("catch-up after LISTEN failed")
-                    await self._hear(conn)
+                    async for note in conn.notifies():
+                        self._dispatch(note.channel, note.payload)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -84,32 +84,6 @@ class PgListener:
                 if not DATABASE.failed("notification listener", exc):
                     log.warning("notification listener lost its connection (%s); reconnecting", exc)
                 await asyncio.sleep(self._reconnect_s)
-
-    async def _hear(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Dispatch notifications until the connection fails.
-
-        The event loop watches the socket, and libpq reads it when there is something to
-        read (`consume_input`, then its queue of notifications: what psycopg's `notifies()`
-        does once it has waited). psycopg's own wait wakes every 0.1 s to look again: ten
-        wake-ups a second of a process that has nothing to do. A connection that breaks
-        makes the socket readable, and the read fails as it would have."""
-        async for note in conn.notifies(timeout=0):  # any that came with LISTEN's replies
-            self._dispatch(note.channel, note.payload)
-        pgconn = conn.pgconn
-        encoding = conn.info.encoding
-        loop = asyncio.get_running_loop()
-        fd = conn.fileno()
-        readable = asyncio.Event()
-        loop.add_reader(fd, readable.set)
-        try:
-            while True:
-                await readable.wait()
-                readable.clear()
-                pgconn.consume_input()
-                while (pgn := pgconn.notifies()) is not None:
-                    self._dispatch(pgn.relname.decode(encoding), pgn.extra.decode(encoding))
-        finally:
-            loop.remove_reader(fd)
 
     def _dispatch(self, channel: str, payload: str) -> None:
         for handler in self._handlers.get(channel, []):
