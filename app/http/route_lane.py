@@ -43,11 +43,9 @@ SocketHandler = Callable[[WebSocket], Awaitable[None]]
 
 @dataclass(frozen=True)
 class LaneRoute:
-    """One route the lane takes: its path, `method` (`"WEBSOCKET"` for a socket) and
-    `handler`, and the router's route for the same path (what the scope records)."""
+    """One route the lane takes (its method and path are the lane's key): `handler`, and
+    the router's route for the same path with its endpoint (what the scope records)."""
 
-    method: str
-    path: str
     handler: HttpHandler | SocketHandler
     route: BaseRoute
     endpoint: Callable[..., Any]
@@ -102,7 +100,7 @@ def install_route_lane(app: Any, handlers: Mapping[tuple[str, str], Callable[...
             app.state.route_lane = f"no route {method} {path} without dependencies"
             return app.state.route_lane
         endpoint = getattr(found, "endpoint", handler)
-        routes[(method, path)] = LaneRoute(method, path, handler, found, endpoint)
+        routes[(method, path)] = LaneRoute(handler, found, endpoint)
     build = app.build_middleware_stack
 
     def build_with_lane() -> ASGIApp:
