@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -19,6 +21,36 @@ from tools.outage import DATABASE
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str], None]
+
+# psycopg's wait for a notification wakes every 0.1 s (its wait interval, so that a blocking
+# wait notices Ctrl-C) to find nothing and wait again: ten wake-ups a second of a process with
+# nothing to do, each ~0.1 ms of CPU on a virtual machine. An asyncio task is cancelled
+# without such a wake, and the socket turning readable (a notification, the server gone) ends
+# the wait at once whatever the interval, so the LISTEN connection waits this long between
+# wakes. psycopg still does all the reading.
+LISTEN_WAKE_S = 30.0
+
+
+def long_wait_fits() -> bool:
+    """Whether psycopg's `AsyncConnection.wait` still takes the interval second (what
+    `_ListenConnection` sets); if not, the listener uses psycopg's connection as it is."""
+    try:
+        names = list(inspect.signature(psycopg.AsyncConnection.wait).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:3] == ["self", "gen", "interval"]
+
+
+class _ListenConnection(psycopg.AsyncConnection[Any]):
+    """psycopg's connection, waiting `LISTEN_WAKE_S` between idle wakes."""
+
+    async def wait(self, gen: Any, interval: Any = LISTEN_WAKE_S, *args: Any, **kwargs: Any) -> Any:
+        return await super().wait(gen, LISTEN_WAKE_S, *args, **kwargs)
+
+
+LISTEN_CONNECTION: type[psycopg.AsyncConnection[Any]] = (
+    _ListenConnection if long_wait_fits() else psycopg.AsyncConnection
+)
 
 
 class PgListener:
@@ -63,7 +95,7 @@ class PgListener:
     async def _run(self) -> None:
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
+                async with await LISTEN_CONNECTION.connect(
                     self._url, autocommit=True, connect_timeout=10
                 ) as conn:
                     for channel in self._handlers:

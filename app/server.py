@@ -23,6 +23,7 @@ from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any
 
+import psycopg
 import uvicorn
 
 from app import embedded_db
@@ -35,6 +36,7 @@ from app.http.guard import HttpLimits, base_protocol, guarded_protocol
 from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
 from app.loop_watch import LoopWatch
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
+from app.pg_listener import LISTEN_CONNECTION, long_wait_fits
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
 from app.tool_wiring import (
@@ -259,8 +261,9 @@ class ServiceServer(uvicorn.Server):
 
 
 def fast_paths(config: uvicorn.Config) -> list[FastPath]:
-    """The media path's shortcuts into uvicorn, websockets, FastAPI and the OpenAI SDK, and
-    whether each is on in this process (said at start-up: a library release can turn one off)."""
+    """The media path's shortcuts into uvicorn, websockets, FastAPI and the OpenAI SDK, the
+    LISTEN connection's long wait in psycopg, and whether each is on in this process (said at
+    start-up: a library release can turn one off)."""
     if config.ws is MediaWebSocketProtocol:
         media = media_fast_paths(deflate=bool(config.ws_per_message_deflate))
     else:
@@ -269,7 +272,12 @@ def fast_paths(config: uvicorn.Config) -> list[FastPath]:
         ]
     lane = getattr(getattr(config.app, "state", None), "route_lane", None)
     routes = [] if lane is None else [FastPath("route lane", not lane, lane)]
-    return media + routes + realtime_fast_paths()
+    listen = FastPath(
+        "listener long wait",
+        LISTEN_CONNECTION is not psycopg.AsyncConnection,
+        "" if long_wait_fits() else "psycopg's AsyncConnection.wait takes no interval",
+    )
+    return [*media, *routes, *realtime_fast_paths(), listen]
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:

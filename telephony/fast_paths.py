@@ -40,7 +40,7 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-LIBRARIES = ("uvicorn", "websockets", "openai", "starlette", "fastapi")
+LIBRARIES = ("uvicorn", "websockets", "openai", "starlette", "fastapi", "psycopg")
 
 
 def summary(paths: Iterable[FastPath]) -> str:

@@ -31,6 +31,7 @@ NAMES = [
     "realtime direct send",
     "realtime nowait sender",
     "realtime session.update reuse",
+    "listener long wait",
 ]
 
 

@@ -4,6 +4,7 @@ handlers in order, and a lost connection is replaced, its subscribers told to ca
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import psycopg
 
@@ -60,3 +61,34 @@ async def test_a_lost_connection_is_replaced_and_its_subscribers_catch_up(clean_
         await wait_until(lambda: heard == ["before", "after"], 5, "a notification after")
     finally:
         await listener.stop()
+
+
+async def test_an_idle_listener_does_not_wake_ten_times_a_second(clean_db: str) -> None:
+    # psycopg's wait wakes every 0.1 s with nothing to read (its interval against Ctrl-C):
+    # ten wake-ups a second of an idle process. The LISTEN connection's waits are long, and a
+    # notification still ends one at once.
+    url = plain_url(clean_db)
+    heard: list[str] = []
+    listener = PgListener(url)
+    listener.subscribe("lst_idle", heard.append)
+    await listener.start()
+    loop = asyncio.get_running_loop()
+    timers: list[float] = []
+    call_later = loop.call_later
+
+    def counting(delay: float, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(callback, "__module__", None) == "psycopg.waiting":
+            timers.append(delay)
+        return call_later(delay, callback, *args, **kwargs)
+
+    try:
+        loop.call_later = counting  # type: ignore[method-assign]
+        try:
+            await asyncio.sleep(0.65)  # nothing but the listener's wait on psycopg's clock
+        finally:
+            del loop.call_later
+        await _notify(url, ("lst_idle", "now"))
+        await wait_until(lambda: heard == ["now"], 5, "the notification")
+    finally:
+        await listener.stop()
+    assert timers == [], f"the idle listener woke {len(timers)} times in 0.65 s"
