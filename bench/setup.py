@@ -23,6 +23,8 @@ Three processes as in the echo harness: the echo Realtime fake, the server (on C
 
     .venv/bin/python bench/setup.py [--calls 200] [--rate 10] [--pin] [--repeat 2]
         [--frames 1] [--profile DIR]  (py-spy, raw: the server during the run)
+        [--wakeups DIR]  (strace: the server's event loop woken per call, by what; the CPU
+                          figures of such a run include strace's cost)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,6 +58,9 @@ from _echo import (  # bench/ is on sys.path when run as a script
 )
 from _echo_callers import cpu_seconds
 from _stats import pct
+from _wakeups import KINDS, strace_command
+from _wakeups import count as count_wakeups
+from _wakeups import stop as stop_strace
 from _wsio import connect
 
 from telephony.sim.fake_caller import FakeTwilioCaller
@@ -148,12 +154,13 @@ async def churn(
 
 def run_target(
     target: str, calls: int, rate: float, pin: bool, db_url: str | None, workdir: Path,
-    profile: Path | None, frames: int,
+    profile: Path | None, frames: int, wakeups: Path | None = None,
 ) -> dict:  # fmt: skip
     echo, echo_url = _start_echo(workdir, pin, None, workdir / f"echo-{uuid.uuid4().hex}.json")
     port = _free_port()
     server = None
     spy = None
+    tracer = None
     try:
         server = _start_server(target, port, echo_url, db_url, workdir, pin)
         load = _loadavg()
@@ -176,6 +183,11 @@ def run_target(
                       str(profile / f"{target}.txt")], LOAD_CPU, pin),
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
+        if wakeups is not None:
+            wakeups.mkdir(parents=True, exist_ok=True)
+            trace = wakeups / f"{target}-{uuid.uuid4().hex[:6]}.strace"
+            tracer = subprocess.Popen(strace_command(server.pid, trace), stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached before the first call
         result = asyncio.run(
             churn(
                 f"http://127.0.0.1:{port}",
@@ -191,8 +203,16 @@ def run_target(
             result["cpu_ms_per_call"] - idle * 1000 * result["window_s"] / calls
         )
         result["load"] = load
+        if tracer is not None:
+            stop_strace(tracer)
+            tracer = None
+            db_port = urlsplit(db_url).port or 5432 if db_url else 5432
+            woken = count_wakeups(trace, port, urlsplit(echo_url).port or 0, db_port)
+            result["wakeups"] = {kind: n / calls for kind, n in woken.items()}
         return result
     finally:
+        if tracer is not None:
+            stop_strace(tracer)
         if spy is not None:
             spy.wait(120)
         if server is not None:
@@ -208,6 +228,7 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true")
     parser.add_argument("--targets", default="relay-plain,service")
     parser.add_argument("--profile", type=Path)
+    parser.add_argument("--wakeups", type=Path, help="strace logs here; wake-ups per call")
     parser.add_argument(
         "--frames", type=int, default=50,
         help="caller audio frames a call (20 ms each; 1: the set-up and tear-down alone)",
@@ -227,7 +248,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 for target in args.targets.split(","):
                     r = run_target(target, args.calls, args.rate, args.pin, db_url, Path(tmp),
-                                   args.profile, frames)  # fmt: skip
+                                   args.profile, frames, args.wakeups)  # fmt: skip
                     print(f"{target}: {r}", file=sys.stderr)
                     rows.append((target, r))
         finally:
@@ -244,6 +265,14 @@ def main() -> None:
         print(f"{target:14} {r['cpu_ms_per_call']:>11.1f} {r['idle_ms_per_s']:>9.1f} "
               f"{r['less_idle_ms_per_call']:>9.1f} {r['failed']:>6} "
               f"{r['took_p50']:>7.2f}/{r['took_p99']:<7.2f}  {r['load']}")  # fmt: skip
+    if args.wakeups is not None:
+        print("\nThe server's event loop woken per call, by what woke it (strace; a wake-up for"
+              " several kinds counts for the first; idle timers included)")  # fmt: skip
+        print(f"{'target':14} " + " ".join(f"{k:>8}" for k in KINDS) + f" {'all':>8}")
+        for target, r in rows:
+            w = r.get("wakeups") or {}
+            print(f"{target:14} " + " ".join(f"{w.get(k, 0):>8.2f}" for k in KINDS)
+                  + f" {sum(w.values()):>8.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
