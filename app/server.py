@@ -46,6 +46,7 @@ from app.tool_wiring import (
     runs_demo_sor,
 )
 from telephony.fast_paths import FastPath, realtime_fast_paths, summary
+from telephony.quiet_server import IDLE_TICKS, QuietServer
 from tools.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,10 @@ GC_MIDDLE_EVERY = 100
 # How long another thread may keep the GIL once the event loop asks for it (CPython: 5 ms).
 SWITCH_INTERVAL_S = 0.001
 # uvicorn's main loop ticks every tenth of a second; ours, with nothing to do, every second.
-MAIN_LOOP_IDLE_TICKS = 10
+MAIN_LOOP_IDLE_TICKS = IDLE_TICKS
 
 
-class ServiceServer(uvicorn.Server):
+class ServiceServer(QuietServer):
     """uvicorn that drains before it stops.
 
     The first SIGTERM or SIGINT starts the drain: the call registry refuses new calls, and
@@ -103,42 +104,10 @@ class ServiceServer(uvicorn.Server):
     def _runtime(self) -> Any:
         return getattr(getattr(self.config.app, "state", None), "runtime", None)
 
-    # uvicorn's main loop wakes ten times a second to look at `should_exit` (and once a
-    # second of those to renew its Date header): ten wake-ups a second of a process with
-    # nothing to do. Here it ticks once a second, every tenth of one while draining, and at
-    # once when `should_exit` is set or a signal comes in.
-    @property
-    def should_exit(self) -> bool:
-        return self.__dict__.get("_should_exit", False)
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        self.__dict__["_should_exit"] = value
-        if value:
-            self._tick_soon()
-
-    def _tick_soon(self) -> None:
-        """The main loop's next tick now (safe from a signal handler or another thread)."""
-        woken = self.__dict__.get("_tick_now")
-        loop = self.__dict__.get("_tick_loop")
-        if woken is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(woken.set)
-
-    async def main_loop(self) -> None:
-        self._tick_loop = asyncio.get_running_loop()
-        self._tick_now = woken = asyncio.Event()
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            # In uvicorn's tenths of a second: its Date header is renewed at each multiple of
-            # ten, so on every tick of a second.
-            step = 1 if self.signals_received else MAIN_LOOP_IDLE_TICKS
-            counter = (counter + step) % 864000
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(step / 10):
-                    await woken.wait()
-            woken.clear()
-            should_exit = await self.on_tick(counter)
+    # The main loop ticks once a second with nothing to do (QuietServer), every tenth of one
+    # while draining, and at once when `should_exit` is set or a signal comes in.
+    def _tick_step(self) -> int:
+        return 1 if self.signals_received else MAIN_LOOP_IDLE_TICKS
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a signal handler: only flags here; the drain itself starts on the next tick.
@@ -324,10 +293,10 @@ def metrics_listener(app: Any, settings: Settings) -> tuple[uvicorn.Server, sock
         access_log=False,
         timeout_keep_alive=max(1, int(settings.http_idle_timeout_s)),
     )
-    return _QuietServer(config), sock
+    return _SideServer(config), sock
 
 
-class _QuietServer(uvicorn.Server):
+class _SideServer(QuietServer):
     """A side server: the service's own server owns SIGTERM and SIGINT."""
 
     @contextlib.contextmanager

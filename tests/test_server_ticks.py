@@ -11,13 +11,16 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
+import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import app.server as server_module
 from app.main import create_app
 from app.server import ServiceServer, uvicorn_config
+from telephony.quiet_server import QuietServer
 from tests.e2e_support import make_settings, wait_until
 
 
@@ -74,3 +77,38 @@ async def test_a_signal_starts_the_drain_at_once_and_an_idle_server_then_stops(
         assert runtime.registry.draining
     assert server.signals_received == 1
     assert not server.drain_expired
+
+
+async def test_every_server_we_run_ticks_once_a_second_and_stops_at_once() -> None:
+    # The /metrics listener and the in-process stand-ins (the demo's system of record, the
+    # fake Twilio API) are QuietServers too: uvicorn's own would tick five times in 0.5 s.
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover - unused
+        raise AssertionError
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+    server = QuietServer(config)
+    ticks: list[int] = []
+    on_tick = server.on_tick
+
+    async def counting(counter: int) -> bool:
+        ticks.append(counter)
+        return await on_tick(counter)
+
+    server.on_tick = counting  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await wait_until(lambda: server.started, 10, "the server started")
+        await asyncio.sleep(0.5)
+        assert len(ticks) <= 2, ticks  # the first tick, and at most one a second after
+        stopping = asyncio.get_running_loop().time()
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        assert asyncio.get_running_loop().time() - stopping < 0.5  # not the next tick
+    finally:
+        if not task.done():
+            server.force_exit = server.should_exit = True
+            await asyncio.wait_for(task, 10)
+        sock.close()

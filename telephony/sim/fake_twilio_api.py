@@ -73,6 +73,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 from twilio.request_validator import RequestValidator
 
+from telephony.quiet_server import QuietServer
 from telephony.sim.fake_caller import DEFAULT_ACCOUNT_SID, DEFAULT_AUTH_TOKEN, parse_twiml
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class InProcessServer:
         self.app = app
         self.host = host
         self.port = port
-        self._server: uvicorn.Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
 
@@ -127,7 +128,7 @@ class InProcessServer:
             ws="websockets-sansio",
             access_log=False,
         )
-        self._server = uvicorn.Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(
             self._server.serve(sockets=[sock]), name=f"uvicorn-{self.port}"
         )

@@ -30,6 +30,8 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from telephony.quiet_server import QuietServer
+
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -115,7 +117,7 @@ class AppointmentsApi:
         self._serving = 0  # requests being answered now
         self._lock = asyncio.Lock()
         self._release = asyncio.Event()
-        self._server: uvicorn.Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.app = self._build()
 
@@ -132,7 +134,7 @@ class AppointmentsApi:
             self.app, log_level="warning", lifespan="off", access_log=False,
             timeout_graceful_shutdown=2,
         )  # fmt: skip
-        self._server = uvicorn.Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         async with asyncio.timeout(10.0):
             while not self._server.started:

@@ -35,6 +35,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field, ValidationError
 
+from telephony.quiet_server import QuietServer
 from tools.callback import CallbackReport, signed_headers
 from tools.restaurant.protocol import (
     CALLBACK_URL_HEADER,
@@ -173,7 +174,7 @@ class SystemOfRecord:
         self.control_token = control_token or secrets.token_urlsafe(24)
         self.seats_per_slot = seats_per_slot
         self._pool: AsyncConnectionPool | None = None
-        self._server: uvicorn.Server | None = None
+        self._server: QuietServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._release = asyncio.Event()
@@ -218,7 +219,7 @@ class SystemOfRecord:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
-        self._server = uvicorn.Server(config)
+        self._server = QuietServer(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         async with asyncio.timeout(10.0):
             while not self._server.started:
