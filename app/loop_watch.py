@@ -8,7 +8,8 @@ Both are histograms on the process's `/metrics` (`voice_agent_event_loop_lag_sec
 the core, not for the collector); a loop held up past `WARN_LAG_S` also logs a
 warning (at most one a minute), since every call on the process went silent meanwhile.
 `serve` and `voice-agent worker` watch themselves; the cost is a timer every
-`INTERVAL_S` and four clock reads a collection.
+`INTERVAL_S` (every `IDLE_INTERVAL_S` while `serve` carries no call) and four clock reads a
+collection.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import gc
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Histogram
 
 INTERVAL_S = 0.25  # how often the loop's lateness is sampled
+# ... and while the process has nothing to carry (`LoopLag.busy` says so): each sample is a
+# wake-up of a process with nothing else to do.
+IDLE_INTERVAL_S = 1.0
 RECENT_S = 5.0  # `LoopLag.late` judges the samples of this long
 WARN_LAG_S = 0.5  # a loop this late logs a warning ...
 WARN_EVERY_S = 60.0  # ... at most this often
@@ -86,10 +91,15 @@ class GcPauses:
 
 class LoopLag:
     """Samples how late the running loop runs a timer due every `interval` s, into `LOOP_LAG`,
-    and keeps the last `RECENT_S` of samples to judge whether the loop keeps up (`late`)."""
+    and keeps the last `RECENT_S` of samples to judge whether the loop keeps up (`late`).
+    With `busy` set, every `idle_interval` s while it answers False."""
 
-    def __init__(self, interval: float = INTERVAL_S) -> None:
+    def __init__(
+        self, interval: float = INTERVAL_S, idle_interval: float = IDLE_INTERVAL_S
+    ) -> None:
         self._interval = interval
+        self._idle_interval = max(interval, idle_interval)
+        self.busy: Callable[[], bool] | None = None  # whether the process carries anything
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
@@ -116,7 +126,9 @@ class LoopLag:
 
     def _arm(self) -> None:
         assert self._loop is not None
-        self._due = self._loop.time() + self._interval
+        busy = self.busy
+        interval = self._interval if busy is None or busy() else self._idle_interval
+        self._due = self._loop.time() + interval
         self._handle = self._loop.call_at(self._due, self._tick)
 
     def _tick(self) -> None:

@@ -154,6 +154,9 @@ class ServiceServer(QuietServer):
         self.watch.start()
         await super().startup(sockets)
         runtime = self._runtime()
+        if runtime is not None:
+            registry = runtime.registry
+            self.watch.lag.busy = lambda: registry.load() > 0  # sampled each second when idle
         if runtime is not None and runtime.settings.busy_loop_lag_ms > 0:
             threshold = runtime.settings.busy_loop_lag_ms / 1000
             lag = self.watch.lag

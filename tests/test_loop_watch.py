@@ -52,6 +52,28 @@ async def test_a_held_event_loop_is_measured_and_warned_about_once_a_minute(
     assert lag_samples() == stopped  # stopped: no timer left on the loop
 
 
+async def test_an_idle_process_samples_its_loop_less_often() -> None:
+    # Each sample wakes the process; with nothing to carry it samples every idle_interval.
+    carrying = False
+    watch = LoopLag(interval=0.05, idle_interval=1.0)
+    watch.busy = lambda: carrying
+    watch.start()
+    try:
+        samples = lag_samples()
+        await asyncio.sleep(0.5)
+        assert lag_samples() == samples  # idle: the first sample is 1 s away
+        carrying = True  # from that sample on, every 0.05 s
+        await asyncio.sleep(0.8)
+        assert lag_samples() - samples >= 3
+        carrying = False
+        await asyncio.sleep(0.25)  # the sample armed while carrying
+        idle_from = lag_samples()
+        await asyncio.sleep(0.5)
+        assert lag_samples() == idle_from
+    finally:
+        watch.stop()
+
+
 def test_every_collection_is_timed_by_its_generation() -> None:
     watch = GcPauses().install()
     try:

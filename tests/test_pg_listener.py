@@ -91,4 +91,6 @@ async def test_an_idle_listener_does_not_wake_ten_times_a_second(clean_db: str) 
         await wait_until(lambda: heard == ["now"], 5, "the notification")
     finally:
         await listener.stop()
-    assert timers == [], f"the idle listener woke {len(timers)} times in 0.65 s"
+    # Its wait may begin inside the window (one long timer); no short one may.
+    short = [delay for delay in timers if delay < 1.0]
+    assert short == [], f"the idle listener woke {len(short)} times in 0.65 s"
