@@ -36,7 +36,7 @@ from app.http.guard import HttpLimits, base_protocol, guarded_protocol
 from app.legs.twilio.media_ws import MediaWebSocketProtocol, media_fast_paths, missing_hooks
 from app.loop_watch import LoopWatch
 from app.main import SHUTDOWN_CALLS_WAIT_S, create_app
-from app.pg_listener import LISTEN_CONNECTION, long_wait_fits
+from app.pg_listener import LISTEN_CONNECTION
 from app.realtime_check import check_api_key, plan_realtime
 from app.settings import Settings, host_port
 from app.tool_wiring import (
@@ -244,10 +244,11 @@ def fast_paths(config: uvicorn.Config) -> list[FastPath]:
         ]
     lane = getattr(getattr(config.app, "state", None), "route_lane", None)
     routes = [] if lane is None else [FastPath("route lane", not lane, lane)]
+    long_wait = LISTEN_CONNECTION is not psycopg.AsyncConnection
     listen = FastPath(
         "listener long wait",
-        LISTEN_CONNECTION is not psycopg.AsyncConnection,
-        "" if long_wait_fits() else "psycopg's AsyncConnection.wait takes no interval",
+        long_wait,
+        "" if long_wait else "psycopg's AsyncConnection.wait takes no interval",
     )
     return [*media, *routes, *realtime_fast_paths(), listen]
 
