@@ -6,9 +6,11 @@ wire: the append frame is built by concatenation around the leg's base64 payload
 encoder, no SDK transform, no decode and re-encode), and an audio delta is recognised from
 the raw frame before the SDK's pydantic parse (about 57 us per delta on our machines, 21% of
 the server's CPU at 40 calls). The set-up's `session.created` and `session.updated` are read
-the same way, for their type and the session's id (`session_event_fields`). Every other server
-event still goes through the SDK's models (`AsyncRealtimeConnection.parse_event`), and every
-client event we send is the SDK's.
+the same way, for their type and the session's id (`session_event_fields`). A frame is parsed
+once (`frame_object`); an event whose type the bridge does not act on (transcript deltas,
+content parts, item notices, rate limits) is dropped there (`RealtimeLink.read`); every other
+server event still goes through the SDK's models (`AsyncRealtimeConnection.parse_event`), and
+every client event we send is the SDK's.
 
 Under the SDK's connection sits `LaneConnection`, websockets' client connection with a lane:
 while the bridge's reader waits and nothing is queued before it, an audio delta is played in
@@ -83,11 +85,24 @@ def audio_delta(raw: bytes | str) -> AudioDelta | None:
 def audio_delta_fields(raw: bytes | str) -> tuple[str, str, str] | None:
     """`audio_delta` as (response_id, item_id, delta), without an object (the lane). Bytes
     that are not UTF-8 are not JSON: None."""
+    data = frame_object(raw)
+    return delta_fields_of(data) if data is not None else None
+
+
+def frame_object(raw: bytes | str) -> dict[str, Any] | None:
+    """A server frame's JSON object, parsed once for every look at it; None when the frame
+    is not one (not UTF-8, not JSON, or JSON but not an object)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return None  # the SDK's parse reports it
-    if type(data) is not dict or data.get("type") != AUDIO_DELTA:
+        return None
+    return data if type(data) is dict else None
+
+
+def delta_fields_of(data: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(response_id, item_id, delta) of a parsed frame that is a well-formed audio delta;
+    None for anything else (another event, or a delta whose fields the SDK must judge)."""
+    if data.get("type") != AUDIO_DELTA:
         return None
     response_id = data.get("response_id")
     item_id = data.get("item_id")

@@ -73,6 +73,28 @@ EXPECTED_ERROR_CODES = frozenset(
 )
 # Errors after which the session cannot continue; treated like a dropped socket.
 FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
+# The Realtime server events `Bridge._on_event` acts on (its `case`s, which
+# tests/test_hot_path.py checks against this): the link drops every other type unparsed
+# (transcript deltas, content parts, item notices, rate limits: most of what is not audio).
+REALTIME_EVENTS_HANDLED = frozenset(
+    {
+        "response.output_audio.delta",
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "response.created",
+        "response.done",
+        "response.output_item.added",
+        "output_audio_buffer.started",
+        "output_audio_buffer.stopped",
+        "output_audio_buffer.cleared",
+        "input_audio_buffer.dtmf_event_received",
+        "response.output_item.done",
+        "response.output_audio_transcript.done",
+        "conversation.item.input_audio_transcription.completed",
+        "error",
+    }
+)
 HISTORY_LINES = 20
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
@@ -471,8 +493,12 @@ class Bridge:
             first = False
             await self.audio.flush_backlog(session)
             await self.utterances.drain()
-            handle = self._on_live_event if self._live is not None else self._on_event
-            reason = await self.link.read(session, self.audio.play, handle)
+            if self._live is not None:
+                reason = await self.link.read(session, self.audio.play, self._on_live_event)
+            else:
+                reason = await self.link.read(
+                    session, self.audio.play, self._on_event, REALTIME_EVENTS_HANDLED
+                )
             if self._ended.is_set():
                 return
             self._emit(CallEventKind.REALTIME_DROPPED, reason=reason)

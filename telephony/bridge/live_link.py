@@ -407,7 +407,13 @@ class LiveLink:
     def open_lane(self, session: Any, lane: DeltaLane) -> bool:
         return False
 
-    async def read(self, session: Any, on_delta: DeltaHandler, on_event: EventHandler) -> str:
+    async def read(
+        self,
+        session: Any,
+        on_delta: DeltaHandler,
+        on_event: EventHandler,
+        handles: frozenset[str] | None = None,
+    ) -> str:
         """Handle server events until the socket drops; returns why it dropped."""
         conn = session.conn
         call_id = self._port.call_id

@@ -87,9 +87,14 @@ class ModelLink(Protocol):
         ...
 
     async def read(
-        self, session: ModelSession, on_delta: DeltaHandler, on_event: EventHandler
+        self,
+        session: ModelSession,
+        on_delta: DeltaHandler,
+        on_event: EventHandler,
+        handles: frozenset[str] | None = None,
     ) -> str:
-        """Handle the session's events until it drops; returns why it dropped."""
+        """Handle the session's events until it drops; returns why it dropped. A link may
+        drop, unparsed, an event whose type is not in `handles` (None: all go to `on_event`)."""
         ...
 
     def open_lane(self, session: ModelSession, lane: DeltaLane) -> bool:
