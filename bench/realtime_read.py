@@ -1,25 +1,31 @@
-"""The Realtime read loop's CPU per server event, on a conversation's real mix of events.
+"""The model read loops' CPU per server event, on a conversation's real mix of events.
 
-A scripted Realtime server (a process of its own, plain `websockets`) answers the session's
-`session.update` and then sends, as fast as the socket takes them, `--cycles` conversation
-cycles, each one turn of the caller and one of the agent as the Realtime API sends them: the
-caller's speech started, stopped and committed, its item added and done, three transcription
-deltas and the completed transcription; the agent's response created, its item and content
-part added, 3 s of audio in 20 ms deltas with a transcript delta every 300 ms, the audio and
-transcript done, the part, item and response done, and the rate limits. 180 frames a cycle:
-150 audio deltas and 30 other events, 9 of which the bridge acts on.
+A scripted server (a process of its own, plain `websockets`) answers the session's set-up and
+then sends, as fast as the socket takes them, `--cycles` conversation cycles, each one turn of
+the caller and one of the agent:
 
-This process reads them the way a call does (`RealtimeLink.connect`, then `RealtimeLink.read`
-with handlers that do nothing), its CPU (`resource.getrusage`, this process only) over the read
+- Realtime, as the Realtime API sends them: the caller's speech started, stopped and
+  committed, its item added and done, three transcription deltas and the completed
+  transcription; the agent's response created, its item and content part added, 3 s of audio
+  in 20 ms deltas with a transcript delta every 300 ms, the audio and transcript done, the
+  part, item and response done, and the rate limits. 180 frames a cycle: 150 audio deltas and
+  30 other events, 9 of which the bridge acts on.
+- GPT-Live, on its primary socket: three caller transcript deltas, 3 s of audio in 20 ms
+  deltas with an agent transcript delta every 300 ms, and the session's usage. 164 frames:
+  150 audio deltas, 13 transcript deltas the bridge acts on, one event it does not.
+
+This process reads them the way a call does (the link's `connect`, then its `read` with
+handlers that do nothing), its CPU (`resource.getrusage`, this process only) over the read
 divided by the frames, for:
 
-- `handled`: `read` with the bridge's handled set (`REALTIME_EVENTS_HANDLED`): each frame
-  parsed once, audio deltas without the SDK's models, the 21 events no handler acts on dropped
-  unparsed, the other 9 parsed by the SDK;
-- `all`: `read` with no handled set: every event that is not an audio delta parsed by the SDK
-  (what `read` did before the handled set);
-- `sdk` (baseline): the SDK's own read, `async for event in connection` (every frame parsed into
-  its model), on a connection opened with `client.realtime.connect`.
+- `handled`: `read` with the bridge's handled set (`REALTIME_EVENTS_HANDLED`,
+  `LIVE_EVENTS_READ`): each frame parsed once, audio deltas without the SDK's models, the
+  events no handler acts on dropped unparsed, the others parsed by the SDK;
+- `all` (Realtime): `read` with no handled set, every event that is not an audio delta parsed
+  by the SDK, as `read` did before the handled set;
+- `sdk` (baseline): the SDK's own read, `async for event in connection` (every frame parsed
+  into its model): on GPT-Live, what `LiveLink.read` did before (`recv_bytes` and
+  `parse_event`, audio deltas included).
 
 Modes alternate round by round so the machine's load falls on all of them. No assertions.
 
@@ -149,6 +155,24 @@ def cycle() -> list[str]:
     return [json.dumps({"event_id": f"event_{i}", **e}) for i, e in enumerate(events)]
 
 
+def live_cycle() -> list[str]:
+    """One caller turn and one agent turn on GPT-Live's primary socket: the caller's
+    transcript deltas, 3 s of audio in 20 ms deltas with an agent transcript delta every
+    300 ms, and the session's usage (which no handler reads)."""
+    events: list[dict[str, Any]] = [
+        {"type": "session.input_transcript.delta", "delta": word}
+        for word in ("A table ", "for two ", "tonight")
+    ]
+    for n in range(150):
+        events.append({"type": "session.output_audio.delta", "delta": AUDIO})
+        if n % 15 == 14:
+            events.append({"type": "session.output_transcript.delta", "delta": "booked "})
+    events.append(
+        {"type": "session.usage.updated", "usage": {"input_tokens": 300, "output_tokens": 120}}
+    )
+    return [json.dumps({"event_id": f"event_{i}", **e}) for i, e in enumerate(events)]
+
+
 SERVER = """
 import asyncio, json, sys
 from websockets.asyncio.server import serve
@@ -156,16 +180,21 @@ frames = json.loads(sys.stdin.read())
 cycles = int(sys.argv[1])
 
 async def handle(ws):
-    await ws.send(json.dumps({"type": "session.created", "event_id": "e0",
-                              "session": {"id": "sess_bench", "object": "realtime.session"}}))
+    if "realtime" in ws.request.path:
+        await ws.send(json.dumps({"type": "session.created", "event_id": "e0",
+                                  "session": {"id": "sess_bench", "object": "realtime.session"}}))
     async for raw in ws:
-        event = json.loads(raw)
-        if event.get("type") == "session.update":
+        kind = json.loads(raw).get("type")
+        if kind == "session.update":
             await ws.send(json.dumps({"type": "session.updated", "event_id": "e1",
                                       "session": {"id": "sess_bench"}}))
             break
+        if kind == "session.start":
+            await ws.send(json.dumps({"type": "session.started", "event_id": "e1",
+                                      "session": {"id": "sess_bench"}}))
+            break
     for _ in range(cycles):
-        for frame in frames:
+        for frame in frames[kind]:
             await ws.send(frame)
     await ws.close()
 
@@ -177,17 +206,31 @@ async def main():
 asyncio.run(main())
 """
 
+MODES = {
+    "realtime": (
+        ("sdk", "SDK `async for` (baseline)"),
+        ("all", "`read`, no handled set (as before)"),
+        ("handled", "`read`, the bridge's handled set"),
+    ),
+    "live": (
+        ("sdk", "SDK `async for` (baseline; as `read` before: every frame parsed)"),
+        ("handled", "`read`, the bridge's handled set"),
+    ),
+}
+
 
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
-async def _read_once(base_url: str, mode: str) -> tuple[float, int]:
+async def _read_once(base_url: str, model: str, mode: str) -> tuple[float, int]:
+    """One connection's read of every cycle: (CPU seconds, frames read)."""
     from openai import AsyncOpenAI
 
     from telephony.bridge import BridgeConfig
-    from telephony.bridge.bridge import REALTIME_EVENTS_HANDLED
+    from telephony.bridge.bridge import LIVE_EVENTS_READ, REALTIME_EVENTS_HANDLED
+    from telephony.bridge.live_link import LIVE_SOCKET_OPTIONS, LiveLink
     from telephony.bridge.port import Port
     from telephony.bridge.realtime_link import REALTIME_SOCKET_OPTIONS, RealtimeLink
 
@@ -195,14 +238,24 @@ async def _read_once(base_url: str, mode: str) -> tuple[float, int]:
     frames = 0
     try:
         if mode == "sdk":
-            async with client.realtime.connect(
-                model="gpt-realtime", websocket_connection_options=REALTIME_SOCKET_OPTIONS
-            ) as conn:
-                await conn.session.update(session={"type": "realtime"})
+            conn: Any
+            if model == "realtime":
+                manager: Any = client.realtime.connect(
+                    model="gpt-realtime", websocket_connection_options=REALTIME_SOCKET_OPTIONS
+                )
+            else:
+                manager = client.live.connect(websocket_connection_options=LIVE_SOCKET_OPTIONS)
+            async with manager as conn:
+                if model == "realtime":
+                    await conn.session.update(session={"type": "realtime"})
+                    skip = 2  # session.created, session.updated
+                else:
+                    await conn.send({"type": "session.start", "session": {}})
+                    skip = 1  # session.started
                 t0 = _cpu()
                 async for _event in conn:
                     frames += 1
-                return _cpu() - t0, frames - 2  # less the two session events
+                return _cpu() - t0, frames - skip
 
         port = Port(
             call_id="bench",
@@ -211,7 +264,13 @@ async def _read_once(base_url: str, mode: str) -> tuple[float, int]:
             finish=lambda reason: None,
             ended=lambda: False,
         )
-        link = RealtimeLink(port, BridgeConfig(), client, "audio/pcmu", lambda: [], deque())
+        link: Any
+        if model == "realtime":
+            link = RealtimeLink(port, BridgeConfig(), client, "audio/pcmu", lambda: [], deque())
+            handles = REALTIME_EVENTS_HANDLED if mode == "handled" else None
+        else:
+            link = LiveLink(port, BridgeConfig(), client, "audio/pcmu", lambda: [])
+            handles = LIVE_EVENTS_READ
         session, _, error = await link.connect(resumed=False)
         assert session is not None, error
         counted = [0]
@@ -223,7 +282,6 @@ async def _read_once(base_url: str, mode: str) -> tuple[float, int]:
             counted[0] += 1
             return None
 
-        handles = REALTIME_EVENTS_HANDLED if mode == "handled" else None
         t0 = _cpu()
         await link.read(session, on_delta, on_event, handles)
         spent = _cpu() - t0
@@ -232,36 +290,37 @@ async def _read_once(base_url: str, mode: str) -> tuple[float, int]:
         await client.close()
 
 
-async def main_async(base_url: str, frames: list[str], cycles: int, rounds: int) -> None:
-    per_cycle = len(frames)
-    audio = sum(1 for f in frames if '"response.output_audio.delta"' in f)
-    results: dict[str, list[float]] = {"sdk": [], "all": [], "handled": []}
-    await _read_once(base_url, "handled")  # warm-up: imports, SDK models' caches
+async def main_async(base_url: str, frames: dict[str, list[str]], cycles: int, rounds: int) -> None:
+    results = {model: {mode: [] for mode, _ in MODES[model]} for model in MODES}
+    for model in MODES:
+        await _read_once(base_url, model, "handled")  # warm-up: imports, the SDK's caches
     for r in range(rounds):
-        for mode in results:
-            spent, seen = await _read_once(base_url, mode)
-            assert seen == per_cycle * cycles, (mode, seen)
-            results[mode].append(spent * 1e6 / seen)
-            print(f"round {r + 1} {mode:8} {spent * 1e6 / seen:6.1f} us a frame", flush=True)
-    base = min(results["sdk"])
-    print(
-        f"\nRealtime read: {cycles} cycles of {per_cycle} frames ({audio} audio deltas, "
-        f"{per_cycle - audio} other events), {rounds} rounds; load "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs\n"
-    )
-    print("| read | CPU us a frame (each round) | us a cycle (best) | vs the SDK's read |")
-    print("|---|---|---|---|")
-    for mode, label in (
-        ("sdk", "SDK `async for` (baseline)"),
-        ("all", "`read`, no handled set"),
-        ("handled", "`read`, the bridge's handled set"),
-    ):
-        values = results[mode]
-        best = min(values)
+        for model, modes in MODES.items():
+            for mode, _ in modes:
+                spent, seen = await _read_once(base_url, model, mode)
+                assert seen == len(frames[model]) * cycles, (model, mode, seen)
+                results[model][mode].append(spent * 1e6 / seen)
+                print(f"round {r + 1} {model:8} {mode:8} {spent * 1e6 / seen:6.1f} us a frame",
+                      flush=True)  # fmt: skip
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    for model, modes in MODES.items():
+        per_cycle = len(frames[model])
+        audio = sum(1 for f in frames[model] if "output_audio.delta" in f)
+        base = min(results[model]["sdk"])
         print(
-            f"| {label} | {' / '.join(f'{v:.1f}' for v in values)} | "
-            f"{best * per_cycle:.0f} | {best / base:.2f}x |"
+            f"\n{model}: {cycles} cycles of {per_cycle} frames ({audio} audio deltas, "
+            f"{per_cycle - audio} other events), {rounds} rounds; load {load}, "
+            f"{os.cpu_count()} CPUs\n"
         )
+        print("| read | CPU us a frame (each round) | a cycle (best) | vs the SDK's read |")
+        print("|---|---|---|---|")
+        for mode, label in modes:
+            values = results[model][mode]
+            best = min(values)
+            print(
+                f"| {label} | {' / '.join(f'{v:.1f}' for v in values)} | "
+                f"{best * per_cycle / 1000:.2f} ms | {best / base:.2f}x |"
+            )
 
 
 def main() -> None:
@@ -270,7 +329,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     started = time.monotonic()
-    frames = cycle()
+    frames = {"realtime": cycle(), "live": live_cycle()}
+    by_start = {"session.update": frames["realtime"], "session.start": frames["live"]}
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, str(args.cycles)],
         stdin=subprocess.PIPE,
@@ -279,7 +339,7 @@ def main() -> None:
     )
     try:
         assert server.stdin is not None and server.stdout is not None
-        server.stdin.write(json.dumps(frames))
+        server.stdin.write(json.dumps(by_start))
         server.stdin.close()
         base_url = f"http://127.0.0.1:{int(server.stdout.readline())}/v1"
         asyncio.run(main_async(base_url, frames, args.cycles, args.rounds))

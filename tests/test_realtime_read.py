@@ -21,19 +21,20 @@ from openai.types.realtime import (
     RealtimeErrorEvent,
     ResponseAudioTranscriptDoneEvent,
 )
+from websockets.asyncio.server import ServerConnection, serve
 
 from telephony.bridge import BridgeConfig
-from telephony.bridge.bridge import REALTIME_EVENTS_HANDLED, Bridge
+from telephony.bridge.bridge import LIVE_EVENTS_READ, REALTIME_EVENTS_HANDLED, Bridge
+from telephony.bridge.live_events import LIVE_EVENTS_HANDLED, LiveEvents
+from telephony.bridge.live_link import LiveLink
 from telephony.bridge.port import Port
 from telephony.bridge.realtime_link import RealtimeLink
 from telephony.call_events import CallEventKind
 from tests.test_bridge import ScriptedRealtime, wait_until
 
 
-def test_the_links_handled_set_is_what_the_bridges_handler_matches() -> None:
-    """An event type the bridge acts on but the set lacks would be dropped unread: the set
-    is held to `Bridge._on_event`'s `case` labels."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Bridge._on_event)))
+def _case_labels(handler: Any) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(handler)))
     labels: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.match_case):
@@ -41,7 +42,27 @@ def test_the_links_handled_set_is_what_the_bridges_handler_matches() -> None:
                 if isinstance(value, ast.MatchValue) and isinstance(value.value, ast.Constant):
                     labels.add(value.value.value)
     assert labels
-    assert labels == REALTIME_EVENTS_HANDLED
+    return labels
+
+
+def test_the_handled_sets_are_what_the_handlers_match() -> None:
+    """An event type a handler acts on but its set lacks would be dropped unread: each set is
+    held to its handler's `case` labels (Realtime: `Bridge._on_event`; GPT-Live: the router's,
+    and the caller's keypad, which the bridge takes before it)."""
+    assert _case_labels(Bridge._on_event) == REALTIME_EVENTS_HANDLED
+    assert _case_labels(LiveEvents.on_event) == LIVE_EVENTS_HANDLED
+    assert 'event.type == "transport.dtmf.received"' in inspect.getsource(Bridge._on_live_event)
+    assert LIVE_EVENTS_READ == LIVE_EVENTS_HANDLED | {"transport.dtmf.received"}
+
+
+def _port(call_id: str) -> Port:
+    return Port(
+        call_id=call_id,
+        emit=lambda kind, **data: None,
+        spawn=lambda coro, name, tool=False: asyncio.create_task(coro, name=name),
+        finish=lambda reason: None,
+        ended=lambda: False,
+    )
 
 
 SCRIPT: list[Any] = [
@@ -131,15 +152,10 @@ async def test_without_a_handled_set_every_event_reaches_the_handler() -> None:
     """`handles` None (GPT-Live's router, any other reader): nothing is dropped."""
     server = ScriptedRealtime([])
     await server.start()
-    port = Port(
-        call_id="call-all",
-        emit=lambda kind, **data: None,
-        spawn=lambda coro, name, tool=False: asyncio.create_task(coro, name=name),
-        finish=lambda reason: None,
-        ended=lambda: False,
-    )
     client = AsyncOpenAI(api_key="sk-test", base_url=server.base_url)
-    link = RealtimeLink(port, BridgeConfig(), client, "audio/pcmu", lambda: [], deque())
+    link = RealtimeLink(
+        _port("call-all"), BridgeConfig(), client, "audio/pcmu", lambda: [], deque()
+    )
     try:
         session, _, error = await link.connect(resumed=False)
         assert session is not None, error
@@ -166,3 +182,72 @@ async def test_without_a_handled_set_every_event_reaches_the_handler() -> None:
     assert "response.output_audio_transcript.delta" in types
     assert "some.future.event" in types
     assert link.events_dropped == 0
+
+
+LIVE_SCRIPT: list[Any] = [
+    {"type": "session.output_audio.delta", "event_id": "e1", "delta": "f39/fw=="},
+    {"type": "session.usage.updated", "event_id": "e2", "usage": {"total_tokens": 3}},
+    {"type": "session.output_transcript.delta", "event_id": "e3", "delta": "Hello "},
+    "[]",
+    {"type": "session.output_audio.delta", "event_id": "e4", "delta": 7},  # no audio
+    {"type": "session.input_transcript.delta", "event_id": "e5", "delta": "hi"},
+    {"type": "some.future.event", "event_id": "e6"},
+    {"type": "transport.dtmf.received", "event_id": "e7", "event": "5"},
+    {"type": "session.closed", "event_id": "e8", "reason": "expired"},
+]
+
+
+async def test_a_live_read_parses_only_what_is_handled_and_plays_audio_unparsed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """GPT-Live's primary socket: audio deltas go to the leg without the SDK's model, the
+    usage notice and an unknown type are dropped, the handled events arrive in order, and
+    frames with no object or no audio are skipped with a warning."""
+
+    async def handle(ws: ServerConnection) -> None:
+        async for raw in ws:
+            if json.loads(raw).get("type") == "session.start":
+                break
+        await ws.send(json.dumps({"type": "session.started", "event_id": "e0",
+                                  "session": {"id": "sess_live"}}))  # fmt: skip
+        for frame in LIVE_SCRIPT:
+            await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+        await ws.wait_closed()
+
+    async with serve(handle, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        client = AsyncOpenAI(api_key="sk-test", base_url=f"http://127.0.0.1:{port}/v1")
+        link = LiveLink(_port("call-live"), BridgeConfig(), client, "audio/pcmu", lambda: [])
+        try:
+            session, _, error = await link.connect(resumed=False)
+            assert session is not None, error
+            deltas: list[str] = []
+            events: list[Any] = []
+
+            async def on_delta(_session: Any, delta: Any) -> None:
+                deltas.append(delta.delta)
+
+            async def on_event(_session: Any, event: Any) -> str | None:
+                events.append(event)
+                return "closed" if event.type == "session.closed" else None
+
+            caplog.set_level(logging.WARNING)
+            reason = await asyncio.wait_for(
+                link.read(session, on_delta, on_event, LIVE_EVENTS_READ), 5
+            )
+        finally:
+            await client.close()
+    assert reason == "closed"
+    assert deltas == ["f39/fw=="]
+    assert [e.type for e in events] == [
+        "session.output_transcript.delta",
+        "session.input_transcript.delta",
+        "transport.dtmf.received",
+        "session.closed",
+    ]
+    assert events[0].delta == "Hello "
+    assert link.events_dropped == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("telephony")]
+    assert len(warnings) == 2
+    assert "not a JSON object" in warnings[0] and "without audio" in warnings[1]
+    assert not [r for r in caplog.records if r.exc_info]

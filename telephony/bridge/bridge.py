@@ -38,7 +38,7 @@ from openai.types.realtime.input_audio_buffer_dtmf_event_received_event import (
 
 from telephony.bridge.agent import ActiveAgent
 from telephony.bridge.audio_path import AudioPath
-from telephony.bridge.live_events import LiveEvents
+from telephony.bridge.live_events import LIVE_EVENTS_HANDLED, LiveEvents
 from telephony.bridge.live_link import LiveLink
 from telephony.bridge.model_link import ModelLink, ModelSession
 from telephony.bridge.playout import LocalPlayout, Playout, ServerPlayout
@@ -95,6 +95,8 @@ REALTIME_EVENTS_HANDLED = frozenset(
         "error",
     }
 )
+# What the bridge's GPT-Live handler acts on: the Live router's and the caller's keypad.
+LIVE_EVENTS_READ = LIVE_EVENTS_HANDLED | {"transport.dtmf.received"}
 HISTORY_LINES = 20
 TOOL_GRACE_S = 2.0  # how long a running tool call may finish after the call ends
 TIMEOUT_S = 10.0  # bound for housekeeping awaits (hooks, closes)
@@ -494,7 +496,9 @@ class Bridge:
             await self.audio.flush_backlog(session)
             await self.utterances.drain()
             if self._live is not None:
-                reason = await self.link.read(session, self.audio.play, self._on_live_event)
+                reason = await self.link.read(
+                    session, self.audio.play, self._on_live_event, LIVE_EVENTS_READ
+                )
             else:
                 reason = await self.link.read(
                     session, self.audio.play, self._on_event, REALTIME_EVENTS_HANDLED

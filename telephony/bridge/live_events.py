@@ -41,6 +41,19 @@ from telephony.redaction import mask_spoken_pins
 log = logging.getLogger(__name__)
 
 FATAL_ERROR_CODES = frozenset({"session_expired", "session_closed"})
+# The GPT-Live server events `LiveEvents.on_event` acts on (its `case`s, which
+# tests/test_realtime_read.py checks against this).
+LIVE_EVENTS_HANDLED = frozenset(
+    {
+        "session.input_transcript.delta",
+        "session.output_transcript.delta",
+        "session.delegation.created",
+        "response.event",
+        "session.commentary.appended",
+        "session.closed",
+        "error",
+    }
+)
 # Live marks no end of an utterance: one whose audio all played and none came for this long is
 # over (so what it said counts as heard now, not at the caller's next words).
 QUIET_S = 0.8

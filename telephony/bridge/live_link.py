@@ -60,6 +60,7 @@ from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import (
     AudioDelta,
     ReleasingConnection,
+    frame_object,
     proxy_resolved,
     release_connection,
 )
@@ -68,6 +69,11 @@ from telephony.session_config import BridgeConfig, instructions_text
 log = logging.getLogger(__name__)
 
 SESSION_START_EVENT_ID = "bridge_session_start"
+OUTPUT_AUDIO_DELTA = "session.output_audio.delta"
+# Server events the read loop itself needs, whatever its handler acts on (beside the audio
+# deltas, read before them): the sideband's transcript deltas (their span played as silence)
+# and the session's close.
+LINK_EVENTS = frozenset({"session.output_transcript.delta", "session.closed"})
 SESSION_UPDATE_EVENT_ID = "bridge_session_update"
 # `session.instructions.append` takes at most 500 tokens.
 MAX_APPEND_CHARS = 1_500
@@ -323,6 +329,7 @@ class LiveLink:
             self.backend.follow(lambda: self._current)
         self.ended_remotely = False
         self.deltas_by_lane = 0
+        self.events_dropped = 0  # read and dropped unparsed: nothing acts on their type
         self._generation = 0
 
     async def connect(self, *, resumed: bool) -> tuple[LiveSession | None, int, str | None]:
@@ -414,7 +421,12 @@ class LiveLink:
         on_event: EventHandler,
         handles: frozenset[str] | None = None,
     ) -> str:
-        """Handle server events until the socket drops; returns why it dropped."""
+        """Handle server events until the socket drops; returns why it dropped.
+
+        Each frame is parsed once (orjson): an audio delta on the primary socket goes to
+        `on_delta` without the SDK's model (about 30 us each, 50 a second), the sideband's is
+        dropped (see the module's docstring), an event whose type neither `handles` nor this
+        link needs is dropped unparsed, and the rest is parsed by the SDK for `on_event`."""
         conn = session.conn
         call_id = self._port.call_id
         sideband = self._sideband_session_id is not None
@@ -426,18 +438,38 @@ class LiveLink:
                 return f"socket closed ({code})"
             except Exception as exc:
                 return f"receive failed: {type(exc).__name__}"
+            data = frame_object(raw)
+            if data is None:
+                log.warning("call %s: a GPT-Live frame that is not a JSON object: skipped", call_id)
+                continue
+            kind = data.get("type")
+            if kind == OUTPUT_AUDIO_DELTA:
+                if sideband:
+                    continue  # the transcript's span accounts for it (see the docstring)
+                audio = data.get("delta")
+                if type(audio) is not str:
+                    log.warning("call %s: a GPT-Live audio delta without audio: skipped", call_id)
+                    continue
+                delta = AudioDelta(session.response_id, session.item_id, audio)
+                try:
+                    await on_delta(session, delta)
+                except Exception as exc:  # one odd delta must not end the call
+                    log.exception("call %s: could not play a GPT-Live audio delta", call_id)
+                    self._port.emit(
+                        CallEventKind.ERROR, where=f"live:{kind}", error=repr(exc)[:200]
+                    )
+                continue
+            if handles is not None and (
+                type(kind) is not str or (kind not in handles and kind not in LINK_EVENTS)
+            ):
+                self.events_dropped += 1
+                continue
             try:
                 event = conn.parse_event(raw)
             except ValueError as exc:
                 log.warning("call %s: unparsable GPT-Live frame: %s", call_id, exc)
                 continue
             try:
-                if event.type == "session.output_audio.delta":
-                    if sideband:
-                        continue  # the transcript's span accounts for it (see the docstring)
-                    delta = AudioDelta(session.response_id, session.item_id, event.delta)
-                    await on_delta(session, delta)
-                    continue
                 fatal = await on_event(session, event)
                 if sideband and event.type == "session.output_transcript.delta":
                     # The audio this fragment stands for, played out by the leg's clock.
