@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from aiortc.rtp import (
 )
 from openai import AsyncOpenAI
 
-from telephony.legs.leg import DtmfIn, LegClosed
+from telephony.legs.leg import AudioIn, DtmfIn, LegClosed
 from telephony.legs.sip import sdp
 from telephony.legs.sip.errors import RtpPortsExhausted, SdpError
 from telephony.legs.sip.leg import SipLeg
@@ -631,3 +632,57 @@ def test_the_clock_ticks_every_10_ms_while_a_stream_needs_it_and_every_20_ms_oth
 def test_an_invalid_packet_time_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 10"):
         _paced(25)
+
+
+def _rtp(seq: int, fill: int) -> bytes:
+    packet = RtpPacket(payload_type=0, sequence_number=seq, timestamp=seq * 160, ssrc=7)
+    packet.payload = bytes([fill]) * 160
+    return packet.serialize()
+
+
+async def test_caller_audio_takes_the_lane_only_with_nothing_queued_before_it() -> None:
+    """The audio lane takes a frame in the RTP socket's callback only while `events()` waits
+    with nothing queued; a frame the lane refused is queued, and frames after it queue behind
+    it until the reader has taken it, so the caller's audio reaches the model in order. The
+    audio tap sees each frame the lane took; agent audio through `play_nowait` is tapped and
+    queued for the pacer as `play`'s is."""
+    leg = SipLeg("call-lane", PCMU, 101, RtpClock(), lambda reason: None)
+    transport = FakeTransport()
+    leg.rtp.connection_made(transport)  # type: ignore[arg-type]
+    leg.answered(RemoteMedia(PCMU, 101, PEER, "sendrecv"), "sendrecv")
+    taken: list[int] = []
+    tapped: list[int] = []
+    played: list[str] = []
+    accept = [True]
+
+    def lane(payload: str, _ms: int) -> bool:
+        if accept[0]:
+            taken.append(base64.b64decode(payload)[0])
+        return accept[0]
+
+    leg.set_audio_lane(lane)
+    leg.set_taps(audio=lambda p, _ms: tapped.append(base64.b64decode(p)[0]), play=played.append)
+    read: list[int] = []
+
+    async def reader() -> None:
+        async for event in leg.events():
+            if isinstance(event, AudioIn):
+                read.append(event.audio[0])
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0)  # the reader waits
+    leg.rtp.datagram_received(_rtp(1, 1), PEER)  # the lane takes it
+    accept[0] = False
+    leg.rtp.datagram_received(_rtp(2, 2), PEER)  # refused: queued
+    accept[0] = True
+    leg.rtp.datagram_received(_rtp(3, 3), PEER)  # 2 is queued before it: queued too
+    await asyncio.sleep(0.01)  # the reader takes 2 and 3, and waits again
+    leg.rtp.datagram_received(_rtp(4, 4), PEER)  # the lane again
+    leg.play_nowait("item-1", base64.b64encode(agent(20)).decode())
+    sent = any(packet.payload == agent(20) for packet, _ in transport.sent)
+    assert leg.rtp.queued_frames == 1 or sent  # queued for the pacer, or already out
+    await leg.close("done")
+    await asyncio.wait_for(task, 1)
+    assert taken == [1, 4] and tapped == [1, 4] and read == [2, 3]
+    assert leg.frames_by_lane == 2
+    assert played == [base64.b64encode(agent(20)).decode()]

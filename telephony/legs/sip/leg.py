@@ -28,6 +28,12 @@ class SipLeg:
 
     Hanging up from our side (`close`) asks the signalling side for a BYE through `hang_up`; a
     BYE from the caller arrives as `remote_ended` and ends `events()` with LegClosed.
+
+    The lanes, as the Twilio leg has them: while `events()` waits with nothing queued, a
+    caller frame is offered to the audio lane (`set_audio_lane`: the bridge appends it to the
+    model session) in the RTP socket's callback, with no queue and no task woken per frame;
+    agent audio is queued for the pacer in the model socket's callback (`play_nowait`). The
+    taps (`set_taps`: a recorder) see each frame either way.
     """
 
     def __init__(
@@ -52,6 +58,11 @@ class SipLeg:
         self._closed = False
         self._close_reason: str | None = None
         self.dropped_audio = 0
+        self.frames_by_lane = 0  # caller frames the audio lane took (benchmarks, tests)
+        self._waiting = False  # events() awaits the next event: nothing is queued before it
+        self._audio_lane: Callable[[str, int], bool] | None = None
+        self._audio_tap: Callable[[str, int], object] | None = None
+        self._play_tap: Callable[[str], object] | None = None
         # Hears the caller's audio (codec bytes) as it arrives, beside the bridge: the
         # answering-machine detector of an outbound call.
         self.listener: Callable[[bytes], None] | None = None
@@ -63,11 +74,35 @@ class SipLeg:
 
     # ---- from the media and signalling sides --------------------------------------------
 
+    def set_audio_lane(self, lane: Callable[[str, int], bool] | None) -> None:
+        """Offer caller audio to `lane(payload, timestamp_ms)` as it arrives; where it returns
+        False (it cannot take the frame now) the frame comes from `events()` as usual."""
+        self._audio_lane = lane
+
+    def set_taps(
+        self,
+        audio: Callable[[str, int], object] | None = None,
+        play: Callable[[str], object] | None = None,
+    ) -> None:
+        """Observers called in the same step, without a layer per frame: `audio(payload,
+        timestamp_ms)` for each caller frame the audio lane took, `play(payload)` for each
+        piece of agent audio handed to `play` or `play_nowait`."""
+        self._audio_tap = audio
+        self._play_tap = play
+
     def _on_audio(self, audio: bytes, timestamp_ms: int) -> None:
         if self._closed:
             return
         if self.listener is not None:
             self.listener(audio)
+        payload = base64.b64encode(audio).decode("ascii")  # as AudioIn.of_bytes
+        lane = self._audio_lane
+        if lane is not None and self._waiting and lane(payload, timestamp_ms):
+            self.frames_by_lane += 1
+            tap = self._audio_tap
+            if tap is not None:
+                tap(payload, timestamp_ms)
+            return
         if self._events.qsize() >= MAX_PENDING_EVENTS:
             # The bridge is behind: old caller audio is worth less than new.
             try:
@@ -75,11 +110,16 @@ class SipLeg:
                 self.dropped_audio += 1
             except asyncio.QueueEmpty:
                 pass
-        self._events.put_nowait(AudioIn.of_bytes(audio, timestamp_ms))
+        self._queue(AudioIn(payload, timestamp_ms))
+
+    def _queue(self, event: LegEvent) -> None:
+        # Queued for events(): the lane waits until the reader has taken it (order first).
+        self._waiting = False
+        self._events.put_nowait(event)
 
     def _on_digit(self, digit: str) -> None:
         if not self._closed:
-            self._events.put_nowait(DtmfIn(digit))
+            self._queue(DtmfIn(digit))
 
     def digit(self, digit: str) -> None:
         """A digit that came as SIP INFO."""
@@ -102,18 +142,34 @@ class SipLeg:
         self._closed = True
         self._close_reason = reason
         self.rtp.close()
-        self._events.put_nowait(LegClosed(reason))
+        self._queue(LegClosed(reason))
 
     # ---- CallLeg ------------------------------------------------------------------------
 
     async def events(self) -> AsyncGenerator[LegEvent, None]:
+        queue = self._events
         while True:
-            event = await self._events.get()
+            if queue.empty():
+                self._waiting = True
+                try:
+                    event = await queue.get()
+                finally:
+                    self._waiting = False
+            else:
+                event = queue.get_nowait()
             yield event
             if isinstance(event, LegClosed):
                 return
 
     async def play(self, item_id: str, payload: str) -> None:
+        self.play_nowait(item_id, payload)
+
+    def play_nowait(self, item_id: str, payload: str, size: int = -1) -> None:
+        """`play`, from synchronous code (the model socket's lane); `size` is not needed
+        here (the payload is decoded for the pacer anyway)."""
+        tap = self._play_tap
+        if tap is not None:
+            tap(payload)
         if self._closed or not payload:
             return
         try:
@@ -170,4 +226,4 @@ class SipLeg:
             self._hang_up(reason)
         except Exception:
             log.exception("SIP hang-up of call %s failed", self.call_id)
-        self._events.put_nowait(LegClosed(reason))
+        self._queue(LegClosed(reason))
