@@ -20,14 +20,17 @@ divided by the frames, for:
 
 - `handled`: `read` with the bridge's handled set (`REALTIME_EVENTS_HANDLED`,
   `LIVE_EVENTS_READ`): each frame parsed once, audio deltas without the SDK's models, the
-  events no handler acts on dropped unparsed, the others parsed by the SDK;
-- `all` (Realtime): `read` with no handled set, every event that is not an audio delta parsed
-  by the SDK, as `read` did before the handled set;
+  events no handler acts on dropped unparsed, the others made into the SDK's models
+  (validated against their own model: `realtime_wire.sdk_event`);
+- `all` (Realtime): `read` with no handled set: every event that is not an audio delta made
+  into the SDK's model;
 - `sdk` (baseline): the SDK's own read, `async for event in connection` (every frame parsed
   into its model): on GPT-Live, what `LiveLink.read` did before (`recv_bytes` and
   `parse_event`, audio deltas included).
 
-Modes alternate round by round so the machine's load falls on all of them. No assertions.
+Modes alternate round by round so the machine's load falls on all of them. An earlier tree's
+figures: run its own copy of this file (`PYTHONPATH=TREE python TREE/bench/realtime_read.py`).
+No assertions.
 
     .venv/bin/python bench/realtime_read.py [--cycles 200] [--rounds 3]
 """
@@ -209,7 +212,7 @@ asyncio.run(main())
 MODES = {
     "realtime": (
         ("sdk", "SDK `async for` (baseline)"),
-        ("all", "`read`, no handled set (as before)"),
+        ("all", "`read`, no handled set"),
         ("handled", "`read`, the bridge's handled set"),
     ),
     "live": (

@@ -29,9 +29,10 @@ import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 import orjson
+from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import Event, State
@@ -110,6 +111,43 @@ def delta_fields_of(data: dict[str, Any]) -> tuple[str, str, str] | None:
     if type(response_id) is not str or type(item_id) is not str or type(delta) is not str:
         return None  # odd shape: let the typed path deal with it
     return response_id, item_id, delta
+
+
+def event_classes(union: Any) -> dict[str, Any]:
+    """The models of an SDK server-event union (`RealtimeServerEvent`, GPT-Live's
+    `ConnectServerEvent`) by their `type`. A type two members share is left out: the SDK's
+    own parse decides those."""
+    members = get_args(union)
+    if get_origin(union) is Annotated:
+        members = get_args(members[0])
+    found: dict[str, Any] = {}
+    shared: set[str] = set()
+    for member in members:
+        field = getattr(member, "model_fields", {}).get("type")
+        for literal in get_args(field.annotation) if field is not None else ():
+            if literal in found:
+                shared.add(literal)
+            found[literal] = member
+    return {kind: model for kind, model in found.items() if kind not in shared}
+
+
+def sdk_event(data: dict[str, Any], classes: dict[str, Any]) -> Any | None:
+    """The SDK's model of a parsed server frame, as its `parse_event` makes it; None for a
+    type not in `classes` (then the SDK's parse is the way).
+
+    `parse_event` validates the frame against the whole union (its ~50 models tried one by
+    one: 40-200 us) and, where that fails, constructs the model its type names, unchecked.
+    No other member takes that type, so validating against that one model gives the same event
+    (2-20 us), and the same unchecked construction where it fails. May raise what the SDK's
+    construction raises on a frame it cannot take."""
+    kind = data.get("type")
+    model = classes.get(kind) if type(kind) is str else None
+    if model is None:
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return model.construct(**data)
 
 
 def session_event_fields(raw: bytes | str) -> tuple[str, str | None] | None:

@@ -15,11 +15,20 @@ import json
 import re
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.resources.live.live import AsyncLiveConnection
+from openai.resources.live.sideband import AsyncSidebandConnection
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
-from openai.types.realtime import InputAudioBufferAppendEvent, ResponseAudioDeltaEvent
+from openai.types.live import ConnectServerEvent
+from openai.types.live.server_event import ServerEvent
+from openai.types.realtime import (
+    InputAudioBufferAppendEvent,
+    RealtimeServerEvent,
+    ResponseAudioDeltaEvent,
+)
 
 from telephony.audio import base64_size
 from telephony.errors import MalformedFrame
@@ -36,7 +45,14 @@ from telephony.legs.twilio.events import (
     parse_inbound,
     parse_outbound,
 )
-from telephony.realtime_wire import AudioDelta, append_frame, audio_delta, session_event_fields
+from telephony.realtime_wire import (
+    AudioDelta,
+    append_frame,
+    audio_delta,
+    event_classes,
+    sdk_event,
+    session_event_fields,
+)
 from telephony.watchdog import Watchdog
 from tests.test_fuzz_parsers import _frameish, json_values
 
@@ -282,6 +298,150 @@ def test_session_events_are_read_with_the_sdks_type_and_session_id(frame: Any) -
 )
 def test_everything_but_a_session_event_is_left_to_the_sdk(raw: bytes) -> None:
     assert session_event_fields(raw) is None
+
+
+# Handled events as the SDK's models, each validated against its own model rather than the
+# SDK's whole union (realtime_wire.sdk_event): the same model, values and failures as the
+# connection's own `parse_event`, on Realtime, GPT-Live's primary socket and its sideband.
+
+_UNIONS = [
+    (event_classes(RealtimeServerEvent), AsyncRealtimeConnection),
+    (event_classes(ServerEvent), AsyncLiveConnection),
+    (event_classes(ConnectServerEvent), AsyncSidebandConnection),
+]
+_plain_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**40), max_value=2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.sampled_from(["", "audio", "message", "assistant", "completed", "in_progress"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+
+
+@st.composite
+def _event_frames(draw: st.DrawFn) -> tuple[int, dict[str, Any]]:
+    which = draw(st.integers(0, len(_UNIONS) - 1))
+    classes = _UNIONS[which][0]
+    kind = draw(st.sampled_from(sorted(classes)))
+    names = sorted(set(classes[kind].model_fields) - {"type"})
+    keys = st.sampled_from(names) | st.text(max_size=6) if names else st.text(max_size=6)
+    fields = draw(st.dictionaries(keys, _plain_values, max_size=len(names) + 1))
+    return which, {**fields, "type": kind}
+
+
+def _outcome(read: Any) -> tuple[Any, Any]:
+    try:
+        return read(), None
+    except Exception as exc:
+        return None, type(exc)
+
+
+def _assert_same_event(which: int, frame: dict[str, Any]) -> None:
+    classes, connection = _UNIONS[which]
+    raw = json.dumps(frame).encode()
+    data = orjson.loads(raw)
+    expected, expected_error = _outcome(lambda: connection.parse_event(None, raw))  # type: ignore[arg-type]
+    got, error = _outcome(lambda: sdk_event(data, classes))
+    kind = data.get("type")
+    if error is None and got is None:  # not a type it knows: the read asks `parse_event`
+        assert type(kind) is not str or kind not in classes
+        return
+    assert error == expected_error
+    if error is None:
+        assert type(got) is type(expected)
+        assert got == expected
+        assert got.model_dump(warnings=False) == expected.model_dump(warnings=False)
+
+
+def test_each_unions_models_are_found_by_type() -> None:
+    realtime, live, sideband = (classes for classes, _ in _UNIONS)
+    assert realtime["response.done"].__name__ == "ResponseDoneEvent"
+    assert live["session.output_transcript.delta"].__name__ == "OutputTranscriptDeltaEvent"
+    assert "transport.dtmf.received" in sideband
+    assert sdk_event({"type": "no.such.event"}, realtime) is None
+    assert sdk_event({"type": ["response.done"]}, realtime) is None
+
+
+@FAST
+@given(_event_frames())
+def test_a_handled_event_is_the_sdks_own_model_of_it(case: tuple[int, dict[str, Any]]) -> None:
+    _assert_same_event(*case)
+
+
+_ITEM = {
+    "id": "item_a",
+    "object": "realtime.item",
+    "type": "message",
+    "status": "completed",
+    "role": "assistant",
+    "content": [{"type": "output_audio", "transcript": "Booked."}],
+}
+_RESPONSE = {
+    "id": "resp_1",
+    "object": "realtime.response",
+    "status": "completed",
+    "status_details": None,
+    "output": [_ITEM],
+    "conversation_id": "conv_1",
+    "output_modalities": ["audio"],
+    "max_output_tokens": "inf",
+    "audio": {"output": {"format": {"type": "audio/pcmu"}, "voice": "marin"}},
+    "usage": {
+        "total_tokens": 9,
+        "input_tokens": 5,
+        "output_tokens": 4,
+        "input_token_details": {"text_tokens": 1, "audio_tokens": 4, "cached_tokens": 0},
+        "output_token_details": {"text_tokens": 1, "audio_tokens": 3},
+    },
+    "metadata": None,
+}
+_IDS = {"response_id": "resp_1", "item_id": "item_a", "output_index": 0, "content_index": 0}
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"type": "input_audio_buffer.speech_started", "audio_start_ms": 1000, "item_id": "u"},
+        {"type": "input_audio_buffer.speech_started", "audio_start_ms": "1000", "item_id": "u"},
+        {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": 2400, "item_id": "u"},
+        {"type": "input_audio_buffer.committed", "previous_item_id": None, "item_id": "u"},
+        {"type": "conversation.item.input_audio_transcription.completed", "item_id": "u",
+         "content_index": 0, "transcript": "A table for two",
+         "usage": {"type": "duration", "seconds": 1.4}},
+        {"type": "response.created", "response": {**_RESPONSE, "status": "in_progress",
+                                                  "output": [], "usage": None}},
+        {"type": "response.output_item.added", "response_id": "resp_1", "output_index": 0,
+         "item": {**_ITEM, "status": "in_progress", "content": []}},
+        {"type": "response.output_audio_transcript.done", **_IDS, "transcript": "Booked."},
+        {"type": "response.output_item.done", "response_id": "resp_1", "output_index": 0,
+         "item": _ITEM},
+        {"type": "response.done", "response": _RESPONSE},
+        {"type": "response.done", "response": {"id": "r", "output": [{"type": "function_call",
+         "call_id": "c", "name": "book", "arguments": "{}"}]}},
+        {"type": "error", "error": {"type": "x", "code": None, "message": "m"}},
+    ],
+)  # fmt: skip
+def test_the_realtime_apis_own_events_are_the_sdks_models(frame: dict[str, Any]) -> None:
+    _assert_same_event(0, {"event_id": "event_1", **frame})
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"type": "session.input_transcript.delta", "delta": "A table "},
+        {"type": "session.output_transcript.delta", "delta": "booked "},
+        {"type": "session.output_transcript.delta", "delta": "booked ", "start_ms": 10,
+         "end_ms": 300},
+        {"type": "session.closed", "reason": "expired"},
+        {"type": "transport.dtmf.received", "event": "5"},
+    ],
+)  # fmt: skip
+def test_gpt_lives_own_events_are_the_sdks_models(frame: dict[str, Any]) -> None:
+    _assert_same_event(1, {"event_id": "event_1", **frame})
+    _assert_same_event(2, {"event_id": "event_1", **frame})
 
 
 # The watchdog that bounds per-frame awaits.

@@ -41,6 +41,8 @@ from typing import Any
 from openai import AsyncOpenAI
 from openai.resources.live.live import AsyncLiveConnection
 from openai.resources.live.sideband import AsyncSidebandConnection
+from openai.types.live import ConnectServerEvent
+from openai.types.live.server_event import ServerEvent
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from telephony.bridge.link_common import (
@@ -60,9 +62,11 @@ from telephony.legs.leg import AudioFormat
 from telephony.realtime_wire import (
     AudioDelta,
     ReleasingConnection,
+    event_classes,
     frame_object,
     proxy_resolved,
     release_connection,
+    sdk_event,
 )
 from telephony.session_config import BridgeConfig, instructions_text
 
@@ -70,6 +74,10 @@ log = logging.getLogger(__name__)
 
 SESSION_START_EVENT_ID = "bridge_session_start"
 OUTPUT_AUDIO_DELTA = "session.output_audio.delta"
+# The SDK's GPT-Live server-event models by type, on the primary socket and on the sideband
+# (each connection's `parse_event` has its own union): see realtime_wire.sdk_event.
+SERVER_EVENTS = event_classes(ServerEvent)
+SIDEBAND_EVENTS = event_classes(ConnectServerEvent)
 # Server events the read loop itself needs, whatever its handler acts on (beside the audio
 # deltas, read before them): the sideband's transcript deltas (their span played as silence)
 # and the session's close.
@@ -426,7 +434,8 @@ class LiveLink:
         Each frame is parsed once (orjson): an audio delta on the primary socket goes to
         `on_delta` without the SDK's model (about 30 us each, 50 a second), the sideband's is
         dropped (see the module's docstring), an event whose type neither `handles` nor this
-        link needs is dropped unparsed, and the rest is parsed by the SDK for `on_event`."""
+        link needs is dropped unparsed, and the rest goes to `on_event` as the SDK's model
+        (`sdk_event`: validated against its own model, not the SDK's whole union)."""
         conn = session.conn
         call_id = self._port.call_id
         sideband = self._sideband_session_id is not None
@@ -465,9 +474,11 @@ class LiveLink:
                 self.events_dropped += 1
                 continue
             try:
-                event = conn.parse_event(raw)
-            except ValueError as exc:
-                log.warning("call %s: unparsable GPT-Live frame: %s", call_id, exc)
+                event = sdk_event(data, SIDEBAND_EVENTS if sideband else SERVER_EVENTS)
+                if event is None:
+                    event = conn.parse_event(raw)
+            except Exception as exc:  # a frame the SDK's models cannot take
+                log.warning("call %s: unreadable GPT-Live event: %r", call_id, exc)
                 continue
             try:
                 fatal = await on_event(session, event)

@@ -22,7 +22,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
-from openai.types.realtime import RealtimeErrorEvent
+from openai.types.realtime import RealtimeErrorEvent, RealtimeServerEvent
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from telephony.bridge.link_common import (
@@ -46,12 +46,14 @@ from telephony.realtime_wire import (
     ReleasingConnection,
     append_frame,
     delta_fields_of,
+    event_classes,
     frame_object,
     lane_of,
     nowait_sender,
     proxy_resolved,
     raw_sender,
     release_connection,
+    sdk_event,
     session_event_fields,
 )
 from telephony.session_config import BridgeConfig, agent_update, session_update
@@ -68,6 +70,11 @@ TIMEOUT_S = 10.0  # bound for closing a socket at the end
 REALTIME_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": LaneConnection}
 # The sideband carries no audio: no lane, only a connection that leaves no cycle once lost.
 SIDEBAND_SOCKET_OPTIONS: Any = {"compression": None, "create_connection": ReleasingConnection}
+
+
+# The SDK's Realtime server-event models by type: a handled event is validated against its
+# own model (realtime_wire.sdk_event), not the whole union.
+SERVER_EVENTS = event_classes(RealtimeServerEvent)
 
 
 class SessionRejected(SessionRefused):
@@ -363,8 +370,9 @@ class RealtimeLink:
 
         Each frame is parsed once (orjson); an audio delta (most frames) goes to `on_delta`
         without the SDK's models, an event whose type is not in `handles` is dropped there
-        (transcript deltas, content parts, item notices: the SDK's parse, 40-80 us each,
-        would build them for nothing), and the rest is parsed by the SDK for `on_event`.
+        (transcript deltas, content parts, item notices: the SDK's parse, 40-200 us each,
+        would build them for nothing), and the rest goes to `on_event` as the SDK's model
+        (`sdk_event`: validated against its own model, not the SDK's whole union).
         `handles` None: every event goes to `on_event`."""
         conn = session.conn
         call_id = self._port.call_id
@@ -401,9 +409,11 @@ class RealtimeLink:
                 self.events_dropped += 1
                 continue
             try:
-                event = conn.parse_event(raw)
-            except ValueError as exc:  # JSON orjson read and the SDK's parser did not
-                log.warning("call %s: unparsable Realtime frame: %s", call_id, exc)
+                event = sdk_event(data, SERVER_EVENTS)
+                if event is None:
+                    event = conn.parse_event(raw)
+            except Exception as exc:  # a frame the SDK's models cannot take
+                log.warning("call %s: unreadable Realtime event: %r", call_id, exc)
                 continue
             try:
                 fatal = await on_event(session, event)
