@@ -98,6 +98,7 @@ def realtime_fast_paths() -> list[FastPath]:
             FastPath("realtime direct send", False, why),
             FastPath("realtime nowait sender", False, why),
             _session_update_reuse(EventTexts),
+            model_events_by_type(),
         ]
     # websockets' C extension masks client frames; without it a pure-Python loop does.
     c_masks = isinstance(ws_frames.apply_mask, types.BuiltinFunctionType)
@@ -120,7 +121,33 @@ def realtime_fast_paths() -> list[FastPath]:
             "" if nowait else "needs the direct send and the lane connection",
         ),
         _session_update_reuse(EventTexts),
+        model_events_by_type(),
     ]
+
+
+def model_events_by_type() -> FastPath:
+    """realtime_wire.sdk_event: a handled model event validated against its own SDK model,
+    found by type in the SDK's unions (Realtime, GPT-Live's primary socket and its sideband).
+    Where a union no longer names the models we look for, those events go through the SDK's
+    `parse_event` as before."""
+    from telephony.bridge.live_link import SERVER_EVENTS as LIVE
+    from telephony.bridge.live_link import SIDEBAND_EVENTS
+    from telephony.bridge.realtime_link import SERVER_EVENTS as REALTIME
+
+    missing = [
+        name
+        for name, classes, probe in (
+            ("Realtime", REALTIME, "response.done"),
+            ("GPT-Live", LIVE, "session.output_transcript.delta"),
+            ("GPT-Live sideband", SIDEBAND_EVENTS, "session.output_transcript.delta"),
+        )
+        if probe not in classes
+    ]
+    return FastPath(
+        "model events by type",
+        not missing,
+        f"the SDK's unions moved: {', '.join(missing)}" if missing else "",
+    )
 
 
 def _session_update_reuse(texts: Any) -> FastPath:

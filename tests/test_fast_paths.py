@@ -31,6 +31,7 @@ NAMES = [
     "realtime direct send",
     "realtime nowait sender",
     "realtime session.update reuse",
+    "model events by type",
     "listener long wait",
 ]
 
@@ -211,3 +212,16 @@ def test_the_realtime_socket_takes_the_proxy_websockets_would_look_up_for_the_sd
     assert options == {"compression": None}  # the caller's options as they were
     named = {"compression": None, "proxy": None}
     assert proxy_resolved(named, client) is named  # a proxy stated is not overridden
+
+
+async def test_an_sdk_whose_unions_moved_turns_the_events_by_type_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if a release no longer named GPT-Live's transcript model in its union: such events
+    # go through parse_event (sdk_event finds no model), and the report says so.
+    from telephony.bridge import live_link
+
+    monkeypatch.setattr(live_link, "SERVER_EVENTS", {})
+    report = {p.name: p for p in fast_paths(_config())}
+    assert not report["model events by type"].active
+    assert "model events by type off (the SDK's unions moved: GPT-Live)" in summary(report.values())
