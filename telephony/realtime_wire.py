@@ -9,8 +9,9 @@ the server's CPU at 40 calls). The set-up's `session.created` and `session.updat
 the same way, for their type and the session's id (`session_event_fields`). A frame is parsed
 once (`frame_object`); an event whose type the bridge does not act on (transcript deltas,
 content parts, item notices, rate limits) is dropped there (`RealtimeLink.read`); every other
-server event still goes through the SDK's models (`AsyncRealtimeConnection.parse_event`), and
-every client event we send is the SDK's.
+server event is still the SDK's model, as `AsyncRealtimeConnection.parse_event` makes it
+(`sdk_event`, without resolving the SDK's whole union), and every client event we send is
+the SDK's.
 
 Under the SDK's connection sits `LaneConnection`, websockets' client connection with a lane:
 while the bridge's reader waits and nothing is queued before it, an audio delta is played in

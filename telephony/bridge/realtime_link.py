@@ -4,7 +4,7 @@ Owns the Realtime socket and nothing above it: opening a session (our own, confi
 `session.update` and confirmed by `session.updated`; or attached to OpenAI's call over the
 sideband, configured by the accept), retrying with backoff within the reconnect budget, the
 read loop (each frame parsed once: audio deltas played without the SDK's models, events no
-handler acts on dropped unparsed, the rest parsed by the SDK; in the set-up,
+handler acts on dropped unparsed, the rest made into the SDK's models; in the set-up,
 `session.created`/`session.updated` read from the raw frame too),
 the audio-delta lane in the socket's callback, and each client event the parts send
 (`RealtimeSession`), bounded by the send timeout.
