@@ -78,19 +78,6 @@ class AudioDelta:
     delta: str  # base64 G.711 in the session's output format
 
 
-def audio_delta(raw: bytes | str) -> AudioDelta | None:
-    """The audio delta `raw` carries; None for any other frame (the SDK parses those)."""
-    fields = audio_delta_fields(raw)
-    return AudioDelta(*fields) if fields is not None else None
-
-
-def audio_delta_fields(raw: bytes | str) -> tuple[str, str, str] | None:
-    """`audio_delta` as (response_id, item_id, delta), without an object (the lane). Bytes
-    that are not UTF-8 are not JSON: None."""
-    data = frame_object(raw)
-    return delta_fields_of(data) if data is not None else None
-
-
 def frame_object(raw: bytes | str) -> dict[str, Any] | None:
     """A server frame's JSON object, parsed once for every look at it; None when the frame
     is not one (not UTF-8, not JSON, or JSON but not an object)."""
