@@ -193,6 +193,12 @@ async def test_at_capacity_the_call_is_rejected_with_486_and_recorded_busy(
         second = await ic.sim.place_call(from_number="+15552220000")
         await ic.sim.wait_for_state(second.call_id, "rejected")
         busy = await ic.wait_row(second.call_id, "busy")
+
+        async def rejection_written() -> bool:
+            # The event writer writes it after the row's own statement, in a batch of its own.
+            return bool(await events_of(ic, second.call_id, "call_rejected"))
+
+        await wait_until(rejection_written, 5.0, "call_rejected written")
         rejected = await events_of(ic, second.call_id, "call_rejected")
         await ic.sim.remote_hangup(first.call_id)
         await ic.wait_over(first.call_id)
