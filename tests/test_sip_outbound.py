@@ -174,9 +174,11 @@ async def test_a_busy_sip_callee_is_recorded_on_the_row_the_timeline_and_the_ope
         async def ended() -> bool:
             await stack.service.runtime.events.flush()
             recorded = (await call_row(engine, call_id))["status"] == "busy"
-            return recorded and "call_ended" in await event_kinds(engine, call_id)
+            # The placing operation commits in its own step, after the call's end.
+            committed = (await operation(engine, op_id))[0]["status"] == "committed"
+            return recorded and committed and "call_ended" in await event_kinds(engine, call_id)
 
-        await wait_until(ended, WAIT_S, "the call recorded busy")
+        await wait_until(ended, WAIT_S, "the call recorded busy and its operation committed")
         row = await call_row(engine, call_id)
         kinds = await event_kinds(engine, call_id)
         [started] = [e for e in await event_rows(engine, call_id) if e["kind"] == "call_started"]
