@@ -22,7 +22,7 @@ from app.calls.liveness import CallHeartbeat
 from app.calls.registry import CallRegistry
 from app.console.install import install_console
 from app.console.services import start_console
-from app.db import make_engine, plain_url, resolve_database_url
+from app.db import PING_AFTER_IDLE_S, make_engine, plain_url, resolve_database_url
 from app.errors import install_error_handlers
 from app.http import health as routes_health
 from app.http.body_limits import BodyLimit
@@ -43,6 +43,7 @@ from app.settings import Settings
 from app.tool_wiring import build_tools, load_configured_catalog
 from telephony.session_config import BASE_INSTRUCTIONS, BridgeConfig
 from telephony.tool_gateway import ToolGateway
+from tools.autocommit import hold_autocommit, release_autocommit
 from tools.catalog import Catalog
 from tools.outage import quiet_library_outages
 
@@ -251,6 +252,7 @@ def create_app(
             if worker is not None:
                 # SIP placings only now: a worker takes them only beside a live listener.
                 await worker.take_sip_jobs()
+        hold_autocommit(db, idle_s=PING_AFTER_IDLE_S)
         try:
             yield
         finally:
@@ -275,6 +277,7 @@ def create_app(
             await close_twilio_client(runtime.twilio)
             if own_client:
                 await client.close()
+            await release_autocommit(db)
             if own_engine:
                 await db.dispose()
 

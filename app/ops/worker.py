@@ -26,7 +26,7 @@ import procrastinate
 from prometheus_client import start_http_server
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db import make_engine, resolve_database_url
+from app.db import PING_AFTER_IDLE_S, make_engine, resolve_database_url
 from app.loop_watch import LoopWatch
 from app.ops.callback import CallbackChannel, CallbackConfig
 from app.ops.delivery_jobs import DeliveryConfig, DeliveryDriver, DeliverySweeper
@@ -35,6 +35,7 @@ from app.ops.sms import SmsChannel
 from app.settings import Settings
 from app.tool_wiring import load_configured_catalog
 from tools import webhooks
+from tools.autocommit import hold_autocommit, release_autocommit
 from tools.catalog import Catalog
 from tools.executor import QUEUE, SIP_QUEUE, TASK_NAME, Executor, make_app, make_enqueue
 from tools.jobs import DELIVERY_QUEUE
@@ -361,6 +362,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         await catalog.aclose()
         raise
     engine = make_engine(url)
+    hold_autocommit(engine, idle_s=PING_AFTER_IDLE_S)
     await sync_webhooks(settings, engine)
     worker = standalone_worker(settings, engine, url, catalog, concurrency=concurrency)
     stop = asyncio.Event()
@@ -387,6 +389,7 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     finally:
         await worker.stop()
         await catalog.aclose()
+        await release_autocommit(engine)
         await engine.dispose()
         watch.stop()
         if metrics_server is not None:
