@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,9 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from app.legs.twilio.media_ws import LANE_EXTENSION, MediaWebSocketProtocol
+from telephony.legs.leg import LANE_METHODS, LaneLeg
+from telephony.legs.sip.leg import SipLeg
+from telephony.legs.twilio.leg import TwilioLeg
 from telephony.realtime_wire import LaneConnection
 from telephony.sim.scenario import Scenario
 from telephony.ws_frames import MaskSource, client_text_frame, server_text_frame
@@ -540,3 +544,15 @@ async def test_keepalive_pings_are_answered_on_both_sockets_while_frames_are_rea
                 await media.send("two")  # both still open
                 await wait_until(lambda: app.got == ["one", "two"], WAIT_S, "still open")
                 assert realtime.state.name == "OPEN" and realtime.latency > 0
+
+
+@pytest.mark.parametrize("leg_class", [TwilioLeg, SipLeg])
+def test_the_twilio_and_sip_legs_offer_every_lane_as_the_protocol_names_it(
+    leg_class: type,
+) -> None:
+    # The bridge and the recorder take a leg's lanes only when it has all three (lanes_of):
+    # a leg whose method drifted from the protocol would silently lose its lanes.
+    for name in LANE_METHODS:
+        assert inspect.signature(getattr(leg_class, name)) == inspect.signature(
+            getattr(LaneLeg, name)
+        ), name

@@ -44,7 +44,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from telephony.audio import Codec, decode, silence_byte, wav_header
-from telephony.legs.leg import AudioFormat, AudioIn, CallLeg, LegClosed, LegEvent
+from telephony.legs.leg import (
+    AudioFormat,
+    AudioIn,
+    AudioLane,
+    CallLeg,
+    LegClosed,
+    LegEvent,
+    lanes_of,
+)
 from telephony.playback import PlaybackTracker
 
 RATE = 8000
@@ -503,19 +511,15 @@ class RecordingLeg:
         self.playback: PlaybackTracker = inner.playback
         # The synchronous lanes (TwilioLeg's): the leg calls the recorder itself on them (its
         # taps), so a frame costs no layer here; play() is then recorded by the same tap.
-        self.set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = None
+        self.set_audio_lane: Callable[[AudioLane | None], None] | None = None
         self.play_nowait: Callable[[str, str, int], None] | None = None
         self._tapped = False
-        set_taps = getattr(inner, "set_taps", None)
-        if (
-            callable(set_taps)
-            and callable(getattr(inner, "set_audio_lane", None))
-            and callable(getattr(inner, "play_nowait", None))
-        ):
-            set_taps(audio=recorder.caller_audio, play=recorder.agent_audio)
+        lanes = lanes_of(inner)
+        if lanes is not None:
+            lanes.set_taps(audio=recorder.caller_audio, play=recorder.agent_audio)
             self._tapped = True
-            self.set_audio_lane = inner.set_audio_lane  # type: ignore[attr-defined]
-            self.play_nowait = inner.play_nowait  # type: ignore[attr-defined]
+            self.set_audio_lane = lanes.set_audio_lane
+            self.play_nowait = lanes.play_nowait
         # What the leg measured of its media (the SIP leg's RTP reception), passed through.
         self.media_report: Callable[[], dict[str, float | int]] | None = getattr(
             inner, "media_report", None

@@ -20,7 +20,7 @@ from telephony.bridge.playout import Playout
 from telephony.bridge.port import Port
 from telephony.call_events import CallEventKind
 from telephony.caller_evidence import EvidenceLog
-from telephony.legs.leg import CallLeg
+from telephony.legs.leg import AudioLane, CallLeg, lanes_of
 from telephony.realtime_wire import AudioDelta
 from telephony.tool_gateway import CallContext, ToolGateway
 
@@ -55,9 +55,12 @@ class AudioPath:
         # Caller audio dropped, not sent: an outbound call until it is known who answered (a
         # machine's greeting must not start the model talking).
         self.deaf = False
-        self._play_now: Callable[[str, str, int], None] | None = getattr(leg, "play_nowait", None)
-        self._set_audio_lane: Callable[[Callable[[str, int], bool] | None], None] | None = (
-            getattr(leg, "set_audio_lane", None) if self._play_now is not None else None
+        lanes = lanes_of(leg)
+        self._play_now: Callable[[str, str, int], None] | None = (
+            lanes.play_nowait if lanes is not None else None
+        )
+        self._set_audio_lane: Callable[[AudioLane | None], None] | None = (
+            lanes.set_audio_lane if lanes is not None else None
         )
         self._backlog: deque[str] = deque(maxlen=BACKLOG_FRAMES)  # base64 payloads
         self._upstream = asyncio.Lock()  # keeps caller audio in order across a backlog flush

@@ -10,9 +10,9 @@ have to do anyway. Payloads are canonical base64 of G.711 in the leg's `audio_fo
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from telephony.playback import PlaybackTracker
 
@@ -91,3 +91,46 @@ class CallLeg(Protocol):
     async def close(self, reason: str) -> None:
         """Hang up / close the leg; idempotent."""
         ...
+
+
+# The audio lane: (base64 payload, timestamp ms) -> taken.
+AudioLane = Callable[[str, int], bool]
+
+
+class LaneLeg(Protocol):
+    """A leg that also works the synchronous lanes (the Twilio and SIP legs): caller audio
+    offered to the bridge in its socket's callback, agent audio queued from the model
+    socket's callback, and observers (a recorder) called in the same step, with no layer
+    and no task per frame. `events()` and `play()` still carry whatever a lane does not."""
+
+    def set_audio_lane(self, lane: AudioLane | None) -> None:
+        """Offer caller audio to `lane(payload, timestamp_ms)` as it arrives; where it returns
+        False (it cannot take the frame now) the frame comes from `events()` as usual, and
+        later frames queue behind it, in order."""
+        ...
+
+    def set_taps(
+        self,
+        audio: Callable[[str, int], object] | None = None,
+        play: Callable[[str], object] | None = None,
+    ) -> None:
+        """Observers called in the same step: `audio(payload, timestamp_ms)` for each caller
+        frame the audio lane took, `play(payload)` for each piece of agent audio handed to
+        `play` or `play_nowait`."""
+        ...
+
+    def play_nowait(self, item_id: str, payload: str, size: int = -1) -> None:
+        """`play`, from synchronous code; `size`, when known, is the bytes `payload` encodes
+        (`telephony.audio.base64_size`)."""
+        ...
+
+
+LANE_METHODS = ("set_audio_lane", "set_taps", "play_nowait")
+
+
+def lanes_of(leg: object) -> LaneLeg | None:
+    """`leg` as a `LaneLeg` if it has all three lane methods, else None (the bridge then uses
+    `events()` and `play()` alone)."""
+    if all(callable(getattr(leg, name, None)) for name in LANE_METHODS):
+        return cast(LaneLeg, leg)
+    return None

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from telephony import dtmf_out
-from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, AudioIn, AudioLane, DtmfIn, LegClosed, LegEvent
 from telephony.legs.sip.pacer import PacedStream, PacerClock
 from telephony.legs.sip.rtp import MediaPolicy, MediaStats, RtpClock, RtpStream, SentPlayback
 from telephony.legs.sip.sdp import PTIME_MS, Codec, Direction, RemoteMedia
@@ -74,9 +74,8 @@ class SipLeg:
 
     # ---- from the media and signalling sides --------------------------------------------
 
-    def set_audio_lane(self, lane: Callable[[str, int], bool] | None) -> None:
-        """Offer caller audio to `lane(payload, timestamp_ms)` as it arrives; where it returns
-        False (it cannot take the frame now) the frame comes from `events()` as usual."""
+    def set_audio_lane(self, lane: AudioLane | None) -> None:
+        """`LaneLeg.set_audio_lane`: offered in the RTP socket's callback."""
         self._audio_lane = lane
 
     def set_taps(
@@ -84,9 +83,7 @@ class SipLeg:
         audio: Callable[[str, int], object] | None = None,
         play: Callable[[str], object] | None = None,
     ) -> None:
-        """Observers called in the same step, without a layer per frame: `audio(payload,
-        timestamp_ms)` for each caller frame the audio lane took, `play(payload)` for each
-        piece of agent audio handed to `play` or `play_nowait`."""
+        """`LaneLeg.set_taps`."""
         self._audio_tap = audio
         self._play_tap = play
 
@@ -165,8 +162,8 @@ class SipLeg:
         self.play_nowait(item_id, payload)
 
     def play_nowait(self, item_id: str, payload: str, size: int = -1) -> None:
-        """`play`, from synchronous code (the model socket's lane); `size` is not needed
-        here (the payload is decoded for the pacer anyway)."""
+        """`LaneLeg.play_nowait` (from the model socket's lane); `size` is not needed here
+        (the payload is decoded for the pacer anyway)."""
         tap = self._play_tap
         if tap is not None:
             tap(payload)

@@ -15,7 +15,7 @@ from telephony import dtmf_out
 from telephony.audio import base64_size
 from telephony.call_events import CallEvent, CallEventKind, CallEventSink
 from telephony.errors import MalformedFrame
-from telephony.legs.leg import AudioFormat, AudioIn, DtmfIn, LegClosed, LegEvent
+from telephony.legs.leg import AudioFormat, AudioIn, AudioLane, DtmfIn, LegClosed, LegEvent
 from telephony.legs.twilio.budget import BATCH, StreamBudget
 from telephony.legs.twilio.events import (
     Connected,
@@ -48,8 +48,6 @@ INBOUND_TRACKS = ("inbound", "inbound_track")
 # How late a tail's mark may go out when no caller frame comes to check it (see _tail_check):
 # Twilio streams caller frames all through a call, so this is for a stream gone quiet.
 TAIL_BACKSTOP_S = 0.5
-# The audio lane: (base64 payload, timestamp ms) -> taken.
-AudioLane = Callable[[str, int], bool]
 
 
 class TextWebSocket(Protocol):
@@ -183,8 +181,7 @@ class TwilioLeg:
     # Receive side.
 
     def set_audio_lane(self, lane: AudioLane | None) -> None:
-        """Offer caller audio to `lane(payload, timestamp_ms)` as it arrives; where it returns
-        False (it cannot take the frame now) the frame comes from `events()` as usual."""
+        """`LaneLeg.set_audio_lane`: offered as the socket receives each frame."""
         self._audio_lane = lane
 
     def set_taps(
@@ -192,9 +189,7 @@ class TwilioLeg:
         audio: Callable[[str, int], object] | None = None,
         play: Callable[[str], object] | None = None,
     ) -> None:
-        """Observers on the lanes, called in the same step, without a layer per frame:
-        `audio(payload, timestamp_ms)` for each caller frame the audio lane took, `play(payload)`
-        for each piece of agent audio handed to `play` or `play_nowait`."""
+        """`LaneLeg.set_taps`."""
         self._audio_tap = audio
         self._play_tap = play
 
@@ -381,8 +376,7 @@ class TwilioLeg:
         self.play_nowait(item_id, payload)
 
     def play_nowait(self, item_id: str, payload: str, size: int = -1) -> None:
-        """`play`, from synchronous code (the Realtime lane); `size`, when known, is the
-        bytes `payload` encodes (base64_size)."""
+        """`LaneLeg.play_nowait` (from the Realtime lane): chunked and marked as `play`."""
         tap = self._play_tap
         if tap is not None:
             tap(payload)
