@@ -19,13 +19,19 @@ from tools.autocommit import autocommit, hold_autocommit, release_autocommit
 _PID = sa.text("SELECT pg_backend_pid()")
 
 
-@pytest.fixture
-async def one_connection(clean_db: str) -> AsyncIterator[AsyncEngine]:
-    """An engine whose pool holds one connection: every checkout is the same one."""
-    engine = make_engine(clean_db, pool_size=1, max_overflow=0)
+async def _probe_engine(url: str, size: int) -> AsyncEngine:
+    """An engine of `size` connections (no overflow), and an empty table to write to."""
+    engine = make_engine(url, pool_size=size, max_overflow=0)
     async with engine.begin() as conn:
         await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS ac_probe (n int)"))
         await conn.execute(sa.text("TRUNCATE ac_probe"))
+    return engine
+
+
+@pytest.fixture
+async def one_connection(clean_db: str) -> AsyncIterator[AsyncEngine]:
+    """An engine whose pool holds one connection: every checkout is the same one."""
+    engine = await _probe_engine(clean_db, 1)
     try:
         yield engine
     finally:
@@ -85,10 +91,7 @@ async def test_a_connection_lost_in_the_block_is_not_returned_to_the_pool(
 @pytest.fixture
 async def held(clean_db: str) -> AsyncIterator[AsyncEngine]:
     """An engine of 8 connections whose process holds 2 of them for autocommit units."""
-    engine = make_engine(clean_db, pool_size=8, max_overflow=0)
-    async with engine.begin() as conn:
-        await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS ac_probe (n int)"))
-        await conn.execute(sa.text("TRUNCATE ac_probe"))
+    engine = await _probe_engine(clean_db, 8)
     _CHECKOUTS[engine] = []
     sa.event.listen(engine.sync_engine.pool, "checkout", lambda *_: _CHECKOUTS[engine].append(1))
     hold_autocommit(engine, idle_s=60.0)
@@ -113,6 +116,24 @@ async def _unit(engine: AsyncEngine, n: int) -> int:
         await driver_sql.execute(conn, sa.text("INSERT INTO ac_probe VALUES (:n)"), {"n": n})
         rows = await driver_sql.fetch_tuples(conn, _PID)
         return int(rows[0][0])
+
+
+async def _every_pooled_one_in_a_transaction(engine: AsyncEngine, size: int) -> list[int]:
+    """Check out all `size` of the pool's connections at once: each is out of autocommit (its
+    rollback undoes its insert). Their backends' pids."""
+    conns = [await engine.connect() for _ in range(size)]
+    try:
+        pids = []
+        for c in conns:
+            pids.append((await c.execute(_PID)).scalar_one())
+            raw = await c.get_raw_connection()
+            assert raw.driver_connection is not None and not raw.driver_connection.autocommit
+            await c.execute(sa.text("INSERT INTO ac_probe VALUES (-1)"))
+            await c.rollback()
+        return pids
+    finally:
+        for c in conns:
+            await c.close()
 
 
 async def test_held_units_reuse_one_connection_and_each_commits(held: AsyncEngine) -> None:
@@ -144,18 +165,7 @@ async def test_a_unit_that_raised_gives_its_connection_back_to_the_pool_out_of_a
         async with autocommit(held) as conn:
             await driver_sql.execute(conn, sa.text("INSERT INTO no_such_table VALUES (1)"))
     # Back in the pool, in a transaction again (every pooled connection is).
-    conns = [await held.connect() for _ in range(8)]
-    try:
-        pids = [(await c.execute(_PID)).scalar_one() for c in conns]
-        assert pid in pids
-        for c in conns:
-            raw = await c.get_raw_connection()
-            assert raw.driver_connection is not None and not raw.driver_connection.autocommit
-            await c.execute(sa.text("INSERT INTO ac_probe VALUES (3)"))
-            await c.rollback()
-    finally:
-        for c in conns:
-            await c.close()
+    assert pid in await _every_pooled_one_in_a_transaction(held, 8)
     before = _checkouts(held)
     await _unit(held, 2)
     assert _checkouts(held) - before == 1  # the hold had none left: it checked one out
@@ -165,9 +175,7 @@ async def test_a_unit_that_raised_gives_its_connection_back_to_the_pool_out_of_a
 async def test_a_held_connection_idle_past_the_ping_age_that_died_is_replaced(
     clean_db: str,
 ) -> None:
-    engine = make_engine(clean_db, pool_size=8, max_overflow=0)
-    async with engine.begin() as conn:
-        await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS ac_probe (n int)"))
+    engine = await _probe_engine(clean_db, 8)
     hold_autocommit(engine, idle_s=0.0)  # every held connection is pinged before a unit
     try:
         pid = await _unit(engine, 1)
@@ -199,10 +207,7 @@ async def test_after_a_disconnect_the_held_connections_go_back_to_the_pool(
 async def test_released_the_hold_gives_its_connections_back_out_of_autocommit(
     clean_db: str,
 ) -> None:
-    engine = make_engine(clean_db, pool_size=4, max_overflow=0)  # keeps one
-    async with engine.begin() as conn:
-        await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS ac_probe (n int)"))
-        await conn.execute(sa.text("TRUNCATE ac_probe"))
+    engine = await _probe_engine(clean_db, 4)  # keeps one
     hold_autocommit(engine, idle_s=60.0)
     hold_autocommit(engine, idle_s=60.0)  # a second holder shares it
     try:
@@ -211,18 +216,7 @@ async def test_released_the_hold_gives_its_connections_back_out_of_autocommit(
         assert await _unit(engine, 2) == pid  # still held: one holder left
         await release_autocommit(engine)
         # Every pooled connection, the held one included, is in a transaction again.
-        conns = [await engine.connect() for _ in range(4)]
-        try:
-            pids = [(await c.execute(_PID)).scalar_one() for c in conns]
-            assert pid in pids
-            for c in conns:
-                raw = await c.get_raw_connection()
-                assert raw.driver_connection is not None and not raw.driver_connection.autocommit
-                await c.execute(sa.text("INSERT INTO ac_probe VALUES (9)"))
-                await c.rollback()
-        finally:
-            for c in conns:
-                await c.close()
+        assert pid in await _every_pooled_one_in_a_transaction(engine, 4)
         assert await _count(engine) == 2
     finally:
         await engine.dispose()
