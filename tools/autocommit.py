@@ -110,8 +110,6 @@ class AutocommitHold:
         self.closed = False
         self._free: list[tuple[AsyncConnection, DriverConnection[Any], float, int]] = []
         self._generation = 0  # moves on at each disconnect the engine sees
-        self.taken = 0  # units served by a held connection (for tests and benchmarks)
-        self.checkouts = 0  # connections checked out of the pool to hold
 
     def _on_error(self, context: ExceptionContext) -> None:
         if context.is_disconnect:
@@ -145,7 +143,6 @@ class AutocommitHold:
                 continue
             if time.monotonic() - last_used >= self.idle_s and not await _alive(conn, driver):
                 continue
-            self.taken += 1
             return conn, driver
         new = await self.engine.connect()
         new_driver = _idle_driver(new)
@@ -157,8 +154,6 @@ class AutocommitHold:
         except BaseException:
             await new.close()
             raise
-        self.checkouts += 1
-        self.taken += 1
         return new, new_driver
 
     def _give_back(self, conn: AsyncConnection, driver: DriverConnection[Any]) -> bool:
