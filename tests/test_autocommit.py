@@ -17,6 +17,9 @@ from tools import driver_sql
 from tools.autocommit import autocommit, hold_autocommit, release_autocommit
 
 _PID = sa.text("SELECT pg_backend_pid()")
+# Ends a backend and waits (up to 5 s) until it is gone: without the wait, the statement the
+# test sends next can reach the backend before it has acted on the signal.
+_TERMINATE = "SELECT pg_terminate_backend(%s, 5000)"
 
 
 async def _probe_engine(url: str, size: int) -> AsyncEngine:
@@ -77,7 +80,7 @@ async def test_a_connection_lost_in_the_block_is_not_returned_to_the_pool(
     async with autocommit(engine) as conn:
         pid = (await conn.execute(_PID)).scalar_one()
         async with await psycopg.AsyncConnection.connect(plain_url(clean_db)) as admin:
-            await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            await admin.execute(_TERMINATE, (pid,))
         with pytest.raises(sa.exc.DBAPIError):
             await driver_sql.execute(conn, sa.text("INSERT INTO ac_probe VALUES (1)"))
     # The next checkout is a new connection, in a transaction of its own.
@@ -180,7 +183,7 @@ async def test_a_held_connection_idle_past_the_ping_age_that_died_is_replaced(
     try:
         pid = await _unit(engine, 1)
         async with await psycopg.AsyncConnection.connect(plain_url(clean_db)) as admin:
-            await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            await admin.execute(_TERMINATE, (pid,))
         assert await _unit(engine, 2) != pid  # no error: replaced before the unit
     finally:
         await release_autocommit(engine)
@@ -192,8 +195,8 @@ async def test_after_a_disconnect_the_held_connections_go_back_to_the_pool(
 ) -> None:
     first, second = await asyncio.gather(_unit(held, 1), _unit(held, 2))
     async with await psycopg.AsyncConnection.connect(plain_url(clean_db)) as admin:
-        await admin.execute("SELECT pg_terminate_backend(%s)", (first,))
-        await admin.execute("SELECT pg_terminate_backend(%s)", (second,))
+        await admin.execute(_TERMINATE, (first,))
+        await admin.execute(_TERMINATE, (second,))
     # Used within the ping age, a dead one fails its unit, as a pooled one would ...
     with pytest.raises(sa.exc.DBAPIError):
         await _unit(held, 3)

@@ -29,17 +29,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 log = logging.getLogger(__name__)
 
 
-@contextlib.asynccontextmanager
-async def autocommit(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """A connection in autocommit for one unit of work: a held one where the process holds
-    some for `engine` (`hold_autocommit`), else one from the pool (`pooled_autocommit`)."""
+def autocommit(engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+    """A connection in autocommit for one unit of work (`async with`): a held one where the
+    process holds some for `engine` (`hold_autocommit`), else one from the pool
+    (`pooled_autocommit`)."""
     hold = _HOLDS.get(engine)
-    if hold is None:
-        async with pooled_autocommit(engine) as conn:
-            yield conn
-    else:
-        async with hold.connection() as conn:
-            yield conn
+    return pooled_autocommit(engine) if hold is None else hold.connection()
 
 
 @contextlib.asynccontextmanager

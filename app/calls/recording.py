@@ -509,8 +509,9 @@ class RecordingLeg:
         self.recorder = recorder
         self.audio_format: AudioFormat = inner.audio_format
         self.playback: PlaybackTracker = inner.playback
-        # The synchronous lanes (TwilioLeg's): the leg calls the recorder itself on them (its
-        # taps), so a frame costs no layer here; play() is then recorded by the same tap.
+        # The synchronous lanes (a LaneLeg: the Twilio and SIP legs): the leg calls the recorder
+        # itself on them (its taps), so a frame costs no layer here; play() is then recorded by
+        # the same tap.
         self.set_audio_lane: Callable[[AudioLane | None], None] | None = None
         self.play_nowait: Callable[[str, str, int], None] | None = None
         self._tapped = False
