@@ -289,6 +289,9 @@ class CallSession:
             return
         if created:
             runtime.events.emit(CallEvent(row.id, CallEventKind.CALL_REJECTED, data))
+            # Written before the refusal is answered: a proxy then tries the next replica with
+            # the same call, whose events must come after this one on the timeline.
+            await runtime.events.flush(FLUSH_TIMEOUT_S)
         else:
             self.existing = row
 
