@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import uvicorn
 
@@ -44,6 +45,23 @@ class QuietServer(uvicorn.Server):
     def _tick_step(self) -> int:
         """Tenths of a second to the next tick."""
         return IDLE_TICKS
+
+    async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super()._serve(sockets)
+        finally:
+            self.close_connections()
+
+    def close_connections(self) -> None:
+        """Close what the stop left open: a forced stop (`force_exit`, or a graceful one past
+        its timeout) or a cancelled one leaves the connections it did not wait for open, their
+        sockets held until the collector finds them (uvicorn closes only idle ones itself)."""
+        for server in getattr(self, "servers", []):
+            server.close()
+        for connection in list(self.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None and not transport.is_closing():
+                transport.abort()
 
     async def main_loop(self) -> None:
         self._tick_loop = asyncio.get_running_loop()

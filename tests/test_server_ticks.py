@@ -7,6 +7,7 @@ within the test's bound."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -108,6 +109,59 @@ async def test_every_server_we_run_ticks_once_a_second_and_stops_at_once() -> No
             await task
         assert asyncio.get_running_loop().time() - stopping < 0.5  # not the next tick
     finally:
+        if not task.done():
+            server.force_exit = server.should_exit = True
+            await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+@pytest.mark.parametrize("stop", ["force_exit", "cancel"])
+async def test_a_forced_or_cancelled_stop_closes_the_connections_it_did_not_wait_for(
+    stop: str,
+) -> None:
+    # uvicorn closes idle connections itself; one whose request is still being answered it
+    # waits for, and a forced or cancelled stop left its socket open until the collector
+    # found it (a ResourceWarning in whatever ran next).
+    answering = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        answering.set()
+        await asyncio.Event().wait()  # never answers
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False)
+    server = QuietServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        await wait_until(lambda: server.started, 10, "the server started")
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            clients.append((reader, writer))
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+        await asyncio.wait_for(answering.wait(), 10)
+        await wait_until(lambda: len(server.server_state.connections) == 2, 10, "2 connections")
+        if stop == "force_exit":
+            server.should_exit = True
+            await asyncio.sleep(0.3)  # the graceful stop waits on the open requests
+            assert not task.done()
+            server.force_exit = True
+            await asyncio.wait_for(task, 10)
+        else:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+        for reader, _ in clients:
+            # The server's side is closed: the client reads the end (or a reset), not silence.
+            with contextlib.suppress(ConnectionError):
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+        await wait_until(lambda: not server.server_state.connections, 5, "connections gone")
+    finally:
+        for _, writer in clients:
+            writer.close()
         if not task.done():
             server.force_exit = server.should_exit = True
             await asyncio.wait_for(task, 10)
