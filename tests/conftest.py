@@ -14,6 +14,7 @@ from hypothesis import settings
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import create_database, drop_database, make_engine, resolve_database_url, upgrade
+from tests import loop_leaks
 
 # The races' `race` fixture and their one-line summary (tests/race_report.py).
 from tests.race_report import pytest_terminal_summary, race  # noqa: F401
@@ -23,6 +24,8 @@ from tests.race_report import pytest_terminal_summary, race  # noqa: F401
 # measured in bench/, not asserted in tests.
 settings.register_profile("voice-agent", deadline=None)
 settings.load_profile("voice-agent")
+
+loop_leaks.install()
 
 # No test may reach api.twilio.com (these machines have no internet, and a test must not
 # depend on it): a service a test starts without a fake Twilio REST API of its own sends its

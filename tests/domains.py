@@ -70,10 +70,28 @@ def _short(catalog: Catalog, deadline_s: float | None) -> Catalog:
     ).checked()
 
 
+class _Catalogs:
+    """The catalogs a backend made, closed when it stops: each holds its providers' HTTP
+    clients, whose idle connections would otherwise outlive the test's event loop."""
+
+    def __init__(self) -> None:
+        self.made: list[Catalog] = []
+
+    def keep(self, catalog: Catalog) -> Catalog:
+        self.made.append(catalog)
+        return catalog
+
+    async def aclose(self) -> None:
+        for catalog in self.made:
+            await catalog.aclose()
+        self.made.clear()
+
+
 class RestaurantBackend:
     def __init__(self, sor: SystemOfRecord) -> None:
         self.sor = sor
         self.url = sor.url
+        self.catalogs = _Catalogs()
 
     def set_faults(self, *, latency_s: float = 0.0, lose_response: int = 0, hang: int = 0) -> None:
         self.sor.set_faults(SorFaults(latency_s=latency_s, lose_response=lose_response, hang=hang))
@@ -85,7 +103,7 @@ class RestaurantBackend:
         return (await self.sor.side_effects()).bookings_inserted
 
     def catalog(self, *, deadline_s: float | None = None) -> Catalog:
-        return restaurant_catalog(self.url, deadline_s=deadline_s)
+        return self.catalogs.keep(restaurant_catalog(self.url, deadline_s=deadline_s))
 
 
 def restaurant_catalog(url: str, *, deadline_s: float | None = None) -> Catalog:
@@ -97,6 +115,7 @@ class AppointmentsBackend:
     def __init__(self, api: AppointmentsApi) -> None:
         self.api = api
         self.url = api.url
+        self.catalogs = _Catalogs()
 
     def set_faults(self, *, latency_s: float = 0.0, lose_response: int = 0, hang: int = 0) -> None:
         self.api.set_faults(ApiFaults(latency_s=latency_s, lose_response=lose_response, hang=hang))
@@ -108,7 +127,7 @@ class AppointmentsBackend:
         return self.api.effects().booked
 
     def catalog(self, *, deadline_s: float | None = None) -> Catalog:
-        return appointments_catalog(self.url, deadline_s=deadline_s)
+        return self.catalogs.keep(appointments_catalog(self.url, deadline_s=deadline_s))
 
 
 def appointments_catalog(url: str, *, deadline_s: float | None = None) -> Catalog:
@@ -143,16 +162,22 @@ class Domain:
 @asynccontextmanager
 async def _restaurant(db: str) -> AsyncIterator[Backend]:
     sor = await start_sor(db)
+    backend = RestaurantBackend(sor)
     try:
-        yield RestaurantBackend(sor)
+        yield backend
     finally:
+        await backend.catalogs.aclose()
         await sor.stop()
 
 
 @asynccontextmanager
 async def _appointments(db: str) -> AsyncIterator[Backend]:
     async with AppointmentsApi(token=CLINIC_TOKEN) as api:
-        yield AppointmentsBackend(api)
+        backend = AppointmentsBackend(api)
+        try:
+            yield backend
+        finally:
+            await backend.catalogs.aclose()
 
 
 RESTAURANT = Domain(
