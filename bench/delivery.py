@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -451,7 +452,8 @@ async def _worker_process(
                     raise RuntimeError("voice-agent worker stopped before it ran")
         drain = asyncio.create_task(proc.stdout.read())
         work.worker_pid = proc.pid
-        yield
+        async with _profiled(proc.pid):
+            yield
     finally:
         work.worker_pid = None
         if proc.returncode is None:
@@ -463,6 +465,28 @@ async def _worker_process(
                 await proc.wait()
         if "drain" in locals():
             await drain
+
+
+@asynccontextmanager
+async def _profiled(pid: int) -> AsyncIterator[None]:
+    """With BENCH_PROFILE_WORKER=FILE: py-spy samples the worker (`--format raw`, for
+    bench/_profile.py) from the moment it runs (its start-up left out) until the benchmark
+    is done with it."""
+    out = os.environ.get("BENCH_PROFILE_WORKER")
+    if not out:
+        yield
+        return
+    spy = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("py-spy")),
+        *("record", "--pid", str(pid), "--format", "raw", "--rate", "500", "-o", out),
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    await asyncio.sleep(1)  # attached
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        await asyncio.wait_for(spy.wait(), 30)
 
 
 class _Arrivals:

@@ -988,6 +988,39 @@ _TEXT_DELIVERY = (
 )
 
 
+# `text_many`'s move, one statement text whatever the batch: the rows come as arrays
+# (unnested), so SQLAlchemy compiles it once and psycopg prepares it once. A VALUES list of
+# the rows instead (`sa.values(...).data(...)`) has no cache key: it was compiled again for
+# every batch, most of the SQL compilation a delivery worker did (bench/delivery.py,
+# BENCH_PROFILE_WORKER).
+_TEXT_MANY_ROWS = (
+    sa.func.unnest(
+        sa.bindparam("v_ids", type_=ARRAY(dl_t.c.id.type)),
+        sa.bindparam("v_reasons", type_=ARRAY(sa.Text())),
+        sa.bindparam("v_message_ids", type_=ARRAY(dl_t.c.message_id.type)),
+    )
+    .table_valued(
+        sa.column("id", dl_t.c.id.type),
+        sa.column("reason", sa.Text()),
+        sa.column("message_id", dl_t.c.message_id.type),
+    )
+    .render_derived(name="v")
+)
+_TEXT_MANY_MOVE = (
+    dl_t.update()
+    .where(dl_t.c.id == _TEXT_MANY_ROWS.c.id, dl_t.c.state == D.PENDING.value)
+    .values(
+        state=D.TEXTING.value,
+        updated_at=sa.func.now(),
+        reason=_TEXT_MANY_ROWS.c.reason,
+        channel="sms",
+        message_id=_TEXT_MANY_ROWS.c.message_id,
+        finished_at=None,
+    )
+    .returning(*dl_t.c)
+)
+
+
 @dataclass(frozen=True, slots=True)
 class NewSms:
     """An SMS for `text_many` to persist: the delivery (locked, pending) and what to send."""
@@ -1016,24 +1049,13 @@ async def text_many(
         return []
     check_delivery_move(D.PENDING, D.TEXTING)
     ids = {i.delivery.id: uuid.uuid4() for i in items}
-    v = sa.values(
-        sa.column("id", sa.Uuid),
-        sa.column("reason", sa.Text),
-        sa.column("message_id", sa.Uuid),
-        name="v",
-    ).data([(i.delivery.id, i.reason, ids[i.delivery.id]) for i in items])
     moved_rows = await conn.execute(
-        dl_t.update()
-        .where(dl_t.c.id == v.c.id, dl_t.c.state == D.PENDING.value)
-        .values(
-            state=D.TEXTING.value,
-            updated_at=sa.func.now(),
-            reason=v.c.reason,
-            channel="sms",
-            message_id=v.c.message_id,
-            finished_at=None,
-        )
-        .returning(*dl_t.c)
+        _TEXT_MANY_MOVE,
+        {
+            "v_ids": [i.delivery.id for i in items],
+            "v_reasons": [i.reason for i in items],
+            "v_message_ids": [ids[i.delivery.id] for i in items],
+        },
     )
     moved = {r.id: DeliveryRecord.from_row(r) for r in moved_rows}
     items = [i for i in items if i.delivery.id in moved]
