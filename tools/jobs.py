@@ -3,7 +3,8 @@
 The job row commits or rolls back with whatever else the transaction does (the terminal
 transition that opens a delivery, the SMS row persisted before its send), so work is never
 lost between "decided" and "queued". Deferral runs on the transaction's own psycopg
-connection: the Procrastinate app here is never opened and holds no pool.
+connection, through Procrastinate's own SQL function (`procrastinate_defer_jobs_v1`, what its
+`defer_async` and `batch_defer_async` call): no Procrastinate app or pool here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 from datetime import datetime
 from typing import Any
 
-import procrastinate
 from procrastinate.jobs import DEFAULT_PRIORITY
 from psycopg.types.json import Jsonb
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -23,8 +23,6 @@ DELIVERY_QUEUE = "deliveries"
 DELIVER_TASK = "deliver_outcome"  # decide and drive one delivery
 SMS_TASK = "drive_sms"  # send, reconcile or poll one SMS message
 WEBHOOK_TASK = "send_webhook"  # POST one integrator webhook delivery
-
-_deferrer = procrastinate.App(connector=procrastinate.PsycopgConnector())
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +35,17 @@ log = logging.getLogger(__name__)
 _DEFER_ONE = (
     "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY["
     f"(%s, %s, {DEFAULT_PRIORITY:d}, NULL, NULL, %s, %s)::procrastinate_job_to_defer_v1]))"
+)
+
+# Many jobs of one task, as Procrastinate's `batch_defer_async` writes them (the same function
+# over the same composites, in the arguments' order), the arguments one jsonb array: its
+# per-job work in Python (jobs made and logged one by one) was half of what persisting a
+# batch of SMS cost the worker (bench/delivery.py, BENCH_PROFILE_WORKER).
+_DEFER_MANY = (
+    "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY("
+    f"SELECT ROW(%s, %s, {DEFAULT_PRIORITY:d}, NULL, NULL, a.args, %s)"
+    "::procrastinate_job_to_defer_v1"
+    " FROM unnest(%s::jsonb[]) WITH ORDINALITY AS a(args, n) ORDER BY a.n)))"
 )
 
 
@@ -69,11 +78,14 @@ async def defer_many(
     """`defer` for many jobs of one task, in one statement; their ids in order."""
     if not kwargs:
         return []
-    raw = await conn.get_raw_connection()
-    deferrer = _deferrer.configure_task(
-        task, queue=queue, connection=raw.driver_connection, schedule_at=schedule_at
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None  # the transaction's connection is open
+    cursor = await driver.execute(
+        _DEFER_MANY, (queue, task, schedule_at, [Jsonb(k) for k in kwargs])
     )
-    return await deferrer.batch_defer_async(*kwargs)
+    ids = [int(row[0]) for row in await cursor.fetchall()]
+    log.info("Deferred %d jobs: %s on %s", len(ids), task, queue)
+    return ids
 
 
 def defer_in_statement(*sources: str) -> str:
