@@ -17,10 +17,14 @@ a job lost in between is found again by the sweeper.
 from __future__ import annotations
 
 import asyncio
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, LiteralString, TypeVar
 
 import procrastinate
+import psycopg
+import psycopg_pool
 from procrastinate import connector as base
 
 from tools.outage import DATABASE, DatabaseHealth
@@ -29,15 +33,58 @@ T = TypeVar("T")
 
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 1.0
+# A pooled connection idle longer than this is checked (a round trip) before it is handed out
+# (as app.db.PING_AFTER_IDLE_S for the engine's pool).
+PING_AFTER_IDLE_S = 5.0
+
+
+def quiet_pool_factory(
+    ping_after_idle_s: float = PING_AFTER_IDLE_S,
+) -> Callable[..., psycopg_pool.AsyncConnectionPool]:
+    """Procrastinate's pool (`pool_factory`) without two round trips on each of its queries
+    (a job fetched, finished, a heartbeat): its connections are in autocommit (each query is
+    one statement, its own transaction, where the pool committed after every one), and one is
+    checked when taken only once idle for `ping_after_idle_s` (Procrastinate checks every
+    checkout). A connection an outage broke meanwhile fails its query, which
+    `OutageTolerantConnector` tries again, and the pool replaces the broken one."""
+    idle_since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    async def made(conn: psycopg.AsyncConnection[Any]) -> None:
+        # Not `autocommit` in the pool's connection kwargs: Procrastinate's listener
+        # connects with those and autocommit=True of its own.
+        await conn.set_autocommit(True)
+
+    async def returned(conn: psycopg.AsyncConnection[Any]) -> None:
+        idle_since[conn] = time.monotonic()
+
+    async def check(conn: psycopg.AsyncConnection[Any]) -> None:
+        since = idle_since.get(conn)
+        if since is None or time.monotonic() - since < ping_after_idle_s:
+            return  # new, or back in the pool a moment ago
+        await psycopg_pool.AsyncConnectionPool.check_connection(conn)
+
+    def factory(**pool_args: Any) -> psycopg_pool.AsyncConnectionPool:
+        pool_args["check"] = check
+        pool_args["reset"] = returned
+        pool_args["configure"] = made
+        return psycopg_pool.AsyncConnectionPool(**pool_args)
+
+    return factory
 
 
 class OutageTolerantConnector(procrastinate.PsycopgConnector):
     """A `PsycopgConnector` whose pooled queries and listener wait out a database outage."""
 
-    def __init__(self, *, health: DatabaseHealth = DATABASE, **pool_args: Any) -> None:
-        # Procrastinate's pool already checks a connection when it is taken, so one the
-        # outage broke is found out there, not when it is used.
-        super().__init__(**pool_args)
+    def __init__(
+        self,
+        *,
+        health: DatabaseHealth = DATABASE,
+        ping_after_idle_s: float = PING_AFTER_IDLE_S,
+        **pool_args: Any,
+    ) -> None:
+        super().__init__(pool_factory=quiet_pool_factory(ping_after_idle_s), **pool_args)
         self.health = health
 
     async def _until_answered(self, where: str, attempt: Callable[[], Awaitable[T]]) -> T:
