@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from app import embedded_db
 from app.errors import StartupError
+from tools.autocommit import PING_AFTER_IDLE_S
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,6 @@ def drop_database(server_url: str, dbname: str) -> None:
 
     with psycopg.connect(with_database(server_url, "postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
-
-
-# A pooled connection idle longer than this is pinged before it is handed out.
-PING_AFTER_IDLE_S = 5.0
 
 
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:

@@ -476,8 +476,11 @@ async def _profiled(pid: int) -> AsyncIterator[None]:
     if not out:
         yield
         return
+    py_spy = Path(sys.executable).with_name("py-spy")
+    if not py_spy.exists():
+        raise SystemExit(f"BENCH_PROFILE_WORKER needs py-spy ({py_spy}): pip install py-spy")
     spy = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("py-spy")),
+        str(py_spy),
         *("record", "--pid", str(pid), "--format", "raw", "--rate", "500", "-o", out),
         stdout=asyncio.subprocess.DEVNULL,
     )

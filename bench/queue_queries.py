@@ -23,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _scratch import scratch_database  # bench/ is on sys.path when run as a script
 
-from tools.executor import _libpq_url
+from app.db import plain_url
 from tools.queue_connector import OutageTolerantConnector
 
 
 async def main(queries: int, rounds: int) -> None:
     results: dict[str, list[tuple[float, float]]] = {}
     with scratch_database("va_bench_queue") as url:
-        conninfo = _libpq_url(url)
+        conninfo = plain_url(url)
         ways = {
             "procrastinate PsycopgConnector (baseline)": procrastinate.PsycopgConnector(
                 conninfo=conninfo, min_size=1, max_size=2

@@ -11,7 +11,7 @@ import psycopg
 import psycopg_pool
 import pytest
 
-from tools.executor import _libpq_url
+from app.db import plain_url
 from tools.queue_connector import quiet_pool_factory
 
 IDLE_S = 0.3
@@ -19,7 +19,7 @@ IDLE_S = 0.3
 
 @asynccontextmanager
 async def pool_on(url: str) -> AsyncIterator[psycopg_pool.AsyncConnectionPool]:
-    pool = quiet_pool_factory(IDLE_S)(conninfo=_libpq_url(url), min_size=1, max_size=1, open=False)
+    pool = quiet_pool_factory(IDLE_S)(conninfo=plain_url(url), min_size=1, max_size=1, open=False)
     await pool.open(wait=True)
     try:
         yield pool
@@ -36,7 +36,7 @@ async def _pid(pool: psycopg_pool.AsyncConnectionPool) -> int:
 
 
 async def _terminate(url: str, pid: int) -> None:
-    async with await psycopg.AsyncConnection.connect(_libpq_url(url), autocommit=True) as admin:
+    async with await psycopg.AsyncConnection.connect(plain_url(url), autocommit=True) as admin:
         await admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
 
 

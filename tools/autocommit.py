@@ -28,6 +28,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 log = logging.getLogger(__name__)
 
+# A pooled connection idle longer than this is pinged before it is handed out: by the engine's
+# pool (app.db), the connections held here, and the job queue's pool (tools.queue_connector).
+# One back a moment ago is as alive as it was then.
+PING_AFTER_IDLE_S = 5.0
+
 
 def autocommit(engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
     """A connection in autocommit for one unit of work (`async with`): a held one where the

@@ -27,15 +27,13 @@ import psycopg
 import psycopg_pool
 from procrastinate import connector as base
 
+from tools.autocommit import PING_AFTER_IDLE_S
 from tools.outage import DATABASE, DatabaseHealth
 
 T = TypeVar("T")
 
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 1.0
-# A pooled connection idle longer than this is checked (a round trip) before it is handed out
-# (as app.db.PING_AFTER_IDLE_S for the engine's pool).
-PING_AFTER_IDLE_S = 5.0
 
 
 def quiet_pool_factory(
