@@ -151,7 +151,7 @@ class ServiceServer(QuietServer):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         log.info("%s", summary(fast_paths(self.config)))
-        self.watch.start()
+        self.watch.gc.install()  # start-up's collections are timed too
         await super().startup(sockets)
         runtime = self._runtime()
         if runtime is not None:
@@ -188,6 +188,12 @@ class ServiceServer(QuietServer):
                 self.steward = GcSteward(
                     runtime.settings.gc_freeze_every_s, idle=lambda: registry.load() == 0
                 ).start()
+        # The loop's lateness is sampled from here on, not during start-up: migrations, the
+        # catalogs, the stand-ins and the freeze above hold the loop up to ~0.7 s (more on a
+        # loaded machine), which says nothing about the calls it can carry. Judged with the
+        # first samples after it (BUSY_LOOP_LAG_MS), it made a replica just started answer
+        # its proxy's first probes 503, out of the dispatcher for seconds.
+        self.watch.lag.start()
         if self.started and self.on_started is not None:
             self.on_started()
 

@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from aiosipua import SipResponse
@@ -149,10 +149,12 @@ class EdgeCall:
     status: int = 0
     replica_sip: str = ""  # host:port of the replica that answered
     answer_s: float = 0.0
+    opened: ClassVar[list[EdgeCall]] = []  # closed by `close_callers` when the test ends
 
     @classmethod
     async def dial(cls, edge: tuple[str, int], within: float = 20.0) -> EdgeCall:
         call = cls(edge, await UdpPeer.open())
+        cls.opened.append(call)
         started = time.monotonic()
         edge_uri = f"sip:agent@{edge[0]}:{edge[1]}"
         call.peer.send(call._request("INVITE", edge_uri, body=sdp_offer(port=40000)), edge)
@@ -214,12 +216,23 @@ class EdgeCall:
         return done.status_code
 
 
+@pytest.fixture(autouse=True)
+async def close_callers() -> AsyncIterator[None]:
+    """Every caller's socket is closed when its test ends, also when it failed half-way."""
+    yield
+    while EdgeCall.opened:
+        EdgeCall.opened.pop().peer.close()
+
+
 async def dial_all(cluster: RunningCluster, n: int) -> list[EdgeCall]:
     """`n` calls one after another through the edge, each answered before the next."""
     calls = []
     for _ in range(n):
         call = await EdgeCall.dial(cluster.edge)
-        assert call.status == 200, f"a call through Kamailio got {call.status}"
+        assert call.status == 200, f"a call through Kamailio got {call.status}\n" + "".join(
+            f"{name}:\n{cluster.log(name)}\n"
+            for name in ("kamailio", *(r["name"] for r in cluster.endpoints["replicas"]))
+        )
         calls.append(call)
     return calls
 
