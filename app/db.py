@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from app import embedded_db
 from app.errors import StartupError
 from tools.autocommit import PING_AFTER_IDLE_S
+from tools.pg_url import plain_url
 
 log = logging.getLogger(__name__)
 
@@ -23,14 +24,6 @@ _MIGRATIONS = Path(__file__).parent / "migrations"
 def start_embedded_postgres(data_dir: Path) -> str:
     """Start (or join) the embedded PostgreSQL in `data_dir/pg` and return its URL."""
     return embedded_db.start(data_dir)
-
-
-def plain_url(url: str) -> str:
-    """A libpq URL (what psycopg and Procrastinate take)."""
-    for prefix in ("postgresql+psycopg://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql://" + url.removeprefix(prefix)
-    return url
 
 
 def sqlalchemy_url(url: str) -> str:

@@ -36,6 +36,7 @@ from tools.compensation import compensate
 from tools.errors import ToolError
 from tools.ledger import OperationRecord
 from tools.outage import DATABASE, DatabaseHealth
+from tools.pg_url import plain_url
 from tools.provider import ActionResult, Outcome, Provider
 from tools.queue_connector import OutageTolerantConnector
 from tools.reconcile import Reconciler, plan_retry
@@ -64,17 +65,10 @@ RECORD_RETRY_MAX_S = 0.5
 RECORD_RETRY_FOR_S = 600.0
 
 
-def _libpq_url(url: str) -> str:
-    for prefix in ("postgresql+psycopg://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql://" + url.removeprefix(prefix)
-    return url
-
-
 def make_app(database_url: str, *, max_pool_size: int = 10) -> procrastinate.App:
     """A Procrastinate app on `database_url` (open it with `await app.open_async()`)."""
     connector = OutageTolerantConnector(
-        conninfo=_libpq_url(database_url), min_size=1, max_size=max_pool_size
+        conninfo=plain_url(database_url), min_size=1, max_size=max_pool_size
     )
     return procrastinate.App(connector=connector)
 

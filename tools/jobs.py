@@ -3,8 +3,9 @@
 The job row commits or rolls back with whatever else the transaction does (the terminal
 transition that opens a delivery, the SMS row persisted before its send), so work is never
 lost between "decided" and "queued". Deferral runs on the transaction's own psycopg
-connection, through Procrastinate's own SQL function (`procrastinate_defer_jobs_v1`, what its
-`defer_async` and `batch_defer_async` call): no Procrastinate app or pool here.
+connection (tools.driver_sql), through Procrastinate's own SQL function
+(`procrastinate_defer_jobs_v1`, what its `defer_async` and `batch_defer_async` call): no
+Procrastinate app or pool here.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import logging
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from procrastinate.jobs import DEFAULT_PRIORITY
 from psycopg.types.json import Jsonb
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tools import driver_sql
 
 # Delivery work has its own queue, so a deployment can size (or pause) it apart from
 # operations; workers listen on both by default.
@@ -32,20 +36,23 @@ log = logging.getLogger(__name__)
 # does around the statement per call (a JobDeferrer configured, the job copied twice, two log
 # records of the job's dict built, a cursor wrapped in its exception mapping, the job list
 # dumped as an array of records): 0.46 -> 0.27 ms CPU a defer.
-_DEFER_ONE = (
+# Both run through tools.driver_sql, as a call's hot statements do: SQLAlchemy's handling of a
+# failed execution and its cursor listeners (statement counts) see them.
+_DEFER_ONE = sa.text(
     "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY["
-    f"(%s, %s, {DEFAULT_PRIORITY:d}, NULL, NULL, %s, %s)::procrastinate_job_to_defer_v1]))"
+    f"(:queue, :task, {DEFAULT_PRIORITY:d}, NULL, NULL, :args, :schedule_at)"
+    "::procrastinate_job_to_defer_v1]))"
 )
 
 # Many jobs of one task, as Procrastinate's `batch_defer_async` writes them (the same function
 # over the same composites, in the arguments' order), the arguments one jsonb array: its
 # per-job work in Python (jobs made and logged one by one) was half of what persisting a
 # batch of SMS cost the worker (bench/delivery.py, BENCH_PROFILE_WORKER).
-_DEFER_MANY = (
+_DEFER_MANY = sa.text(
     "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY("
-    f"SELECT ROW(%s, %s, {DEFAULT_PRIORITY:d}, NULL, NULL, a.args, %s)"
+    f"SELECT ROW(:queue, :task, {DEFAULT_PRIORITY:d}, NULL, NULL, a.args, :schedule_at)"
     "::procrastinate_job_to_defer_v1"
-    " FROM unnest(%s::jsonb[]) WITH ORDINALITY AS a(args, n) ORDER BY a.n)))"
+    " FROM unnest(CAST(:args AS jsonb[])) WITH ORDINALITY AS a(args, n) ORDER BY a.n)))"
 )
 
 
@@ -58,11 +65,8 @@ async def defer(
     **kwargs: Any,
 ) -> int:
     """Defer `task(**kwargs)` on `conn`'s connection, inside its transaction; the job id."""
-    driver = (await conn.get_raw_connection()).driver_connection
-    assert driver is not None  # the transaction's connection is open
-    cursor = await driver.execute(_DEFER_ONE, (queue, task, Jsonb(kwargs), schedule_at))
-    row = await cursor.fetchone()
-    job_id = int(row[0])
+    params = {"queue": queue, "task": task, "args": Jsonb(kwargs), "schedule_at": schedule_at}
+    [(job_id,)] = await driver_sql.fetch_tuples(conn, _DEFER_ONE, params)
     log.info("Deferred 1 job: %s[%d] on %s", task, job_id, queue)
     return job_id
 
@@ -78,12 +82,13 @@ async def defer_many(
     """`defer` for many jobs of one task, in one statement; their ids in order."""
     if not kwargs:
         return []
-    driver = (await conn.get_raw_connection()).driver_connection
-    assert driver is not None  # the transaction's connection is open
-    cursor = await driver.execute(
-        _DEFER_MANY, (queue, task, schedule_at, [Jsonb(k) for k in kwargs])
-    )
-    ids = [int(row[0]) for row in await cursor.fetchall()]
+    params = {
+        "queue": queue,
+        "task": task,
+        "args": [Jsonb(k) for k in kwargs],
+        "schedule_at": schedule_at,
+    }
+    ids = [job_id for (job_id,) in await driver_sql.fetch_tuples(conn, _DEFER_MANY, params)]
     log.info("Deferred %d jobs: %s on %s", len(ids), task, queue)
     return ids
 
