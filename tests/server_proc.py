@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +21,23 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+PORT_ATTEMPTS = 3  # starts on a fresh port when the picked one was taken meanwhile
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _append(path: Path) -> Any:
+    return path.open("ab")
+
+
+def _written_since(path: Path, offset: int) -> str:
+    with path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
 
 
 @dataclass
@@ -44,22 +56,43 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, timeout_s: float = 60.0) -> ServerProcess:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "HOST": "127.0.0.1",
-            "PORT": str(self.port),
-            "PUBLIC_BASE_URL": self.url,
-            **self.env,
-        }
-        log_file = self.stderr_path.open("ab") if self.stderr_path else None
-        try:
-            self.proc = await self._spawn(env, log_file)
-        finally:
-            if log_file is not None:
-                log_file.close()  # the child holds its own descriptor
+        """Start it and wait until it is ready. The port was free when it was picked; another
+        process (a parallel test's server, any outgoing connection) may have taken it since:
+        then the server says so and exits, and it starts again on another port."""
         deadline = time.monotonic() + timeout_s
-        return await self._wait_ready(deadline)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "HOST": "127.0.0.1",
+                "PORT": str(self.port),
+                "PUBLIC_BASE_URL": self.url,
+                **self.env,
+            }
+            # Its log goes to stderr_path, else to a file of its own, unlinked once it is up.
+            path = self.stderr_path
+            if path is None:
+                fd, name = tempfile.mkstemp(prefix="serve-", suffix=".log")
+                os.close(fd)
+                path = Path(name)
+            start = path.stat().st_size if path.exists() else 0
+            try:
+                log_file = _append(path)
+                try:
+                    self.proc = await self._spawn(env, log_file)
+                finally:
+                    log_file.close()  # the child holds its own descriptor
+                try:
+                    return await self._wait_ready(deadline)
+                except RuntimeError:
+                    taken = "already in use" in _written_since(path, start)
+                    if not taken or attempt == PORT_ATTEMPTS:
+                        raise
+                    self.port = free_port()
+            finally:
+                if self.stderr_path is None:
+                    path.unlink(missing_ok=True)
+        raise AssertionError("not reached")
 
     async def _spawn(self, env: dict[str, str], log_file: Any) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
