@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,12 +26,6 @@ def clean_env(**values: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env["TWILIO_API_BASE_URL"] = "http://127.0.0.1:9"  # nothing listens: never api.twilio.com
     return {**env, **values}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def run_cli(

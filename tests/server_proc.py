@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -24,10 +25,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PORT_ATTEMPTS = 3  # starts on a fresh port when the picked one was taken meanwhile
 
 
+# Ports for the tests' servers are picked below the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default), where every outgoing connection takes
+# its local port: a port picked there (bind to 0) and bound by a server a moment later may be
+# some connection's meanwhile. Here only another test's pick can take it.
+PICK_PORTS = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 free right now, for a server a test starts."""
+    while True:
+        port = random.randint(*PICK_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _append(path: Path) -> Any:

@@ -29,12 +29,12 @@ from telephony.sim.fake_caller import FakeTwilioCaller
 from tests.cli_support import (
     clean_env,
     error_lines,
-    free_port,
     run_cli,
     serve_process,
 )
 from tests.conftest import _server_url
 from tests.e2e_support import call_stack
+from tests.server_proc import free_port
 from tests.test_audio import riff_wav
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,15 +25,9 @@ from telephony.realtime_wire import LaneConnection
 from telephony.sim.scenario import Scenario
 from telephony.ws_frames import MaskSource, client_text_frame, server_text_frame
 from tests.e2e_support import call_stack, wait_until
+from tests.server_proc import free_port
 
 WAIT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LaneApp:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -32,6 +31,7 @@ from telephony.sim.fake_twilio_api import FakeTwilioApi
 from telephony.sim.scenario import Scenario
 from telephony.sim.simulator import RealtimeSimulator
 from tests.e2e_support import AUTH_TOKEN, wait_until
+from tests.server_proc import free_port
 from tests.sor_support import AppServer
 from tests.test_e2e_booking import heard_text, operations_of, tool_calls_of
 
@@ -228,12 +228,6 @@ async def acme() -> AsyncIterator[tuple[AppServer, dict[str, Any]]]:
         yield server, state
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_plugin_installed_outside_the_repo_is_loaded_by_import_path_and_runs_end_to_end(
     engine: AsyncEngine,
     clean_db: str,
@@ -244,7 +238,7 @@ async def test_a_plugin_installed_outside_the_repo_is_loaded_by_import_path_and_
     server, state = acme
     with pytest.raises(ImportError):
         __import__("acme_loyalty")  # not importable from the test process: only by TOOLS
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     async with RealtimeSimulator(Scenario.model_validate(SCENARIO)) as sim, FakeTwilioApi() as api:
         env = {

@@ -19,12 +19,12 @@ from app.legs.twilio.twiml import BUSY_MESSAGE
 from telephony.sim.fake_caller import FakeTwilioCaller
 from tests.cli_support import (
     clean_env,
-    free_port,
     kill_postgres,
     postgres_processes,
     serve_process,
 )
 from tests.e2e_support import wait_until
+from tests.server_proc import free_port
 
 CONSOLE = ("admin", "stop-test-password")
 
