@@ -367,8 +367,14 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     worker = standalone_worker(settings, engine, url, catalog, concurrency=concurrency)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    # A Python-level handler, as `serve`'s (app/server.py): uvloop's `add_signal_handler`
+    # lost a SIGTERM that came soon after the worker started, about one start in fifteen on
+    # a loaded machine, and the worker ran on until killed.
+    def _stop_on(signum: int, frame: Any) -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    previous = {sig: signal.signal(sig, _stop_on) for sig in (signal.SIGINT, signal.SIGTERM)}
     metrics_server = None
     watch = LoopWatch().start()
     if settings.metrics_bind:
@@ -394,6 +400,8 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         watch.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if died:
         # Nobody asked it to stop: the job queue failed (its error is logged above).
         log.error("operation worker %s stopped by itself", worker.worker_id)
