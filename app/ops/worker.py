@@ -46,6 +46,10 @@ from tools.sweeper import QueueWait, Sweeper
 
 log = logging.getLogger(__name__)
 
+# How long past its graceful stop (`shutdown_grace_s`) a cancelled job-queue worker may take
+# before it is cancelled again.
+STOP_MARGIN_S = 2.0
+
 
 class OperationWorker:
     """A Procrastinate worker running `execute_operation` jobs, and a sweeper beside it."""
@@ -198,6 +202,14 @@ class OperationWorker:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            # Cancelled while it registers itself (a query), the Procrastinate worker can lose
+            # the cancellation and run on (seen: about one stop in ten right after a start on a
+            # loaded machine). Past its graceful stop's longest, it is cancelled again.
+            while not task.done():
+                await asyncio.wait([task], timeout=self.shutdown_grace_s + STOP_MARGIN_S)
+                if not task.done():
+                    log.warning("%s did not stop when cancelled: cancelling again", task.get_name())
+                    task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
@@ -367,14 +379,8 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
     worker = standalone_worker(settings, engine, url, catalog, concurrency=concurrency)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-
-    # A Python-level handler, as `serve`'s (app/server.py): uvloop's `add_signal_handler`
-    # lost a SIGTERM that came soon after the worker started, about one start in fifteen on
-    # a loaded machine, and the worker ran on until killed.
-    def _stop_on(signum: int, frame: Any) -> None:
-        loop.call_soon_threadsafe(stop.set)
-
-    previous = {sig: signal.signal(sig, _stop_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     metrics_server = None
     watch = LoopWatch().start()
     if settings.metrics_bind:
@@ -400,8 +406,6 @@ async def run_worker(settings: Settings, concurrency: int | None = None) -> int:
         watch.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if died:
         # Nobody asked it to stop: the job queue failed (its error is logged above).
         log.error("operation worker %s stopped by itself", worker.worker_id)
