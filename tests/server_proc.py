@@ -32,16 +32,25 @@ PORT_ATTEMPTS = 3  # starts on a fresh port when the picked one was taken meanwh
 PICK_PORTS = (20000, 32000)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now, for a server a test starts."""
+def free_port(*, udp: bool = False, even: bool = False) -> int:
+    """A TCP port on 127.0.0.1 free right now, for a server a test starts; with `udp`, free for
+    UDP as well (sipp binds both); `even` for an RTP port (RTCP takes the odd one above)."""
+    kinds = (socket.SOCK_STREAM, socket.SOCK_DGRAM) if udp else (socket.SOCK_STREAM,)
     while True:
         port = random.randint(*PICK_PORTS)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if even:
+            port -= port % 2
+        if all(_bindable(kind, port) for kind in kinds):
             return port
+
+
+def _bindable(kind: int, port: int) -> bool:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _append(path: Path) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from telephony.sim.scenario import Scenario
 from telephony.tool_gateway import CallContext, FunctionCallRequest, ToolReply
 from tests.e2e_support import Stack, call_stack
+from tests.server_proc import free_port
 
 SIPP = shutil.which("sipp")
 SCENARIOS = Path(__file__).parent / "sipp"
@@ -52,18 +52,9 @@ def pcap_dir() -> Path:
 
 
 def free_udp_port() -> int:
-    """A UDP (and TCP) port free right now, for sipp's own sockets (sipp cannot take 0 for -mp)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = int(udp.getsockname()[1])
-        if port % 2 == 0 and port < 65000:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
+    """An even port free for UDP and TCP right now, for sipp's own sockets (sipp cannot take 0
+    for -p or -mp), below the ephemeral range as the servers' ports are."""
+    return free_port(udp=True, even=True)
 
 
 @dataclass

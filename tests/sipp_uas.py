@@ -11,6 +11,12 @@ from pathlib import Path
 
 from tests.sipp_support import SCENARIOS, SIPP, SippRun, free_udp_port
 
+# sipp's -timeout counts from its own start: the person's side is up before the service starts
+# and must outlive the caller's sipp (sipp_in_background), whose call comes to the transfer
+# only after the greeting, the caller's words and the agent's answer. A loaded machine (four
+# test workers on two cores) took 24 s from the person's answer to the REFER.
+LIFETIME_S = 90
+
 
 @dataclass
 class SippUas:
@@ -46,16 +52,20 @@ def _taken(port: int) -> bool:
 
 
 @asynccontextmanager
-async def sipp_uas(scenario: str, tmp: Path, **keys: str | int) -> AsyncIterator[SippUas]:
-    """sipp answering one call with tests/sipp/`scenario` on a free port (`-key`s for it)."""
+async def sipp_uas(
+    scenario: str, tmp: Path, *, timeout_s: int = LIFETIME_S, **keys: str | int
+) -> AsyncIterator[SippUas]:
+    """sipp answering one call with tests/sipp/`scenario` on a free port (`-key`s for it),
+    giving up after `timeout_s` from its start (before the service's, and the caller's)."""
     assert SIPP is not None, "sipp is not installed (apt-get install sip-tester)"
     port = free_udp_port()
     messages = tmp / f"sipp-{port}-messages.log"
     errors = tmp / f"sipp-{port}-errors.log"
     args = [
         SIPP, "-sf", str(SCENARIOS / scenario), "-i", "127.0.0.1", "-p", str(port),
-        "-mp", str(free_udp_port()), "-m", "1", "-nostdin", "-timeout", "30s", "-timeout_error",
-        "-trace_msg", "-message_file", str(messages), "-trace_err", "-error_file", str(errors),
+        "-mp", str(free_udp_port()), "-m", "1", "-nostdin", "-timeout", f"{timeout_s}s",
+        "-timeout_error", "-trace_msg", "-message_file", str(messages),
+        "-trace_err", "-error_file", str(errors),
     ]  # fmt: skip
     for name, value in keys.items():
         args += ["-key", name, str(value)]
@@ -73,6 +83,10 @@ async def sipp_uas(scenario: str, tmp: Path, **keys: str | int) -> AsyncIterator
                 if proc.returncode is not None:
                     break
                 await asyncio.sleep(0.02)
+        if proc.returncode is not None:  # e.g. its port taken between the pick and its bind
+            raise AssertionError(
+                f"sipp ({scenario}) exited at start\n{(await uas.finish()).explain()}"
+            )
         yield uas
     finally:
         if proc.returncode is None:

@@ -36,7 +36,7 @@ async def sipp_in_background(
         extra += ["-key", name, value]
     sip = stack.service.runtime.sip
     assert sip is not None
-    return asyncio.create_task(run_sipp(sip.port, scenario, tmp, extra=extra, timeout_s=45))
+    return asyncio.create_task(run_sipp(sip.port, scenario, tmp, extra=extra, timeout_s=75))
 
 
 async def live_row(engine: AsyncEngine, task: asyncio.Task[SippRun]) -> dict[str, Any]:
@@ -76,7 +76,15 @@ async def stays_with_the_agent(
         return "transfer_failed" in await kinds(stack, call_id)
 
     await wait_until(failed, WAIT_S, "transfer_failed on the timeline")
-    await wait_until(lambda: told(stack, said), WAIT_S, "the model is told")
+    def model_told() -> bool:
+        if told(stack, said):
+            return True
+        if task.done():  # the caller's sipp hung up (its pause is the time it stays on)
+            items = stack.sim.sessions[0].received_events("conversation.item.create")
+            raise AssertionError(f"the caller left before the model was told {said!r}: {items}")
+        return False
+
+    await wait_until(model_told, WAIT_S, "the model is told")
     session = stack.sim.sessions[0]
     await wait_until(
         lambda: len(session.sent_events("response.created")) >= 3, WAIT_S, "the agent speaks"

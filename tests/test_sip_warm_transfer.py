@@ -320,7 +320,7 @@ async def test_a_caller_gone_during_the_briefing_hangs_up_the_person_and_is_neve
     transport, rtp, rtp_port = await _ear()
     caller = tmp_path / "caller_ended.xml"
     text = (SCENARIOS / "warm_caller_stays.xml").read_text()
-    head = text[: text.index('  <pause milliseconds="12000"/>')]
+    head = text[: text.index('  <pause milliseconds="20000"/>')]
     caller.write_text(
         head
         + """  <recv request="BYE" timeout="40000"/>
