@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 import uuid
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _scratch import scratch_database  # bench/ is on sys.path when run as a script
 
 from app.calls import store
-from app.calls.events import _INSERT_AND_NOTIFY
+from app.calls.events import _INSERT_AND_NOTIFY, _insert_and_notify_params
 from app.db import make_engine
 from tools import driver_sql
 from tools.autocommit import autocommit
@@ -65,10 +64,9 @@ async def one_way(engine: AsyncEngine, run: Run, calls: int, tag: str) -> dict[s
             ("in_progress", to_progress, {
                 "b_id": call_id, "set_status": "in_progress", "set_answered_at": now,
                 "set_stream_sid": f"MZ{i}"}),
-            ("events", _INSERT_AND_NOTIFY, {
-                "call_ids": [call_id] * 3, "seqs": [1, 2, 3], "kinds": ["a", "b", "c"],
-                "datas": [json.dumps({"n": n}) for n in range(3)], "monos": [1, 2, 3],
-                "ats": [now] * 3}),
+            ("events", _INSERT_AND_NOTIFY, _insert_and_notify_params([
+                {"call_id": call_id, "seq": n + 1, "kind": "abc"[n], "data": {"n": n},
+                 "mono_ns": n + 1, "at": now} for n in range(3)])),
             ("end", to_end, {
                 "b_id": call_id, "set_status": "completed", "set_end_reason": "stop",
                 "set_ended_at": now}),

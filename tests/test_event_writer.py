@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -121,6 +122,37 @@ async def test_data_that_is_not_json_is_stored_as_text(engine: AsyncEngine) -> N
     await writer.close()
     rows = await event_rows(engine, call_id)
     assert rows[0]["data"] == {"id": str(marker), "n": 1}
+
+
+async def test_every_value_is_stored_as_emitted(engine: AsyncEngine) -> None:
+    """The batch travels as one JSON document: quotes, backslashes, non-ASCII text, a NUL
+    (replaced), nested data, a time with microseconds in another offset and the largest
+    monotonic time a BIGINT holds come back as they were given."""
+    call_id = await _call(engine, "CAvalues")
+    at = datetime(2026, 12, 7, 23, 59, 59, 999_999, tzinfo=timezone(timedelta(hours=-5)))
+    data = {
+        "text": 'He said "book it" \\ then {left}\n',
+        "names": ["Zoë", "李", "🙂"],
+        "nested": {"a": [1, 2.5, None, True], "b": {"c": ""}},
+        "nul": "a\x00b",
+    }
+    writer = EventWriter(engine)
+    writer.start()
+    writer.emit(CallEvent(call_id, CallEventKind.ERROR, data, mono_ns=2**63 - 1, at=at))
+    writer.emit(CallEvent(call_id, CallEventKind.DTMF, {}, mono_ns=0, at=at))
+    await writer.close()
+    rows = await event_rows(engine, call_id)
+    assert [r["kind"] for r in rows] == ["error", "dtmf"]
+    assert rows[0]["data"] == {**data, "nul": "a\ufffdb"}
+    assert rows[1]["data"] == {}
+    assert [r["mono_ns"] for r in rows] == [2**63 - 1, 0]
+    async with engine.connect() as conn:
+        stamps = await conn.scalars(
+            sa.text("SELECT at FROM call_events WHERE call_id = :c ORDER BY seq"),
+            {"c": uuid.UUID(call_id)},
+        )
+        assert list(stamps) == [at, at]
+    assert writer.written == 2 and writer.dropped == 0
 
 
 async def test_an_event_the_database_refuses_is_dropped_alone_and_the_writer_goes_on(
