@@ -76,6 +76,7 @@ async def stays_with_the_agent(
         return "transfer_failed" in await kinds(stack, call_id)
 
     await wait_until(failed, WAIT_S, "transfer_failed on the timeline")
+
     def model_told() -> bool:
         if told(stack, said):
             return True
