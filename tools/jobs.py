@@ -10,6 +10,7 @@ Procrastinate app or pool here.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime
 from typing import Any
@@ -47,12 +48,14 @@ _DEFER_ONE = sa.text(
 # Many jobs of one task, as Procrastinate's `batch_defer_async` writes them (the same function
 # over the same composites, in the arguments' order), the arguments one jsonb array: its
 # per-job work in Python (jobs made and logged one by one) was half of what persisting a
-# batch of SMS cost the worker (bench/delivery.py, BENCH_PROFILE_WORKER).
+# batch of SMS cost the worker (bench/delivery.py, BENCH_PROFILE_WORKER). The arguments go as
+# one JSON array (not a jsonb[] whose every element psycopg dumped and escaped in Python).
 _DEFER_MANY = sa.text(
     "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY("
     f"SELECT ROW(:queue, :task, {DEFAULT_PRIORITY:d}, NULL, NULL, a.args, :schedule_at)"
     "::procrastinate_job_to_defer_v1"
-    " FROM unnest(CAST(:args AS jsonb[])) WITH ORDINALITY AS a(args, n) ORDER BY a.n)))"
+    " FROM jsonb_array_elements(CAST(:args AS jsonb)) WITH ORDINALITY AS a(args, n)"
+    " ORDER BY a.n)))"
 )
 
 
@@ -85,7 +88,7 @@ async def defer_many(
     params = {
         "queue": queue,
         "task": task,
-        "args": [Jsonb(k) for k in kwargs],
+        "args": json.dumps(kwargs, separators=(",", ":")),
         "schedule_at": schedule_at,
     }
     ids = [job_id for (job_id,) in await driver_sql.fetch_tuples(conn, _DEFER_MANY, params)]
