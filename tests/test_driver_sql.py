@@ -57,6 +57,18 @@ async def test_rows_are_those_sqlalchemy_returns(engine: AsyncEngine) -> None:
     assert (await store.get_call(engine, row.id)).status == "ringing"  # type: ignore[union-attr]
 
 
+async def test_rows_read_by_attribute_as_sqlalchemys(engine: AsyncEngine) -> None:
+    await _call(engine, "CA-attrs")
+    by_sid = sa.select(calls).where(calls.c.call_sid == sa.bindparam("b_sid"))
+    async with engine.connect() as conn:
+        [ours] = await driver_sql.fetch_rows(conn, by_sid, {"b_sid": "CA-attrs"})
+        theirs = (await conn.execute(by_sid, {"b_sid": "CA-attrs"})).one()
+    assert all(getattr(ours, c.name) == getattr(theirs, c.name) for c in calls.c)
+    assert ours == dict(theirs._mapping)
+    with pytest.raises(AttributeError, match="no_such_column"):
+        _ = ours.no_such_column
+
+
 async def test_a_refused_value_raises_sqlalchemys_error_and_the_pool_goes_on(
     engine: AsyncEngine,
 ) -> None:

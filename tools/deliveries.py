@@ -874,17 +874,22 @@ async def ledger_contexts(
     candidates: list[Any] = []
     if keys:
         candidates = list(
-            await conn.execute(_CONFLICT_CANDIDATES, {"keys": list(keys), "ids": ids})
+            await driver_sql.fetch_rows(
+                conn, _CONFLICT_CANDIDATES, {"keys": list(keys), "ids": ids}
+            )
         )
-    told = {(r.operation_id, r.call_id, r.status) for r in await conn.execute(_TOLD, {"ids": ids})}
+    told = {
+        (r.operation_id, r.call_id, r.status)
+        for r in await driver_sql.fetch_rows(conn, _TOLD, {"ids": ids})
+    }
     callers = {op.caller for op in ops if op.caller is not None}
     opted = (
-        {r.phone for r in await conn.execute(_OPTED_OUT, {"phones": list(callers)})}
+        {r.phone for r in await driver_sql.fetch_rows(conn, _OPTED_OUT, {"phones": list(callers)})}
         if callers
         else set()
     )
     compensations: dict[uuid.UUID, list[Related]] = {}
-    for r in await conn.execute(_COMPENSATIONS, {"ids": ids}):
+    for r in await driver_sql.fetch_rows(conn, _COMPENSATIONS, {"ids": ids}):
         origin = r.compensates_operation_id
         compensations.setdefault(origin, []).append(_related(r, origin))
     for op in ops:
@@ -1052,7 +1057,7 @@ _TEXT_MANY_MOVE = (
         reason=_TEXT_MANY_ROWS.c.reason,
         channel="sms",
         message_id=_TEXT_MANY_ROWS.c.message_id,
-        finished_at=None,
+        finished_at=sa.null(),
     )
     .returning(*dl_t.c)
 )
@@ -1099,7 +1104,8 @@ async def text_many(
         return []
     check_delivery_move(D.PENDING, D.TEXTING)
     ids = {i.delivery.id: uuid.uuid4() for i in items}
-    moved_rows = await conn.execute(
+    moved_rows = await driver_sql.fetch(
+        conn,
         _TEXT_MANY_MOVE,
         {
             "v_ids": [i.delivery.id for i in items],
@@ -1107,7 +1113,7 @@ async def text_many(
             "v_message_ids": [ids[i.delivery.id] for i in items],
         },
     )
-    moved = {r.id: DeliveryRecord.from_row(r) for r in moved_rows}
+    moved = {r["id"]: DeliveryRecord.from_mapping(r) for r in moved_rows}
     items = [i for i in items if i.delivery.id in moved]
     if not items:
         return []
@@ -1183,26 +1189,47 @@ async def claim_send(
 ) -> SmsRecord | None:
     """pending -> requesting, attempts + 1: of any number of workers, one sends. None when
     the message is not pending any more (sent, being sent, or settled)."""
-    row = (
-        await conn.execute(
-            sms_t.update()
-            .where(sms_t.c.id == message_id, sms_t.c.status == M.PENDING.value)
-            .values(**_claimed(check_after))
-            .returning(*sms_t.c)
-        )
-    ).first()
-    return SmsRecord.from_row(row) if row is not None else None
+    rows = await driver_sql.fetch(
+        conn, _CLAIM_SEND, {"message_id": message_id, "check_after": check_after}
+    )
+    return SmsRecord.from_mapping(rows[0]) if rows else None
 
 
-def _claimed(check_after: timedelta) -> dict[str, Any]:
-    """What a claim writes: pending -> requesting, one more attempt, checked after a while."""
-    return {
-        "status": M.REQUESTING.value,
-        "attempts": sms_t.c.attempts + 1,
-        "attempted_at": sa.func.now(),
-        "updated_at": sa.func.now(),
-        "next_check_at": sa.func.now() + check_after,
-    }
+# What a claim writes: pending -> requesting, one more attempt, checked after `check_after`.
+_CLAIMED = {
+    "status": M.REQUESTING.value,
+    "attempts": sms_t.c.attempts + 1,
+    "attempted_at": sa.func.now(),
+    "updated_at": sa.func.now(),
+    "next_check_at": sa.func.now() + sa.bindparam("check_after", type_=sa.Interval()),
+}
+# The claims' statements, built once and run on the driver connection (tools.driver_sql): the
+# message ids an array parameter, so one statement text whatever the batch.
+_CLAIM_SEND = (
+    sms_t.update()
+    .where(
+        sms_t.c.id == sa.bindparam("message_id", type_=sms_t.c.id.type),
+        sms_t.c.status == M.PENDING.value,
+    )
+    .values(**_CLAIMED)
+    .returning(*sms_t.c)
+)
+_NOT_OPTED_OUT = ~(
+    sa.select(sa.literal(1))
+    .select_from(opt_t)
+    .where(opt_t.c.phone == sms_t.c.to_number, opt_t.c.opted_out.is_(True))
+    .exists()
+)
+_CLAIM_SENDS = (
+    sms_t.update()
+    .where(
+        sms_t.c.id == sa.any_(sa.bindparam("message_ids", type_=ARRAY(sms_t.c.id.type))),
+        sms_t.c.status == M.PENDING.value,
+        _NOT_OPTED_OUT,
+    )
+    .values(**_CLAIMED)
+    .returning(*sms_t.c)
+)
 
 
 async def claim_sends(
@@ -1212,19 +1239,10 @@ async def claim_sends(
     out (their sender records why, one by one). Returns the messages claimed."""
     if not message_ids:
         return []
-    opted_out = (
-        sa.select(sa.literal(1))
-        .select_from(opt_t)
-        .where(opt_t.c.phone == sms_t.c.to_number, opt_t.c.opted_out.is_(True))
-        .exists()
+    rows = await driver_sql.fetch(
+        conn, _CLAIM_SENDS, {"message_ids": message_ids, "check_after": check_after}
     )
-    rows = await conn.execute(
-        sms_t.update()
-        .where(sms_t.c.id.in_(message_ids), sms_t.c.status == M.PENDING.value, ~opted_out)
-        .values(**_claimed(check_after))
-        .returning(*sms_t.c)
-    )
-    return [SmsRecord.from_row(r) for r in rows]
+    return [SmsRecord.from_mapping(r) for r in rows]
 
 
 async def release_send(

@@ -106,6 +106,27 @@ async def fetch(
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
+class Row(dict[str, Any]):
+    """A row by column name whose columns are also its attributes (`row.id`), as
+    SQLAlchemy's rows: for callers written against those."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+async def fetch_rows(
+    conn: AsyncConnection, statement: Any, params: Mapping[str, Any] | None = None
+) -> list[Row]:
+    """`fetch`'s rows as `Row`s."""
+    rows, names = await _run(conn, statement, params or {})
+    return [Row(zip(names, row, strict=True)) for row in rows]
+
+
 async def fetch_tuples(
     conn: AsyncConnection, statement: Any, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:
