@@ -502,8 +502,9 @@ async def get(
 ) -> DeliveryRecord | None:
     """The delivery (None when missing, or locked by another transaction and `skip_locked`)."""
     stmt = _GET[(bool(for_update), bool(for_update and skip_locked))]
-    row = (await conn.execute(stmt, {"b_id": delivery_id})).first()
-    return DeliveryRecord.from_row(row) if row is not None else None
+    # On the driver connection (tools.driver_sql): each delivery job reads its delivery.
+    rows = await driver_sql.fetch(conn, stmt, {"b_id": delivery_id})
+    return DeliveryRecord.from_mapping(rows[0]) if rows else None
 
 
 # `get`'s select by (for_update, skip_locked), the id as parameter `b_id`; built once.
@@ -1475,10 +1476,12 @@ async def report_sms(
     params["b_data"] = data
     if status in _SETTLES:
         params["b_why"] = f"the SMS was {status.value}"
-    row = (await conn.execute(stmt, params)).first()
-    if row is None:
+    # On the driver connection (tools.driver_sql): every status callback runs it.
+    rows = await driver_sql.fetch_rows(conn, stmt, params)
+    if not rows:
         return SmsReport(None)
-    message = SmsRecord.from_row(row)
+    row = rows[0]
+    message = SmsRecord.from_mapping(row)
     if not row.changed:
         if message.message_sid and sid and sid != message.message_sid:
             return SmsReport(None, foreign_sid=True)
@@ -1487,7 +1490,7 @@ async def report_sms(
         return SmsReport(SmsUpdate(message, False, None))
     delivery: DeliveryRecord | None = None
     if status in _SETTLES and row.d_id is not None:
-        delivery = DeliveryRecord.from_row(row, prefix="d_")
+        delivery = DeliveryRecord.from_mapping(row, prefix="d_")
         if tracing.recording():
             await _trace_move(conn, delivery, D.TEXTING, actor, delivery.reason or "", None)
     return SmsReport(SmsUpdate(message, True, delivery))
@@ -1635,7 +1638,8 @@ async def report_answers(
         raise ValueError("one answer per message in a statement")
     if not answers:
         return []
-    rows = await conn.execute(
+    rows = await driver_sql.fetch_rows(
+        conn,
         _report_answers_statement(status),
         {
             "b_ids": [a.message_id for a in answers],
@@ -1654,7 +1658,7 @@ async def report_answers(
         if row is None:
             reports.append(SmsReport(None))
             continue
-        message = SmsRecord.from_row(row)
+        message = SmsRecord.from_mapping(row)
         sid = answer.message_sid
         if row.changed:
             reports.append(SmsReport(SmsUpdate(message, True, None)))
@@ -1777,8 +1781,14 @@ async def settle_sent(
 
 
 async def is_opted_out(conn: AsyncConnection, phone: str) -> bool:
-    row = (await conn.execute(sa.select(opt_t.c.opted_out).where(opt_t.c.phone == phone))).first()
-    return bool(row and row.opted_out)
+    # Built once, on the driver connection (tools.driver_sql): every SMS send asks.
+    rows = await driver_sql.fetch_tuples(conn, _IS_OPTED_OUT, {"phone": phone})
+    return bool(rows and rows[0][0])
+
+
+_IS_OPTED_OUT = sa.select(opt_t.c.opted_out).where(
+    opt_t.c.phone == sa.bindparam("phone", type_=opt_t.c.phone.type)
+)
 
 
 async def set_opt_out(conn: AsyncConnection, phone: str, *, opted_out: bool, source: str) -> None:
