@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import uuid
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -67,6 +69,33 @@ async def test_rows_read_by_attribute_as_sqlalchemys(engine: AsyncEngine) -> Non
     assert ours == dict(theirs._mapping)
     with pytest.raises(AttributeError, match="no_such_column"):
         _ = ours.no_such_column
+
+
+async def test_a_literal_none_in_a_statement_is_sent(engine: AsyncEngine) -> None:
+    """`.values(x=None)` is part of the statement, as SQLAlchemy sends it: not a parameter
+    the caller must give (it was left out, and the statement failed for want of it)."""
+    row = await _call(engine, "CA-none")
+    clear = (
+        calls.update()
+        .where(calls.c.id == sa.bindparam("b_id"))
+        .values(end_reason=None, status="completed")
+        .returning(calls.c.end_reason, calls.c.status)
+    )
+    async with engine.begin() as conn:
+        await conn.execute(
+            calls.update().where(calls.c.id == uuid.UUID(row.id)).values(end_reason="before")
+        )
+        moved = await driver_sql.fetch(conn, clear, {"b_id": uuid.UUID(row.id)})
+    assert moved == [{"end_reason": None, "status": "completed"}]
+
+
+def test_rows_as_one_json_document() -> None:
+    at = datetime(2026, 12, 7, 23, 0, 0, 123456, tzinfo=UTC)
+    key = uuid.uuid4()
+    text = driver_sql.json_rows([{"id": key, "at": at, "n": None, "s": 'a "b"'}])
+    assert json.loads(text) == [{"id": str(key), "at": at.isoformat(), "n": None, "s": 'a "b"'}]
+    with pytest.raises(TypeError, match="object is not a column value"):
+        driver_sql.json_rows([{"x": object()}])
 
 
 async def test_a_refused_value_raises_sqlalchemys_error_and_the_pool_goes_on(

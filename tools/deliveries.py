@@ -237,25 +237,12 @@ _INSERT_EVENTS = sa.text(
 )
 
 
-def _json_rows(rows: Iterable[Mapping[str, Any]]) -> str:
-    """Rows as one JSON document (UUIDs as text, times in ISO 8601 with their offset)."""
-    return json.dumps(list(rows), default=_json_value, separators=(",", ":"))
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(f"{type(value).__name__} is not a column value")
-
-
 async def _write_kept_events(conn: AsyncConnection) -> None:
     kept = conn.info.get(_KEPT_EVENTS)
     if kept:
         rows = list(kept)
         kept.clear()
-        await driver_sql.execute(conn, _INSERT_EVENTS, {"rows": _json_rows(rows)})
+        await driver_sql.execute(conn, _INSERT_EVENTS, {"rows": driver_sql.json_rows(rows)})
 
 
 async def notify_ready(conn: AsyncConnection, delivery: DeliveryRecord) -> None:
@@ -1058,7 +1045,7 @@ _TEXT_MANY_MOVE = (
         reason=_TEXT_MANY_ROWS.c.reason,
         channel="sms",
         message_id=_TEXT_MANY_ROWS.c.message_id,
-        finished_at=sa.null(),
+        finished_at=None,
     )
     .returning(*dl_t.c)
 )
@@ -1135,7 +1122,9 @@ async def text_many(
         }
         for i in items
     ]
-    inserted = await driver_sql.fetch(conn, _INSERT_SMS_MANY, {"rows": _json_rows(new_rows)})
+    inserted = await driver_sql.fetch(
+        conn, _INSERT_SMS_MANY, {"rows": driver_sql.json_rows(new_rows)}
+    )
     by_id = {r["id"]: SmsRecord.from_mapping(r) for r in inserted}
     messages = [by_id[ids[i.delivery.id]] for i in items]
     for i, message in zip(items, messages, strict=True):

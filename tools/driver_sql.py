@@ -19,9 +19,12 @@ invalidates it and the pool, a cancelled statement invalidates its connection.
 
 from __future__ import annotations
 
+import json
 import traceback
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import Dialect
@@ -60,14 +63,11 @@ def compile_for(statement: Any, dialect: Dialect) -> DriverStatement:
         return found
     compiled = statement.compile(dialect=dialect)
     # The parameters as SQLAlchemy sends them: a literal IN list expanded (one parameter a
-    # value, its SQL rendered once here), the caller's own values left to the call.
+    # value, its SQL rendered once here), a literal None included (`.values(x=None)`), the
+    # caller's own values left to the call.
     required = {b.key for b in compiled.binds.values() if b.required}
     expanded = compiled._process_parameters_for_postcompile(compiled.construct_params(_check=False))
-    fixed = {
-        name: value
-        for name, value in expanded.parameters.items()
-        if name not in required and value is not None
-    }
+    fixed = {name: value for name, value in expanded.parameters.items() if name not in required}
     for column in [*compiled.insert_prefetch, *compiled.update_prefetch]:
         default = column.default if compiled.isinsert else column.onupdate
         if default is None or not default.is_scalar:
@@ -125,6 +125,23 @@ async def fetch_rows(
     """`fetch`'s rows as `Row`s."""
     rows, names = await _run(conn, statement, params or {})
     return [Row(zip(names, row, strict=True)) for row in rows]
+
+
+def json_rows(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Rows as one JSON document, for a statement that reads them with
+    `jsonb_to_recordset` / `jsonb_populate_recordset` (one parameter whatever the batch, made
+    by the json module's C encoder: an array parameter a column had every element dumped by
+    psycopg in Python). UUIDs go as text, times in ISO 8601 with their offset (which
+    PostgreSQL reads whatever the session's DateStyle)."""
+    return json.dumps(list(rows), default=_json_value, separators=(",", ":"))
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not a column value")
 
 
 async def fetch_tuples(

@@ -10,7 +10,6 @@ Procrastinate app or pool here.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime
 from typing import Any
@@ -88,7 +87,7 @@ async def defer_many(
     params = {
         "queue": queue,
         "task": task,
-        "args": json.dumps(kwargs, separators=(",", ":")),
+        "args": driver_sql.json_rows(kwargs),
         "schedule_at": schedule_at,
     }
     ids = [job_id for (job_id,) in await driver_sql.fetch_tuples(conn, _DEFER_MANY, params)]

@@ -55,24 +55,8 @@ _INSERT_AND_NOTIFY = sa.text(
 
 
 def _insert_and_notify_params(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """The statement's one parameter: the rows as a JSON array (the time in ISO 8601 with
-    its offset, which PostgreSQL reads whatever the session's DateStyle)."""
-    return {
-        "rows": json.dumps(
-            [
-                {
-                    "call_id": str(r["call_id"]),
-                    "seq": r["seq"],
-                    "kind": r["kind"],
-                    "data": r["data"],
-                    "mono_ns": r["mono_ns"],
-                    "at": r["at"].isoformat(),
-                }
-                for r in rows
-            ],
-            separators=(",", ":"),
-        )
-    }
+    """The statement's one parameter: the rows (their columns' names) as a JSON array."""
+    return {"rows": driver_sql.json_rows(rows)}
 
 
 class EventWriter:
